@@ -1,0 +1,110 @@
+#include "kv_cache.h"
+
+#include <sstream>
+
+namespace sdvg {
+
+int64_t kv_cache_nbytes(const KVCacheShape& s, const SlotLayout& layout, int64_t element_size) {
+  FrameSlotTable table(layout);
+  return s.num_layers * 2 * s.batch * s.heads * table.num_slots() * s.tokens_per_frame * s.head_dim *
+         element_size;
+}
+
+KVCache::KVCache(const KVCacheShape& shape, const SlotLayout& layout, at::ScalarType dtype, at::Device device)
+    : shape_(shape), table_(layout), layout_(layout) {
+  if (shape.num_layers < 1 || shape.batch < 1 || shape.heads < 1 || shape.head_dim < 1 ||
+      shape.tokens_per_frame < 1)
+    throw std::invalid_argument("KV cache shape entries must all be >= 1");
+  buffer_ = at::zeros({shape.num_layers, 2, shape.batch, shape.heads, table_.num_slots() * shape.tokens_per_frame,
+                       shape.head_dim},
+                      at::TensorOptions().dtype(dtype).device(device));
+}
+
+void KVCache::begin_write(int64_t num_frames) {
+  pending_slots_ = table_.write(num_frames);
+  refresh_visible();
+}
+
+void KVCache::refresh_visible() {
+  const int64_t tpf = shape_.tokens_per_frame;
+  auto range = table_.visible_slot_range();
+  if (range.first >= 0) {
+    visible_range_ = {range.first * tpf, range.second * tpf};
+    visible_index_ = at::Tensor();
+    return;
+  }
+  visible_range_ = {-1, -1};
+  std::vector<int64_t> tokens;
+  for (int64_t slot : table_.visible_slots())
+    for (int64_t t = 0; t < tpf; ++t) tokens.push_back(slot * tpf + t);
+  visible_index_ = at::tensor(tokens, at::TensorOptions().dtype(at::kLong)).to(buffer_.device());
+}
+
+void KVCache::write(int64_t layer, const at::Tensor& k, const at::Tensor& v) {
+  if (pending_slots_.empty() || table_.pending_frames() == 0)
+    throw std::logic_error("KV cache write() before begin_write()");
+  const int64_t tpf = shape_.tokens_per_frame;
+  const int64_t n = static_cast<int64_t>(pending_slots_.size());
+  const std::vector<int64_t> want{shape_.batch, shape_.heads, n * tpf, shape_.head_dim};
+  if (k.sizes() != at::IntArrayRef(want) || v.sizes() != at::IntArrayRef(want)) {
+    std::ostringstream os;
+    os << "KV cache write expects K/V of shape " << at::IntArrayRef(want) << ", got " << k.sizes() << " and "
+       << v.sizes();
+    throw std::invalid_argument(os.str());
+  }
+  at::Tensor buf = layer_buffer(layer);
+  // Copy runs of consecutive slots in one go.
+  int64_t i = 0;
+  while (i < n) {
+    int64_t j = i + 1;
+    while (j < n && pending_slots_[j] == pending_slots_[j - 1] + 1) ++j;
+    const int64_t dst0 = pending_slots_[i] * tpf, dst1 = pending_slots_[j - 1] * tpf + tpf;
+    buf.select(0, 0).narrow(2, dst0, dst1 - dst0).copy_(k.narrow(2, i * tpf, (j - i) * tpf));
+    buf.select(0, 1).narrow(2, dst0, dst1 - dst0).copy_(v.narrow(2, i * tpf, (j - i) * tpf));
+    i = j;
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> KVCache::visible(int64_t layer) const {
+  at::Tensor buf = layer_buffer(layer);
+  if (visible_range_.first >= 0) {
+    const int64_t a = visible_range_.first, len = visible_range_.second - visible_range_.first;
+    return {buf.select(0, 0).narrow(2, a, len), buf.select(0, 1).narrow(2, a, len)};
+  }
+  return {buf.select(0, 0).index_select(2, visible_index_), buf.select(0, 1).index_select(2, visible_index_)};
+}
+
+at::Tensor KVCache::layer_buffer(int64_t layer) const {
+  if (layer < 0 || layer >= shape_.num_layers) {
+    std::ostringstream os;
+    os << "layer " << layer << " outside [0, " << shape_.num_layers << ")";
+    throw std::out_of_range(os.str());
+  }
+  return buffer_.select(0, layer);
+}
+
+void KVCache::commit() {
+  table_.commit();
+  pending_slots_.clear();
+  refresh_visible();
+}
+
+void KVCache::discard() {
+  table_.discard();
+  pending_slots_.clear();
+  refresh_visible();
+}
+
+void KVCache::rollback(int64_t frame) {
+  table_.rollback(frame);
+  pending_slots_.clear();
+  refresh_visible();
+}
+
+void KVCache::reset() {
+  table_ = FrameSlotTable(layout_);
+  pending_slots_.clear();
+  refresh_visible();
+}
+
+}  // namespace sdvg

@@ -1,0 +1,227 @@
+"""Checkpoint reading and strict loading for the Wan DiT.
+
+Formats: Self-Forcing `.pt` (dict with `generator_ema`/`generator`, keys prefixed `model.`),
+Krea-style `.safetensors` (prefix `model.`), original Wan keys (`blocks.N.self_attn.q.weight`),
+and diffusers folders (config.json + diffusion_pytorch_model*.safetensors). Files are read with
+safetensors or `torch.load(weights_only=True)`; nothing else is ever unpickled.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be read or does not fit the model; the message says which key and why."""
+
+
+# ------------------------------------------------------------------ key names
+_TOP = {  # original Wan module -> diffusers module
+    "patch_embedding": "patch_embedding",
+    "text_embedding.0": "condition_embedder.text_embedder.linear_1",
+    "text_embedding.2": "condition_embedder.text_embedder.linear_2",
+    "time_embedding.0": "condition_embedder.time_embedder.linear_1",
+    "time_embedding.2": "condition_embedder.time_embedder.linear_2",
+    "time_projection.1": "condition_embedder.time_proj",
+    "head.head": "proj_out",
+    "head.modulation": "scale_shift_table",
+}
+_BLOCK = {
+    "norm3": "norm2",  # the affine cross-attention norm
+    "ffn.0": "ffn.net.0.proj",
+    "ffn.2": "ffn.net.2",
+    "modulation": "scale_shift_table",
+}
+for _orig, _diff in (("self_attn", "attn1"), ("cross_attn", "attn2")):
+    _BLOCK.update({f"{_orig}.q": f"{_diff}.to_q", f"{_orig}.k": f"{_diff}.to_k", f"{_orig}.v": f"{_diff}.to_v",
+                   f"{_orig}.o": f"{_diff}.to_out.0", f"{_orig}.norm_q": f"{_diff}.norm_q",
+                   f"{_orig}.norm_k": f"{_diff}.norm_k"})
+_TOP_INV = {v: k for k, v in _TOP.items()}
+_BLOCK_INV = {v: k for k, v in _BLOCK.items()}
+_BLOCK_RE = re.compile(r"^blocks\.(\d+)\.(.+)$")
+_PARAM_SUFFIXES = (".weight", ".bias")
+
+
+def _rename(key: str, top: dict, block: dict) -> str | None:
+    m = _BLOCK_RE.match(key)
+    prefix, rest, table = "", key, top
+    if m:
+        prefix, rest, table = f"blocks.{m.group(1)}.", m.group(2), block
+    if rest in table:  # parameters without a .weight/.bias suffix (modulation tables)
+        return prefix + table[rest]
+    for suffix in _PARAM_SUFFIXES:
+        if rest.endswith(suffix) and rest[: -len(suffix)] in table:
+            return prefix + table[rest[: -len(suffix)]] + suffix
+    return None
+
+
+def original_to_diffusers(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in state.items():
+        new = _rename(k, _TOP, _BLOCK)
+        if new is None:
+            raise CheckpointError(f"unexpected key {k!r} in an original-format Wan checkpoint")
+        out[new] = v
+    return out
+
+
+def diffusers_to_original(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in state.items():
+        new = _rename(k, _TOP_INV, _BLOCK_INV)
+        if new is None:
+            raise CheckpointError(f"key {k!r} has no original Wan name")
+        out[new] = v
+    return out
+
+
+# ------------------------------------------------------------------- reading
+def _read_file(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {path} does not exist")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(path))
+        if path.suffix in (".pt", ".pth", ".bin", ".ckpt"):
+            obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        else:
+            raise CheckpointError(f"{path}: unknown checkpoint extension {path.suffix!r} (.safetensors, .pt, .pth)")
+    except CheckpointError:
+        raise
+    except Exception as exc:  # corrupt or truncated file, or a pickle with arbitrary objects
+        raise CheckpointError(f"cannot read {path}: {type(exc).__name__}: {exc}. The file is corrupt, truncated, "
+                              "or holds objects other than tensors (only weights are loaded)") from exc
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a dict of tensors")
+    return obj
+
+
+def _read_sharded(index: Path) -> dict[str, torch.Tensor]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except Exception as exc:
+        raise CheckpointError(f"{index} is not a valid shard index: {exc}") from exc
+    state = {}
+    for shard in sorted(set(weight_map.values())):
+        state.update(_read_file(index.parent / shard))
+    return state
+
+
+def _unwrap(obj: dict, source: str) -> dict[str, torch.Tensor]:
+    """Self-Forcing checkpoints nest the weights under generator_ema (preferred) or generator."""
+    for key in ("generator_ema", "generator", "state_dict", "model_state_dict"):
+        if key in obj and isinstance(obj[key], dict):
+            obj = obj[key]
+            break
+    bad = [k for k, v in obj.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise CheckpointError(f"{source}: entries {bad[:5]} are not tensors; not a weights checkpoint")
+    return obj
+
+
+def _strip_prefix(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    for prefix in ("model.diffusion_model.", "model.", "transformer."):
+        if state and all(k.startswith(prefix) for k in state):
+            return {k[len(prefix):]: v for k, v in state.items()}
+    return state
+
+
+def is_original_format(state: dict[str, torch.Tensor]) -> bool:
+    return any(".self_attn." in k or k.startswith("head.") for k in state)
+
+
+def read_dit_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """Any supported DiT checkpoint -> (diffusers-named state dict, diffusers config or None)."""
+    path = Path(path)
+    config = None
+    if path.is_dir():
+        folder = path / "transformer" if (path / "transformer" / "config.json").is_file() else path
+        cfg_file = folder / "config.json"
+        if not cfg_file.is_file():
+            raise CheckpointError(f"{path} is a folder without config.json; not a diffusers model folder")
+        config = json.loads(cfg_file.read_text())
+        index = sorted(folder.glob("*.safetensors.index.json"))
+        files = sorted(folder.glob("*.safetensors"))
+        if index:
+            state = _read_sharded(index[0])
+        elif files:
+            state = {}
+            for f in files:
+                state.update(_read_file(f))
+        else:
+            raise CheckpointError(f"{folder} holds no .safetensors weights")
+    elif path.name.endswith(".index.json"):
+        state = _read_sharded(path)
+    else:
+        state = _read_file(path)
+    state = _strip_prefix(_unwrap(state, str(path)))
+    if is_original_format(state):
+        state = original_to_diffusers(state)
+    return state, config
+
+
+def load_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], source: str,
+                describe_size=None) -> None:
+    """Copy `state` into `module`, refusing missing, unexpected and mis-shaped keys."""
+    own = module.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    mismatched = [(k, tuple(own[k].shape), tuple(state[k].shape)) for k in own
+                  if k in state and own[k].shape != state[k].shape]
+    problems = []
+    if mismatched:
+        k, want, got = mismatched[0]
+        hint = f" ({describe_size})" if describe_size else ""
+        problems.append(f"{len(mismatched)} shape mismatch(es), first {k!r}: expected {list(want)}, found "
+                        f"{list(got)}; the checkpoint is for a different model size{hint}")
+    if missing:
+        problems.append(f"{len(missing)} missing key(s), e.g. {missing[:3]}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected key(s), e.g. {unexpected[:3]}")
+    if problems:
+        raise CheckpointError(f"{source} does not match the model: " + "; ".join(problems))
+    with torch.no_grad():
+        for k, t in own.items():
+            t.copy_(state[k].to(t.dtype))
+
+
+def load_dit(dit, path: str | Path) -> None:
+    """Load any supported checkpoint into a `CausalWanDiT`, strictly."""
+    state, config = read_dit_checkpoint(path)
+    cfg = dit.config
+    if config is not None:
+        want = cfg.diffusers_kwargs()
+        for key in ("num_attention_heads", "attention_head_dim", "num_layers", "ffn_dim", "text_dim"):
+            if key in config and config[key] != want[key]:
+                raise CheckpointError(f"{path}: config {key}={config[key]} but the model expects {want[key]}; the "
+                                      "checkpoint is for a different model size than the preset")
+    load_strict(dit.model, state, str(path),
+                describe_size=f"model has dim {cfg.dim}, {cfg.num_layers} layers, ffn {cfg.ffn_dim}")
+
+
+def save_dit(dit, path: str | Path, fmt: str = "diffusers") -> None:
+    """Write a DiT in one of the supported formats: diffusers | original | self-forcing | krea."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    state = {k: v.detach().contiguous().cpu() for k, v in dit.model.state_dict().items()}
+    if fmt == "diffusers":
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(path / "diffusion_pytorch_model.safetensors"))
+        cfg = dict(dit.config.diffusers_kwargs(), _class_name="WanTransformer3DModel")
+        cfg["patch_size"] = list(cfg["patch_size"])
+        (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    elif fmt == "original":
+        save_file(diffusers_to_original(state), str(path))
+    elif fmt == "krea":
+        save_file({"model." + k: v for k, v in diffusers_to_original(state).items()}, str(path))
+    elif fmt == "self-forcing":
+        orig = {"model." + k: v for k, v in diffusers_to_original(state).items()}
+        torch.save({"generator_ema": orig, "generator": orig}, str(path))
+    else:
+        raise ValueError(f"unknown checkpoint format {fmt!r}: diffusers | original | self-forcing | krea")

@@ -1,0 +1,238 @@
+"""Command line: `sdvg generate`, `sdvg memory`."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from sdvg.config import AGGREGATIONS, DRAFTER_CONTEXTS, MODES, PRESETS, ROUTERS
+
+
+def _tau(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"tau {text!r} is not a number (use e.g. -0.7, inf, -inf)")
+    if math.isnan(v):
+        raise argparse.ArgumentTypeError("tau is NaN; give a number (or inf / -inf)")
+    return v
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
+    return v
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """One prompt per line, UTF-8; blank lines are an error (they would shift prompt indices)."""
+    raw = Path(path).read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SystemExit(f"error: prompts file {path} is not valid UTF-8 (byte {exc.start}); re-save it as UTF-8")
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    blank = [i + 1 for i, line in enumerate(lines) if not line.strip()]
+    if blank:
+        raise SystemExit(f"error: prompts file {path} has blank lines at {blank[:10]}; remove them")
+    if not lines:
+        raise SystemExit(f"error: prompts file {path} holds no prompt")
+    return [line.rstrip("\r") for line in lines]
+
+
+def add_generation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="tiny", help=f"random-weight preset: {sorted(PRESETS)}")
+    p.add_argument("--drafter", help="drafter checkpoint (Self-Forcing .pt, .safetensors or diffusers folder)")
+    p.add_argument("--target", help="target checkpoint (Krea .safetensors, original Wan or diffusers folder)")
+    p.add_argument("--vae", help="Wan2.1 VAE (.pth or diffusers folder)")
+    p.add_argument("--reward", help="ImageReward.pt")
+    p.add_argument("--reward-tokenizer", help="bert-base-uncased tokenizer folder")
+    p.add_argument("--text-encoder", help="umT5 encoder folder (or a diffusers Wan folder)")
+    p.add_argument("--tau", type=_tau, default=-0.7)
+    p.add_argument("--num-blocks", type=_positive_int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--router", choices=ROUTERS, default="reward")
+    p.add_argument("--accept-prob", type=float, default=0.731, help="random router acceptance probability")
+    p.add_argument("--aggregation", choices=AGGREGATIONS, default="min")
+    p.add_argument("--drafter-context", choices=DRAFTER_CONTEXTS, default="committed")
+    p.add_argument("--no-force-first-reject", action="store_true", help="let the router decide block 0 too")
+    p.add_argument("--device", default="cpu", help="drafter, VAE and reward device")
+    p.add_argument("--target-device", default=None, help="target device (default: --device)")
+
+
+def build_pipeline(args):
+    from sdvg.pipeline import SpeculativeVideoPipeline
+
+    paths = [args.drafter, args.target, args.vae, args.text_encoder]
+    if any(paths):
+        if not all(paths):
+            raise SystemExit("error: real weights need --drafter, --target, --vae and --text-encoder together")
+        return SpeculativeVideoPipeline.from_pretrained(
+            args.drafter, args.target, args.vae, args.reward, args.text_encoder, preset="wan2.1",
+            reward_tokenizer=args.reward_tokenizer, drafter_device=args.device, target_device=args.target_device)
+    if args.preset not in PRESETS:
+        raise SystemExit(f"error: unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
+    return SpeculativeVideoPipeline.from_preset(args.preset, device=args.device, target_device=args.target_device)
+
+
+def generation_kwargs(args, mode: str) -> dict:
+    return dict(mode=mode, tau=args.tau, num_blocks=args.num_blocks, seed=args.seed, router=args.router,
+                accept_prob=args.accept_prob, aggregation=args.aggregation, drafter_context=args.drafter_context,
+                force_first_reject=not args.no_force_first_reject)
+
+
+def _video_path(out: Path, index: int, many: bool) -> Path:
+    return out if not many else out.with_name(f"{out.stem}_{index:04d}{out.suffix}")
+
+
+def _done_prompts(stats_path: Path) -> set[int]:
+    done = set()
+    if stats_path.is_file():
+        for line in stats_path.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut off by an earlier crash
+            if not rec.get("interrupted") and "prompt_index" in rec:
+                done.add(rec["prompt_index"])
+    return done
+
+
+def run_one(pipe, prompt: str, kwargs: dict, video: Path, progress: bool = True) -> dict:
+    """Generate one video, writing the MP4 as blocks arrive. On Ctrl-C the MP4 of the blocks emitted so far
+    is closed (playable) and the stats are marked interrupted."""
+    from tqdm import tqdm
+
+    from sdvg.video_writer import IncrementalMP4Writer
+
+    stats: dict = {}
+    collector_blocks = []
+    n = kwargs["num_blocks"] or pipe.preset.video.num_blocks
+    bar = tqdm(total=n, desc=video.name, unit="block", disable=not progress, file=sys.stderr)
+    acc = rej = 0
+    interrupted = False
+    with IncrementalMP4Writer(video) as writer:
+        try:
+            for block in pipe.stream(prompt, stats=stats, **kwargs):
+                writer.write(block.frames)
+                collector_blocks.append(block.stats())
+                acc += block.decision == "accepted"
+                rej += block.decision in ("rejected", "forced")
+                bar.set_postfix(accepted=acc, rejected=rej)
+                bar.update(1)
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            bar.close()
+    if interrupted:
+        stats = {"prompt": prompt, "blocks": collector_blocks, "frames": sum(b["frames"] for b in collector_blocks),
+                 "interrupted": True, "mode": kwargs["mode"]}
+    stats["video"] = str(video)
+    return stats
+
+
+def cmd_generate(args) -> int:
+    if args.prompt is None and args.prompts_file is None:
+        raise SystemExit("error: give --prompt TEXT or --prompts-file FILE")
+    if args.prompt is not None and not args.prompt.strip():
+        raise SystemExit("error: --prompt is empty; give a non-empty prompt")
+    prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts_file)
+    out = Path(args.out)
+    stats_path = Path(args.stats) if args.stats else out.with_suffix(".json")
+    many = len(prompts) > 1
+    pipe = build_pipeline(args)
+    kwargs = generation_kwargs(args, args.mode)
+    if not many:
+        stats = run_one(pipe, prompts[0], kwargs, out, progress=not args.quiet)
+        stats_path.parent.mkdir(parents=True, exist_ok=True)
+        stats_path.write_text(json.dumps(stats, indent=2))
+        _summary(stats, stats_path)
+        return 130 if stats.get("interrupted") else 0
+    done = _done_prompts(stats_path) if args.resume else set()
+    if not args.resume and stats_path.exists():
+        stats_path.unlink()
+    stats_path.parent.mkdir(parents=True, exist_ok=True)
+    for i, prompt in enumerate(prompts):
+        if i in done:
+            continue
+        stats = run_one(pipe, prompt, kwargs, _video_path(out, i, True), progress=not args.quiet)
+        stats["prompt_index"] = i
+        with stats_path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(stats) + "\n")
+        if stats.get("interrupted"):
+            print(f"interrupted at prompt {i}; rerun with --resume to continue", file=sys.stderr)
+            return 130
+    print(f"wrote {len(prompts) - len(done)} video(s); stats in {stats_path}", file=sys.stderr)
+    return 0
+
+
+def _summary(stats: dict, path: Path) -> None:
+    acc = stats.get("acceptance_rate")
+    acc_s = "n/a" if acc is None else f"{acc:.1%}"
+    print(f"{stats['video']}: {stats['frames']} frames, acceptance {acc_s}, "
+          f"wall {stats.get('wall_s', float('nan')):.2f} s; stats in {path}", file=sys.stderr)
+
+
+def cmd_memory(args) -> int:
+    import torch
+
+    from sdvg.config import get_preset, torch_dtype
+    from sdvg.kv_cache import KVCacheSpec
+
+    preset = get_preset(args.preset)
+    n = args.num_blocks or preset.video.num_blocks
+    dtype = torch_dtype(preset.precision)
+    report = {}
+    for role, dit in (("drafter", preset.drafter), ("target", preset.target)):
+        tpf = preset.video.tokens_per_frame(preset.vae, dit)
+        spec = KVCacheSpec.for_dit(dit, tpf, n * preset.video.frames_per_block, preset.kv_window)
+        params = dit.num_params()
+        report[role] = {"params": params, "weights_gib": params * torch.empty((), dtype=dtype).element_size() / 2**30,
+                        "kv_cache_gib": spec.nbytes(dtype) / 2**30}
+        report[role]["total_gib"] = report[role]["weights_gib"] + report[role]["kv_cache_gib"]
+    print(json.dumps(report, indent=2))
+    if args.budget_gib is not None:
+        for role, r in report.items():
+            if r["total_gib"] > args.budget_gib:
+                print(f"error: {role} needs {r['total_gib']:.1f} GiB > budget {args.budget_gib} GiB; use a local "
+                      "window, fewer blocks or a GPU with more memory", file=sys.stderr)
+                return 2
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="sdvg", description="speculative decoding for video diffusion")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate videos (MP4 written as blocks arrive)")
+    add_generation_args(g)
+    g.add_argument("--mode", choices=MODES, default="sdvg")
+    g.add_argument("--prompt")
+    g.add_argument("--prompts-file")
+    g.add_argument("--out", default="video.mp4")
+    g.add_argument("--stats", help="JSON stats (JSONL with --prompts-file); default: next to --out")
+    g.add_argument("--resume", action="store_true", help="skip prompts already in the stats JSONL")
+    g.add_argument("--quiet", action="store_true")
+    g.set_defaults(func=cmd_generate)
+    m = sub.add_parser("memory", help="weights and KV-cache memory of a preset, before allocating")
+    m.add_argument("--preset", default="wan2.1")
+    m.add_argument("--num-blocks", type=_positive_int)
+    m.add_argument("--budget-gib", type=float)
+    m.set_defaults(func=cmd_memory)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,297 @@
+"""Frozen configuration dataclasses and the named presets.
+
+Every size the engine allocates comes from here, so a config is validated before any
+heavy allocation (`Preset.validate`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+Precision = Literal["fp32", "bf16", "fp16"]
+Mode = Literal["sdvg", "target", "draft"]
+Aggregation = Literal["min", "mean", "trimmed_mean", "quantile"]
+RouterKind = Literal["reward", "random", "pattern"]
+DrafterContext = Literal["committed", "own"]
+
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+MODES: tuple[str, ...] = ("sdvg", "target", "draft")
+AGGREGATIONS: tuple[str, ...] = ("min", "mean", "trimmed_mean", "quantile")
+ROUTERS: tuple[str, ...] = ("reward", "random", "pattern")
+DRAFTER_CONTEXTS: tuple[str, ...] = ("committed", "own")
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message names the value and the fix."""
+
+
+def torch_dtype(precision: Precision):
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def config_hash(obj) -> str:
+    """Stable short hash of a (nested) frozen dataclass."""
+    blob = json.dumps(dataclasses.asdict(obj), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    """Wan2.1 text-to-video DiT (diffusers `WanTransformer3DModel` dimensions)."""
+
+    dim: int
+    ffn_dim: int
+    num_heads: int
+    num_layers: int
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    freq_dim: int = 256
+    text_dim: int = 4096
+    in_channels: int = 16
+    out_channels: int = 16
+    eps: float = 1e-6
+    qk_norm: bool = True
+    cross_attn_norm: bool = True
+    rope_max_seq_len: int = 1024
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    def validate(self, role: str) -> None:
+        if self.dim % self.num_heads:
+            raise ConfigError(f"{role}: dim {self.dim} is not divisible by num_heads {self.num_heads}")
+        if self.head_dim < 6 or self.head_dim % 2:
+            raise ConfigError(f"{role}: head_dim {self.head_dim} must be even and >= 6 (3-axis RoPE)")
+
+    def diffusers_kwargs(self) -> dict:
+        return dict(
+            patch_size=self.patch_size,
+            num_attention_heads=self.num_heads,
+            attention_head_dim=self.head_dim,
+            in_channels=self.in_channels,
+            out_channels=self.out_channels,
+            text_dim=self.text_dim,
+            freq_dim=self.freq_dim,
+            ffn_dim=self.ffn_dim,
+            num_layers=self.num_layers,
+            cross_attn_norm=self.cross_attn_norm,
+            qk_norm="rms_norm_across_heads" if self.qk_norm else None,
+            eps=self.eps,
+            rope_max_seq_len=self.rope_max_seq_len,
+        )
+
+    def num_params(self) -> int:
+        d, f, L, p = self.dim, self.ffn_dim, self.num_layers, math.prod(self.patch_size)
+        per_block = 8 * (d * d + d) + 2 * d * 2 + (d * f + f) + (f * d + d) + 2 * d + 6 * d
+        embed = self.in_channels * p * d + d + self.text_dim * d + d + d * d + d + self.freq_dim * d + d
+        embed += d * d + d + d * 6 * d + 6 * d
+        head = d * self.out_channels * p + self.out_channels * p + 2 * d
+        return L * per_block + embed + head
+
+
+@dataclass(frozen=True)
+class KVWindow:
+    """Local attention: keep `window_frames` recent frames plus `sink_frames` first frames.
+    `window_frames = 0` keeps the whole video. `slack_frames` makes rollbacks that deep exact."""
+
+    window_frames: int = 0
+    sink_frames: int = 0
+    slack_frames: int = 0
+
+
+@dataclass(frozen=True)
+class TextEncoderConfig:
+    """umT5 encoder (transformers `UMT5EncoderModel`)."""
+
+    d_model: int = 4096
+    d_ff: int = 10240
+    num_layers: int = 24
+    num_heads: int = 64
+    d_kv: int = 64
+    vocab_size: int = 256384
+    text_len: int = 512
+
+
+@dataclass(frozen=True)
+class VAEConfig:
+    """Wan2.1 VAE (diffusers `AutoencoderKLWan`)."""
+
+    base_dim: int = 96
+    z_dim: int = 16
+    dim_mult: tuple[int, ...] = (1, 2, 4, 4)
+    num_res_blocks: int = 2
+    temporal_downsample: tuple[bool, ...] = (False, True, True)
+
+    @property
+    def spatial_stride(self) -> int:
+        return 2 ** (len(self.dim_mult) - 1)
+
+    @property
+    def temporal_stride(self) -> int:
+        return 2 ** sum(self.temporal_downsample)
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """ImageReward: BLIP ViT image encoder + BERT with cross-attention + MLP head."""
+
+    vit_dim: int = 1024
+    vit_depth: int = 24
+    vit_heads: int = 16
+    bert_hidden: int = 768
+    bert_layers: int = 12
+    bert_heads: int = 12
+    bert_intermediate: int = 3072
+    vocab_size: int = 30524
+    image_size: int = 224
+    patch_size: int = 16
+    max_text_len: int = 35
+    embed_dim: int = 256
+
+
+@dataclass(frozen=True)
+class VideoConfig:
+    height: int = 480
+    width: int = 832
+    frames_per_block: int = 3  # latent frames
+    num_blocks: int = 9
+
+    def validate(self, vae: VAEConfig, dit: DiTConfig) -> None:
+        mult = vae.spatial_stride * dit.patch_size[1]
+        for name, v in (("height", self.height), ("width", self.width)):
+            if v < mult or v % mult:
+                raise ConfigError(f"{name} {v} must be a positive multiple of {mult} (VAE stride x patch size)")
+        if self.frames_per_block < 1:
+            raise ConfigError(f"frames_per_block {self.frames_per_block} must be >= 1")
+        if self.num_blocks < 1:
+            raise ConfigError(f"num_blocks {self.num_blocks} must be >= 1")
+
+    def latent_hw(self, vae: VAEConfig) -> tuple[int, int]:
+        return self.height // vae.spatial_stride, self.width // vae.spatial_stride
+
+    def tokens_per_frame(self, vae: VAEConfig, dit: DiTConfig) -> int:
+        h, w = self.latent_hw(vae)
+        return (h // dit.patch_size[1]) * (w // dit.patch_size[2])
+
+    def pixel_frames(self, vae: VAEConfig, num_blocks: int | None = None) -> int:
+        """Pixel frames of `num_blocks` blocks: the first latent frame gives 1, each later one `temporal_stride`."""
+        latent = self.frames_per_block * (self.num_blocks if num_blocks is None else num_blocks)
+        return 1 + vae.temporal_stride * (latent - 1)
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    drafter: DiTConfig
+    target: DiTConfig
+    text_encoder: TextEncoderConfig
+    vae: VAEConfig
+    reward: RewardConfig
+    video: VideoConfig
+    precision: Precision = "bf16"
+    kv_window: KVWindow = field(default_factory=KVWindow)
+    timesteps: tuple[float, ...] = (1000.0, 750.0, 500.0, 250.0)
+    shift: float = 5.0
+    tiny_tokenizers: bool = False  # build small character tokenizers in memory (random-weight presets)
+
+    def validate(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision {self.precision!r} is not one of {PRECISIONS}")
+        self.drafter.validate("drafter")
+        self.target.validate("target")
+        for role, dit in (("drafter", self.drafter), ("target", self.target)):
+            if dit.text_dim != self.text_encoder.d_model:
+                raise ConfigError(
+                    f"{role} text_dim {dit.text_dim} != text encoder width {self.text_encoder.d_model}"
+                )
+            if dit.in_channels != self.vae.z_dim or dit.out_channels != self.vae.z_dim:
+                raise ConfigError(f"{role} latent channels {dit.in_channels} != VAE z_dim {self.vae.z_dim}")
+            if dit.patch_size != self.drafter.patch_size:
+                raise ConfigError("drafter and target must use the same patch size")
+        self.video.validate(self.vae, self.target)
+        if not self.timesteps or any(not 0 < t <= 1000 for t in self.timesteps):
+            raise ConfigError(f"timesteps {self.timesteps} must lie in (0, 1000]")
+
+    def replace(self, **changes) -> "Preset":
+        return dataclasses.replace(self, **changes)
+
+    def with_video(self, **changes) -> "Preset":
+        return dataclasses.replace(self, video=dataclasses.replace(self.video, **changes))
+
+
+DRAFTER_1_3B = DiTConfig(dim=1536, ffn_dim=8960, num_heads=12, num_layers=30)
+TARGET_14B = DiTConfig(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40)
+UMT5_XXL = TextEncoderConfig()
+WAN_VAE = VAEConfig()
+IMAGE_REWARD = RewardConfig()
+
+_TINY_TEXT = TextEncoderConfig(d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16, vocab_size=128)
+
+PRESETS: dict[str, Preset] = {
+    # Random weights, tiny everything: tests and the demo.
+    "tiny": Preset(
+        name="tiny",
+        drafter=DiTConfig(dim=32, ffn_dim=64, num_heads=2, num_layers=2, text_dim=32),
+        target=DiTConfig(dim=64, ffn_dim=128, num_heads=4, num_layers=3, text_dim=32),
+        text_encoder=_TINY_TEXT,
+        vae=VAEConfig(base_dim=8, num_res_blocks=1),
+        reward=RewardConfig(
+            vit_dim=32, vit_depth=2, vit_heads=2, bert_hidden=32, bert_layers=2, bert_heads=2,
+            bert_intermediate=64, vocab_size=0, embed_dim=16,
+        ),
+        video=VideoConfig(height=64, width=64, frames_per_block=3, num_blocks=3),
+        precision="fp32",
+        tiny_tokenizers=True,
+    ),
+    # The real models (Self-Forcing 1.3B drafter, Wan2.1 14B target) at 832x480: load real weights.
+    "wan2.1": Preset(
+        name="wan2.1",
+        drafter=DRAFTER_1_3B,
+        target=TARGET_14B,
+        text_encoder=UMT5_XXL,
+        vae=WAN_VAE,
+        reward=IMAGE_REWARD,
+        video=VideoConfig(),
+        precision="bf16",
+    ),
+    # Exact 1.3B / 14B / VAE / ImageReward sizes, random weights, for GPU benchmarks. The text
+    # encoder is a 1-layer stand-in of the right width (it runs once per prompt, outside the loop).
+    "real-size": Preset(
+        name="real-size",
+        drafter=DRAFTER_1_3B,
+        target=TARGET_14B,
+        text_encoder=TextEncoderConfig(d_model=4096, d_ff=256, num_layers=1, num_heads=8, d_kv=64, vocab_size=128),
+        vae=WAN_VAE,
+        reward=dataclasses.replace(IMAGE_REWARD, vocab_size=0),
+        video=VideoConfig(),
+        precision="bf16",
+        tiny_tokenizers=True,
+    ),
+    # CPU benchmark: drafter:target parameter ratio close to 1.3B:14B (~1:10), minutes on 2 cores.
+    "cpu-bench": Preset(
+        name="cpu-bench",
+        drafter=DiTConfig(dim=128, ffn_dim=384, num_heads=2, num_layers=3, text_dim=32),
+        target=DiTConfig(dim=384, ffn_dim=1152, num_heads=6, num_layers=4, text_dim=32),
+        text_encoder=_TINY_TEXT,
+        vae=VAEConfig(base_dim=8, num_res_blocks=1),
+        reward=RewardConfig(
+            vit_dim=64, vit_depth=2, vit_heads=2, bert_hidden=64, bert_layers=2, bert_heads=2,
+            bert_intermediate=128, vocab_size=0, embed_dim=16,
+        ),
+        video=VideoConfig(height=96, width=160, frames_per_block=3, num_blocks=9),
+        precision="fp32",
+        tiny_tokenizers=True,
+    ),
+}
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]

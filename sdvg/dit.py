@@ -1,0 +1,167 @@
+"""Causal Wan2.1 DiT: diffusers' `WanTransformer3DModel` weights with sdvg's block-causal forward.
+
+The forward processes one block of latent frames at an absolute frame offset:
+per-frame timesteps [B, F] drive per-frame adaLN modulation, RoPE uses the absolute frame
+index, self-attention covers the block plus every visible cached frame (K stored after RoPE),
+and cross-attention uses text K/V computed once per prompt (`TextKV`).
+
+`forward(..., cache=None, attn_mask=...)` is the plain full-sequence reference (teacher forcing
+with an explicit block-causal mask); `forward(..., cache=kv)` is the incremental path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from sdvg.config import DiTConfig, Precision, torch_dtype
+from sdvg.rope import apply_rope, rope_angles, rope_cos_sin
+
+# Modules diffusers keeps in fp32 when the rest of the Wan DiT runs in bf16/fp16.
+_FP32_PARTS = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
+
+
+@dataclass
+class TextKV:
+    """Cross-attention keys/values of one prompt for every layer: each [B, H, L_text, D]."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+
+class CausalWanDiT(nn.Module):
+    def __init__(self, config: DiTConfig):
+        super().__init__()
+        from diffusers import WanTransformer3DModel
+
+        config.validate("dit")
+        self.config = config
+        self.model = WanTransformer3DModel(**config.diffusers_kwargs())
+        self._angles = rope_angles(config.head_dim, config.rope_max_seq_len)  # float64, never cast
+
+    # ----------------------------------------------------------------- setup
+    def set_precision(self, precision: Precision) -> "CausalWanDiT":
+        dtype = torch_dtype(precision)
+        nn.Module.to(self.model, dtype)  # fp32 parts are restored below (ModelMixin.to would warn)
+        for name, p in self.model.named_parameters():
+            if any(part in name.split(".") for part in _FP32_PARTS):
+                p.data = p.data.float()
+        return self
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.proj_out.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.proj_out.weight.device
+
+    # ------------------------------------------------------------------ text
+    @torch.no_grad()
+    def encode_text(self, text_embeds: torch.Tensor) -> TextKV:
+        """text_embeds [B, L_text, text_dim] -> per-layer cross-attention K/V."""
+        m = self.model
+        ctx = m.condition_embedder.text_embedder(text_embeds.to(self.device, self.dtype))  # [B, L, dim]
+        keys, values = [], []
+        heads = self.config.num_heads
+        for block in m.blocks:
+            attn = block.attn2
+            k = attn.norm_k(attn.to_k(ctx)).unflatten(2, (heads, -1)).transpose(1, 2)  # [B, H, L, D]
+            v = attn.to_v(ctx).unflatten(2, (heads, -1)).transpose(1, 2)
+            keys.append(k.contiguous())
+            values.append(v.contiguous())
+        return TextKV(keys, values)
+
+    # --------------------------------------------------------------- forward
+    @torch.no_grad()
+    def forward(self, latents: torch.Tensor, timesteps: torch.Tensor, text: TextKV, frame_offset: int = 0,
+                cache=None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """latents [B, C, F, H, W], timesteps [B, F] -> flow prediction [B, C, F, H, W] (model dtype).
+
+        With `cache`, the block's K/V are written into the cache's pending slots (claimed here) and
+        attention covers every visible frame; the caller commits. Without it, attention covers the
+        given frames only, restricted by `attn_mask` ([S, S] bool, True = attend) if given."""
+        m, cfg = self.model, self.config
+        B, C, nF, H, W = latents.shape
+        if timesteps.shape != (B, nF):
+            raise ValueError(f"timesteps must be [B, F] = [{B}, {nF}], got {list(timesteps.shape)}")
+        p_t, p_h, p_w = cfg.patch_size
+        gh, gw = H // p_h, W // p_w
+        tpf = gh * gw  # tokens per latent frame
+
+        cos, sin = rope_cos_sin(self._angles, cfg.head_dim, frame_offset, nF, gh, gw, latents.device)
+        x = m.patch_embedding(latents.to(self.dtype)).flatten(2).transpose(1, 2)  # [B, S, dim]
+
+        emb = m.condition_embedder
+        t_freq = emb.timesteps_proj(timesteps.flatten().float())  # [B*F, freq_dim]
+        t_freq = t_freq.to(next(emb.time_embedder.parameters()).dtype)
+        temb = emb.time_embedder(t_freq).unflatten(0, (B, nF))  # [B, F, dim]
+        t_mod = emb.time_proj(emb.act_fn(temb).to(emb.time_proj.weight.dtype))  # [B, F, 6*dim]
+        t_mod = t_mod.unflatten(2, (6, -1)).float()  # [B, F, 6, dim]
+
+        if cache is not None:
+            cache.begin_write(nF)
+        for layer, block in enumerate(m.blocks):
+            x = self._block(block, layer, x, t_mod, text, cos, sin, nF, tpf, cache, attn_mask)
+
+        shift, scale = (m.scale_shift_table.float()[:, None] + temb.float()[:, :, None]).chunk(2, dim=2)  # [B,F,1,d]
+        h = m.norm_out(x.float()).unflatten(1, (nF, tpf))  # [B, F, T, dim]
+        h = (h * (1 + scale) + shift).flatten(1, 2).to(x.dtype)
+        out = m.proj_out(h)  # [B, S, C * prod(patch)]
+        out = out.reshape(B, nF // p_t, gh, gw, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return out.flatten(6, 7).flatten(4, 5).flatten(2, 3)  # [B, C, F, H, W]
+
+    def _block(self, block, layer: int, x, t_mod, text: TextKV, cos, sin, nF: int, tpf: int, cache, attn_mask):
+        B, S, D = x.shape
+        heads = self.config.num_heads
+        mod = block.scale_shift_table.float()[:, None] + t_mod  # [B, F, 6, dim] (table [1, 6, dim])
+        shift_msa, scale_msa, gate_msa, c_shift, c_scale, c_gate = (m[:, :, None] for m in mod.unbind(2))  # [B,F,1,d]
+
+        def per_frame(fn, h):  # apply a per-frame modulation to [B, S, dim]
+            return fn(h.unflatten(1, (nF, tpf))).flatten(1, 2)
+
+        # Self-attention over the block and the visible cached frames.
+        h = per_frame(lambda t: block.norm1(t.float()) * (1 + scale_msa) + shift_msa, x).to(x.dtype)
+        a = block.attn1
+        q = a.norm_q(a.to_q(h)).unflatten(2, (heads, -1))  # [B, S, H, Dh]
+        k = a.norm_k(a.to_k(h)).unflatten(2, (heads, -1))
+        v = a.to_v(h).unflatten(2, (heads, -1))
+        q = apply_rope(q, cos, sin).transpose(1, 2)  # [B, H, S, Dh]
+        k = apply_rope(k, cos, sin).transpose(1, 2)
+        v = v.transpose(1, 2)
+        if cache is not None:
+            cache.write(layer, k, v)
+            k, v = cache.visible(layer)  # [B, H, S_visible, Dh]
+        mask = None if attn_mask is None else attn_mask.to(q.device)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, S, Dh]
+        o = a.to_out[0](o.transpose(1, 2).flatten(2))
+        x = (x.float() + per_frame(lambda t: t * gate_msa, o.float())).to(x.dtype)
+
+        # Cross-attention to the prompt.
+        h = block.norm2(x.float()).to(x.dtype)
+        c = block.attn2
+        q = c.norm_q(c.to_q(h)).unflatten(2, (heads, -1)).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, text.keys[layer], text.values[layer])
+        x = x + c.to_out[0](o.transpose(1, 2).flatten(2))
+
+        # Feed-forward.
+        h = per_frame(lambda t: block.norm3(t.float()) * (1 + c_scale) + c_shift, x).to(x.dtype)
+        f = block.ffn(h)
+        return (x.float() + per_frame(lambda t: t * c_gate, f.float())).to(x.dtype)
+
+
+def block_causal_mask(num_blocks: int, frames_per_block: int, tokens_per_frame: int, window_frames: int = 0,
+                      sink_frames: int = 0) -> torch.Tensor:
+    """[S, S] bool mask of the full-sequence reference: a token of block b attends to every frame the
+    KV-cache path keeps visible while block b is processed (True = attend)."""
+    n = num_blocks * frames_per_block
+    q_frame = torch.arange(n)[:, None]
+    k_frame = torch.arange(n)[None, :]
+    end = (q_frame // frames_per_block + 1) * frames_per_block  # end of the query's block
+    allowed = k_frame < end
+    if window_frames > 0:
+        recent = k_frame >= torch.clamp(end - window_frames, min=sink_frames)
+        allowed &= (k_frame < sink_frames) | recent
+    return allowed.repeat_interleave(tokens_per_frame, 0).repeat_interleave(tokens_per_frame, 1)

@@ -1,0 +1,50 @@
+"""KV-cache sizing and allocation. The buffers and the write pointer live in `sdvg._C.KVCache`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sdvg._native import _C
+from sdvg.config import DiTConfig, KVWindow
+
+
+class MemoryBudgetError(MemoryError):
+    """The requested cache does not fit the given memory budget."""
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    heads: int
+    head_dim: int
+    tokens_per_frame: int
+    max_frames: int
+    window: KVWindow = KVWindow()
+    batch: int = 1
+
+    @classmethod
+    def for_dit(cls, dit: DiTConfig, tokens_per_frame: int, max_frames: int, window: KVWindow = KVWindow(),
+                batch: int = 1) -> "KVCacheSpec":
+        return cls(dit.num_layers, dit.num_heads, dit.head_dim, tokens_per_frame, max_frames, window, batch)
+
+    def layout(self):
+        w = self.window
+        return _C.SlotLayout(self.max_frames, w.sink_frames, w.window_frames, w.slack_frames)
+
+    def nbytes(self, dtype: torch.dtype) -> int:
+        """Bytes of the K and V buffers, known before allocating them."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return _C.kv_cache_nbytes(self.num_layers, self.batch, self.heads, self.head_dim, self.tokens_per_frame,
+                                  self.layout(), elem)
+
+    def allocate(self, dtype: torch.dtype, device: torch.device | str, budget_bytes: int | None = None):
+        need = self.nbytes(dtype)
+        if budget_bytes is not None and need > budget_bytes:
+            raise MemoryBudgetError(
+                f"KV cache needs {need / 2**30:.2f} GiB ({self.num_layers} layers x {self.max_frames} frames x "
+                f"{self.tokens_per_frame} tokens, {dtype}) but the budget is {budget_bytes / 2**30:.2f} GiB; use a "
+                "local window (KVWindow(window_frames=..., sink_frames=...)), fewer blocks or a larger budget"
+            )
+        return _C.KVCache(self.num_layers, self.batch, self.heads, self.head_dim, self.tokens_per_frame,
+                          self.layout(), dtype, torch.device(device))

@@ -1,0 +1,120 @@
+"""The components of a speculative pipeline and how they are built or loaded."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sdvg.config import Preset, torch_dtype
+from sdvg.dit import CausalWanDiT
+from sdvg.reward import RewardScorer, build_image_reward, load_image_reward_weights, reward_tokenizer
+from sdvg.text_encoder import TextEncoder
+from sdvg.tokenizers import tiny_umt5_tokenizer
+from sdvg.vae import StreamingVAEDecoder, build_vae, load_vae_weights
+
+
+@dataclass
+class Components:
+    preset: Preset
+    drafter: CausalWanDiT | None
+    target: CausalWanDiT | None
+    text_encoder: TextEncoder
+    vae: StreamingVAEDecoder
+    scorer: RewardScorer | None
+    drafter_device: torch.device
+    target_device: torch.device
+
+    def check_compatible(self) -> None:
+        """Drafter and target must agree on text width, latent channels and patch size."""
+        if self.drafter is None or self.target is None:
+            return
+        d, t = self.drafter.config, self.target.config
+        for field in ("text_dim", "in_channels", "out_channels", "patch_size"):
+            if getattr(d, field) != getattr(t, field):
+                raise ValueError(f"drafter and target disagree on {field}: {getattr(d, field)} vs "
+                                 f"{getattr(t, field)}; they must share the text encoder and the VAE")
+        if d.in_channels != self.vae.z_dim:
+            raise ValueError(f"DiT latent channels {d.in_channels} != VAE z_dim {self.vae.z_dim}")
+
+
+def _randomize_reward_head(model, seed: int) -> None:
+    """Variance-preserving init of the random MLP head so that random scores spread out."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.mlp.named_parameters():
+        if name.endswith("weight"):
+            p.data.copy_(torch.randn(p.shape, generator=g) * p.shape[1] ** -0.5)
+
+
+def _device(d) -> torch.device:
+    d = torch.device(d)
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device {d} requested but CUDA is not available; use --device cpu")
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise RuntimeError(f"device {d} does not exist: {torch.cuda.device_count()} CUDA device(s) visible")
+    return d
+
+
+def build_random(preset: Preset, seed: int = 0, drafter_device="cpu", target_device=None,
+                 need_drafter: bool = True, need_target: bool = True, need_reward: bool = True) -> Components:
+    """All components of `preset` with random weights (seeded), placed and cast."""
+    preset.validate()
+    dd = _device(drafter_device)
+    td = _device(target_device or drafter_device)
+    dtype = torch_dtype(preset.precision)
+    torch.manual_seed(seed)
+    text = TextEncoder.random(preset.text_encoder, tiny_umt5_tokenizer(), seed=seed).to(dd)
+
+    def dit(cfg, dev, s):
+        torch.manual_seed(s)
+        with torch.device(dev):
+            m = CausalWanDiT(cfg)
+        return m.set_precision(preset.precision).eval()
+
+    drafter = dit(preset.drafter, dd, seed + 1) if need_drafter else None
+    target = dit(preset.target, td, seed + 2) if need_target else None
+    torch.manual_seed(seed + 3)
+    vae = StreamingVAEDecoder(torch.nn.Module.to(build_vae(preset.vae), dd, dtype))
+    scorer = None
+    if need_reward:
+        tok = reward_tokenizer(preset.reward, tiny=True)
+        torch.manual_seed(seed + 4)
+        model = build_image_reward(preset.reward, tok)
+        _randomize_reward_head(model, seed + 5)
+        scorer = RewardScorer(model, preset.reward).to(dd, dtype if dd.type == "cuda" else torch.float32)
+    comps = Components(preset, drafter, target, text, vae, scorer, dd, td)
+    comps.check_compatible()
+    return comps
+
+
+def load_pretrained(preset: Preset, drafter: str | Path, target: str | Path, vae: str | Path,
+                    reward: str | Path | None, text_encoder: str | Path, reward_tokenizer_folder=None,
+                    drafter_device="cuda:0", target_device=None) -> Components:
+    """Real weights from local paths (files or diffusers / HF-cache folders)."""
+    from sdvg.checkpoints import load_dit
+
+    preset.validate()
+    dd = _device(drafter_device)
+    td = _device(target_device or drafter_device)
+    dtype = torch_dtype(preset.precision)
+    text = TextEncoder.from_pretrained(text_encoder, config=preset.text_encoder).to(dd, preset.precision)
+
+    def dit(cfg, path, dev):
+        m = CausalWanDiT(cfg)
+        load_dit(m, path)
+        return m.to(dev).set_precision(preset.precision).eval()
+
+    d = dit(preset.drafter, drafter, dd)
+    t = dit(preset.target, target, td)
+    v = build_vae(preset.vae)
+    load_vae_weights(v, vae)
+    scorer = None
+    if reward is not None:
+        tok = reward_tokenizer(preset.reward, folder=reward_tokenizer_folder)
+        model = build_image_reward(preset.reward, tok)
+        load_image_reward_weights(model, reward)
+        scorer = RewardScorer(model, preset.reward).to(dd, dtype)
+    comps = Components(preset, d, t, text, StreamingVAEDecoder(torch.nn.Module.to(v, dd, dtype)), scorer, dd, td)
+    comps.check_compatible()
+    return comps

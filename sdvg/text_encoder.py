@@ -1,0 +1,81 @@
+"""umT5 text encoder (transformers `UMT5EncoderModel`) with an explicit per-prompt cache."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from sdvg.config import TextEncoderConfig, Precision, torch_dtype
+
+
+class TextEncoder:
+    """Encodes prompts to [1, text_len, d_model]; embeddings past the prompt length are zero.
+
+    The padded length (512) is kept: the zero rows still pass through the DiT's text MLP and take
+    part in cross-attention, as the checkpoints expect."""
+
+    def __init__(self, model, tokenizer, config: TextEncoderConfig, cache_size: int = 64):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = config
+        self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()  # prompt -> embeddings (LRU)
+        self.cache_size = cache_size
+
+    @classmethod
+    def random(cls, config: TextEncoderConfig, tokenizer, seed: int = 0) -> "TextEncoder":
+        from transformers import UMT5Config, UMT5EncoderModel
+
+        torch.manual_seed(seed)
+        hf = UMT5Config(vocab_size=config.vocab_size, d_model=config.d_model, d_kv=config.d_kv, d_ff=config.d_ff,
+                        num_layers=config.num_layers, num_heads=config.num_heads, feed_forward_proj="gated-gelu",
+                        dense_act_fn="gelu_new", is_encoder_decoder=False)
+        return cls(UMT5EncoderModel(hf), tokenizer, config)
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, tokenizer_folder: str | Path | None = None,
+                        config: TextEncoderConfig | None = None) -> "TextEncoder":
+        """A transformers folder of UMT5EncoderModel (or a diffusers Wan folder's text_encoder/)."""
+        from transformers import AutoTokenizer, UMT5EncoderModel
+
+        folder = Path(folder)
+        if (folder / "text_encoder").is_dir():
+            tokenizer_folder = tokenizer_folder or folder / "tokenizer"
+            folder = folder / "text_encoder"
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"{folder} is not a UMT5 encoder folder (no config.json)")
+        model = UMT5EncoderModel.from_pretrained(str(folder), local_files_only=True, torch_dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(str(tokenizer_folder or folder), local_files_only=True)
+        cfg = config or TextEncoderConfig(d_model=model.config.d_model, d_ff=model.config.d_ff,
+                                          num_layers=model.config.num_layers, num_heads=model.config.num_heads,
+                                          d_kv=model.config.d_kv, vocab_size=model.config.vocab_size)
+        return cls(model, tok, cfg)
+
+    def to(self, device, precision: Precision = "fp32") -> "TextEncoder":
+        self.model.to(device=device, dtype=torch_dtype(precision))
+        self.cache.clear()
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def encode(self, prompt: str) -> torch.Tensor:
+        """prompt -> [1, text_len, d_model] float32 (cached)."""
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError("prompt is empty; give a non-empty text prompt")
+        if prompt in self.cache:
+            self.cache.move_to_end(prompt)
+            return self.cache[prompt]
+        L = self.config.text_len
+        tok = self.tokenizer([prompt], padding="max_length", max_length=L, truncation=True, add_special_tokens=True,
+                             return_attention_mask=True, return_tensors="pt")
+        ids = tok.input_ids.to(self.device)
+        mask = tok.attention_mask.to(self.device)
+        hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state.float()  # [1, L, d]
+        emb = hidden * mask[..., None].float()  # zero past the prompt length
+        self.cache[prompt] = emb
+        while len(self.cache) > self.cache_size:
+            self.cache.popitem(last=False)
+        return emb

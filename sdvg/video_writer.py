@@ -1,0 +1,53 @@
+"""MP4 written block by block (imageio-ffmpeg), playable whatever happens after each block.
+
+Each block's frames go straight to ffmpeg; `close()` (also on exceptions, via the context
+manager) finalises the file, so a run interrupted half-way leaves a valid MP4 of what was emitted."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+class IncrementalMP4Writer:
+    def __init__(self, path: str | Path, fps: int = 16, quality: int = 8):
+        import imageio.v2 as imageio
+
+        self.path = Path(path)
+        if self.path.suffix.lower() != ".mp4":
+            raise ValueError(f"output {self.path} must end in .mp4")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._writer = imageio.get_writer(str(self.path), fps=fps, codec="libx264", quality=quality,
+                                          macro_block_size=1, ffmpeg_log_level="error")
+        self.frames_written = 0
+
+    def write(self, frames: torch.Tensor) -> None:
+        """frames uint8 [T, H, W, 3]."""
+        if frames.dtype != torch.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
+            raise ValueError(f"frames must be uint8 [T, H, W, 3], got {frames.dtype} {list(frames.shape)}")
+        for f in frames.numpy():
+            self._writer.append_data(np.ascontiguousarray(f))
+        self.frames_written += frames.shape[0]
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def read_mp4_frames(path: str | Path) -> np.ndarray:
+    import imageio.v2 as imageio
+
+    reader = imageio.get_reader(str(path))
+    try:
+        return np.stack([f for f in reader])
+    finally:
+        reader.close()

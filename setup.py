@@ -1,0 +1,55 @@
+"""Build sdvg and its native core sdvg._C against the installed torch.
+
+SDVG_CUDA=auto (default) builds the CUDA variant when torch was built with CUDA, a
+CUDA toolkit is found and a GPU is visible; SDVG_CUDA=1 forces it (e.g. to compile on
+a machine without a GPU), SDVG_CUDA=0 forces the CPU build.
+"""
+import os
+
+from setuptools import find_packages, setup
+from torch.utils import cpp_extension
+
+SOURCES = ["csrc/kv_slots.cpp", "csrc/kv_cache.cpp", "csrc/bindings.cpp"]
+
+
+def want_cuda() -> bool:
+    choice = os.environ.get("SDVG_CUDA", "auto").lower()
+    if choice in ("0", "false", "no"):
+        return False
+    have_toolkit = cpp_extension.CUDA_HOME is not None
+    import torch
+
+    if choice in ("1", "true", "yes"):
+        if not have_toolkit:
+            raise SystemExit("SDVG_CUDA=1 but no CUDA toolkit was found: set CUDA_HOME=/usr/local/cuda")
+        return True
+    return have_toolkit and torch.version.cuda is not None and torch.cuda.is_available()
+
+
+def extension():
+    args = {"cxx": ["-O3"]}  # torch picks the C++ standard it needs
+    if want_cuda():
+        args["nvcc"] = ["-O3"]
+        return cpp_extension.CUDAExtension(
+            "sdvg._C", SOURCES, extra_compile_args=args, define_macros=[("SDVG_WITH_CUDA", "1")]
+        )
+    return cpp_extension.CppExtension("sdvg._C", SOURCES, extra_compile_args=args)
+
+
+setup(
+    name="sdvg",
+    version="0.1.0",
+    description="Speculative decoding for block-autoregressive video diffusion",
+    packages=find_packages(include=["sdvg", "sdvg.*", "build_engines", "build_engines.*"]),
+    package_data={"sdvg": ["assets/*.json"]},
+    ext_modules=[extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension},
+    python_requires=">=3.10",
+    install_requires=["torch>=2.11", "diffusers", "transformers", "safetensors", "imageio", "imageio-ffmpeg", "tqdm"],
+    extras_require={
+        "reward": ["image-reward==1.5", "timm==0.6.13", "fairscale==0.4.13", "clip-anytorch==2.6.0"],
+        "onnx": ["onnx", "onnxruntime", "onnxscript"],
+        "tensorrt": ["tensorrt-cu13>=11", "torch-tensorrt"],
+    },
+    entry_points={"console_scripts": ["sdvg=sdvg.cli:main"]},
+)
