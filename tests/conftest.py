@@ -1,0 +1,47 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config, items):
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none visible)")
+    try:
+        import tensorrt  # noqa: F401
+        have_trt = True
+    except Exception:
+        have_trt = False
+    no_trt = pytest.mark.skip(reason="needs TensorRT (`pip install .[tensorrt]`) and a GPU")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
+        if "tensorrt" in item.keywords and not (have_trt and torch.cuda.is_available()):
+            item.add_marker(no_trt)
+
+
+@pytest.fixture(scope="session")
+def tiny_pipe():
+    from sdvg import SpeculativeVideoPipeline
+
+    return SpeculativeVideoPipeline.from_preset("tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_preset():
+    from sdvg.config import get_preset
+
+    return get_preset("tiny")
+
+
+def randomize(module, std=0.2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+    return module
