@@ -68,8 +68,13 @@ def build_random(preset: Preset, seed: int = 0, drafter_device="cpu", target_dev
 
     def dit(cfg, dev, s):
         torch.manual_seed(s)
-        with torch.device(dev):
-            m = CausalWanDiT(cfg)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # initialise big random models directly in their precision
+        try:
+            with torch.device(dev):
+                m = CausalWanDiT(cfg)
+        finally:
+            torch.set_default_dtype(default)
         return m.set_precision(preset.precision).eval()
 
     drafter = dit(preset.drafter, dd, seed + 1) if need_drafter else None

@@ -1,0 +1,68 @@
+"""GPU checks (skipped without CUDA): native cache on the device, the reference loop's invariants on
+CUDA, and CUDA against CPU within the fp32 tolerance."""
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+PROMPT = "a red fox running through fresh snow"
+# Per-dtype tolerance for CUDA vs CPU kernels on the same weights (values are O(1)).
+CUDA_VS_CPU_TOL = {torch.float32: 2e-3, torch.bfloat16: 1e-1}
+
+
+@pytest.fixture(scope="module")
+def gpu_pipe():
+    from sdvg import SpeculativeVideoPipeline
+
+    return SpeculativeVideoPipeline.from_preset("tiny", seed=0, device="cuda:0")
+
+
+def test_native_cache_on_cuda():
+    from sdvg._native import _C
+    from sdvg.kv_cache import KVCacheSpec
+
+    cache = KVCacheSpec(2, 2, 8, 4, 9).allocate(torch.bfloat16, "cuda:0")
+    cache.begin_write(3)
+    k = torch.ones(1, 2, 12, 8, device="cuda", dtype=torch.bfloat16)
+    cache.write(0, k, -k)
+    kv, vv = cache.visible(0)
+    assert kv.is_cuda and torch.equal(kv, k) and torch.equal(vv, -k)
+    assert "cuda" in _C.build_info()
+
+
+def test_tau_inf_equals_target_only_on_cuda(gpu_pipe):
+    a = gpu_pipe(PROMPT, tau=math.inf, num_blocks=3, seed=1)
+    b = gpu_pipe(PROMPT, mode="target", num_blocks=3, seed=1)
+    assert torch.equal(a.latents, b.latents) and torch.equal(a.frames, b.frames)
+
+
+def test_cuda_matches_cpu_reference(gpu_pipe, tiny_pipe):
+    kw = dict(router="pattern", pattern=(False, True, False), num_blocks=3, seed=4)
+    g = gpu_pipe(PROMPT, **kw)
+    c = tiny_pipe(PROMPT, **kw)
+    assert [b["decision"] for b in g.stats["blocks"]] == [b["decision"] for b in c.stats["blocks"]]
+    assert (g.latents - c.latents).abs().max() < CUDA_VS_CPU_TOL[torch.float32] * max(1.0, c.latents.abs().max())
+
+
+def test_bf16_cache_path_matches_masked_full_forward_on_cuda():
+    from sdvg.config import get_preset
+    from sdvg.dit import CausalWanDiT, block_causal_mask
+    from sdvg.kv_cache import KVCacheSpec
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        dit = CausalWanDiT(get_preset("tiny").target)
+    dit.set_precision("bf16").eval()
+    text = dit.encode_text(torch.randn(1, 512, 32, device="cuda"))
+    nb, fpb, tpf = 3, 3, 16
+    x = torch.randn(1, 16, nb * fpb, 8, 8, device="cuda")
+    cache = KVCacheSpec.for_dit(dit.config, tpf, nb * fpb).allocate(torch.bfloat16, "cuda")
+    outs = []
+    for b in range(nb):
+        outs.append(dit(x[:, :, b * fpb:(b + 1) * fpb], torch.zeros(1, fpb, device="cuda"), text, b * fpb, cache))
+        cache.commit()
+    full = dit(x, torch.zeros(1, nb * fpb, device="cuda"), text, attn_mask=block_causal_mask(nb, fpb, tpf))
+    err = (torch.cat(outs, 2).float() - full.float()).abs().max() / full.float().abs().max()
+    assert err < CUDA_VS_CPU_TOL[torch.bfloat16]
