@@ -1,0 +1,35 @@
+import csv
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+@pytest.mark.slow
+def test_latency_benchmark_smoke(tmp_path):
+    import latency
+
+    res = latency.main(["--preset", "tiny", "--num-blocks", "3", "--repeats", "1", "--rates", "0,0.5,1.0",
+                        "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert {"runs", "speedup_vs_target", "floor_ratio"} <= set(data)
+    modes = [(r["mode"], r["acceptance"]) for r in data["runs"]]
+    assert modes == [("target", None), ("draft", None), ("sdvg", 0.0), ("sdvg", 0.5), ("sdvg", 1.0)]
+    for r in data["runs"]:
+        assert {"mode", "backend", "scheduler", "acceptance", "wall_s", "stages", "floor_s"} <= set(r)
+        assert r["wall_s"] > 0 and r["floor_s"] > 0
+    # forced patterns are followed exactly
+    assert data["runs"][4]["decisions"] == ["forced", "accepted", "accepted"]
+    assert data["runs"][2]["decisions"] == ["forced", "rejected", "rejected"]
+    # the floor comes from this run's target-only stage times
+    tgt = data["runs"][0]
+    assert data["per_target_step_s"] == pytest.approx(tgt["stages"]["target"] / 12)
+    rows = list(csv.DictReader((tmp_path / "results.csv").open()))
+    assert len(rows) == 5
+    for png in ("timeline.png", "speedup.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "speed-up" in (tmp_path / "results.md").read_text()
+    assert res["speedup_vs_target"] == data["speedup_vs_target"]
