@@ -9,7 +9,7 @@ import os
 from setuptools import find_packages, setup
 from torch.utils import cpp_extension
 
-SOURCES = ["csrc/kv_slots.cpp", "csrc/kv_cache.cpp", "csrc/bindings.cpp"]
+SOURCES = ["csrc/kv_slots.cpp", "csrc/kv_cache.cpp", "csrc/scheduler.cpp", "csrc/py_scheduler.cpp", "csrc/bindings.cpp"]
 
 
 def want_cuda() -> bool:
@@ -26,12 +26,27 @@ def want_cuda() -> bool:
     return have_toolkit and torch.version.cuda is not None and torch.cuda.is_available()
 
 
+def cuda_library_includes() -> list[str]:
+    """cuBLAS/cuSPARSE headers that torch's CUDA headers include come from the nvidia pip wheels
+    when the toolkit on the machine lacks them."""
+    import site
+
+    dirs = []
+    for base in site.getsitepackages() + [site.getusersitepackages()]:
+        for sub in ("nvidia/cu13/include", "nvidia/cu12/include", "nvidia/cusparse/include", "nvidia/cublas/include"):
+            path = os.path.join(base, sub)
+            if os.path.isdir(path):
+                dirs.append(path)
+    return dirs
+
+
 def extension():
     args = {"cxx": ["-O3"]}  # torch picks the C++ standard it needs
     if want_cuda():
         args["nvcc"] = ["-O3"]
         return cpp_extension.CUDAExtension(
-            "sdvg._C", SOURCES, extra_compile_args=args, define_macros=[("SDVG_WITH_CUDA", "1")]
+            "sdvg._C", SOURCES, extra_compile_args=args, define_macros=[("SDVG_WITH_CUDA", "1")],
+            include_dirs=cuda_library_includes(),
         )
     return cpp_extension.CppExtension("sdvg._C", SOURCES, extra_compile_args=args)
 

@@ -11,6 +11,10 @@
 namespace py = pybind11;
 using namespace sdvg;
 
+namespace sdvg {
+void register_scheduler(py::module_& m);
+}
+
 namespace {
 
 py::dict build_info() {
@@ -28,7 +32,8 @@ py::dict build_info() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "sdvg native core: KV-cache slot tables and buffers";
+  m.doc() = "sdvg native core: KV-cache slot tables and buffers, the SDVG scheduler";
+  register_scheduler(m);
   m.def("build_info", &build_info, "How this extension was compiled");
 
   py::class_<SlotLayout>(m, "SlotLayout")

@@ -64,7 +64,11 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--aggregation", choices=AGGREGATIONS, default="min")
     p.add_argument("--drafter-context", choices=DRAFTER_CONTEXTS, default="committed")
     p.add_argument("--no-force-first-reject", action="store_true", help="let the router decide block 0 too")
-    p.add_argument("--device", default="cpu", help="drafter, VAE and reward device")
+    p.add_argument("--backend", choices=("cpp", "reference"), default="cpp",
+                   help="cpp: the native scheduler; reference: the plain Python loop")
+    p.add_argument("--run-ahead", action="store_true", help="draft block b+1 while block b is settled (cpp)")
+    p.add_argument("--device", "--drafter-device", dest="device", default="cpu",
+                   help="drafter, VAE and reward device")
     p.add_argument("--target-device", default=None, help="target device (default: --device)")
 
 
@@ -86,7 +90,7 @@ def build_pipeline(args):
 def generation_kwargs(args, mode: str) -> dict:
     return dict(mode=mode, tau=args.tau, num_blocks=args.num_blocks, seed=args.seed, router=args.router,
                 accept_prob=args.accept_prob, aggregation=args.aggregation, drafter_context=args.drafter_context,
-                force_first_reject=not args.no_force_first_reject)
+                force_first_reject=not args.no_force_first_reject, backend=args.backend, run_ahead=args.run_ahead)
 
 
 def _video_path(out: Path, index: int, many: bool) -> Path:
@@ -115,13 +119,14 @@ def run_one(pipe, prompt: str, kwargs: dict, video: Path, progress: bool = True)
 
     stats: dict = {}
     collector_blocks = []
-    n = kwargs["num_blocks"] or pipe.preset.video.num_blocks
+    n = kwargs.get("num_blocks") or pipe.preset.video.num_blocks
     bar = tqdm(total=n, desc=video.name, unit="block", disable=not progress, file=sys.stderr)
     acc = rej = 0
     interrupted = False
+    blocks = pipe.stream(prompt, stats=stats, **kwargs)
     with IncrementalMP4Writer(video) as writer:
         try:
-            for block in pipe.stream(prompt, stats=stats, **kwargs):
+            for block in blocks:
                 writer.write(block.frames)
                 collector_blocks.append(block.stats())
                 acc += block.decision == "accepted"
@@ -132,6 +137,8 @@ def run_one(pipe, prompt: str, kwargs: dict, video: Path, progress: bool = True)
             interrupted = True
         finally:
             bar.close()
+            if hasattr(blocks, "close"):
+                blocks.close()  # stops the scheduler thread of an unfinished video
     if interrupted:
         stats = {"prompt": prompt, "blocks": collector_blocks, "frames": sum(b["frames"] for b in collector_blocks),
                  "interrupted": True, "mode": kwargs["mode"]}

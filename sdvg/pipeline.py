@@ -16,6 +16,8 @@ from typing import Iterator
 import torch
 
 from sdvg.config import Preset, get_preset
+
+BACKENDS = ("cpp", "reference")
 from sdvg.models import Components, build_random, load_pretrained
 from sdvg.reference import BlockResult, GenerationConfig, generate_blocks
 from sdvg.routers import Router
@@ -53,8 +55,11 @@ class StatsCollector:
         s["accepted_blocks"] = accepted
         s["blocks_done"] = len(s["blocks"])
         for k in ("target_forwards", "drafter_forwards", "skipped_drafter_forwards", "skipped_target_commits",
-                  "skipped_drafter_commits"):
+                  "skipped_drafter_commits", "redrafts", "speculative_drafts"):
             s[k] = counters.get(k, 0)
+        for k in ("scheduler_wall_s", "stage_call_s", "main_stage_s"):
+            if k in counters:
+                s[k] = counters[k]
         s["wall_s"] = time.perf_counter() - self.t0
         s["stage_totals"] = {k: sum(b["times"].get(k, 0.0) for b in s["blocks"])
                              for k in ("draft", "decode", "score", "target", "commit")}
@@ -97,19 +102,35 @@ class SpeculativeVideoPipeline:
         cfg.validate()
         return cfg
 
-    def stream(self, prompt: str, stats: dict | None = None, **kwargs) -> Iterator[BlockResult]:
-        """Yield each block as soon as its frames are final; `stats` (if given) is filled at the end."""
+    def stream(self, prompt: str, stats: dict | None = None, backend: str = "cpp", run_ahead: bool = False,
+               **kwargs) -> Iterator[BlockResult]:
+        """Yield each block as soon as its frames are final; `stats` (if given) is filled at the end.
+
+        backend: "cpp" (the native scheduler, default) or "reference" (the plain Python loop; the
+        oracle). run_ahead (cpp only): the drafter drafts block b+1 while block b is decoded, scored
+        and committed; the output is identical."""
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+        if run_ahead and backend != "cpp":
+            raise ValueError("run_ahead needs backend='cpp'")
         cfg = self.make_config(**kwargs)
         collector = StatsCollector(prompt, cfg, self.preset)
+        collector.stats.update(backend=backend, run_ahead=run_ahead)
         counters: dict = {}
-        for block in generate_blocks(self.components, prompt, cfg, counters):
+        if backend == "cpp":
+            from sdvg.cpp_backend import generate_blocks_cpp
+
+            blocks = generate_blocks_cpp(self.components, prompt, cfg, counters, run_ahead=run_ahead)
+        else:
+            blocks = generate_blocks(self.components, prompt, cfg, counters)
+        for block in blocks:
             collector.add(block)
             yield block
         if stats is not None:
             stats.update(collector.finish(counters))
 
-    def __call__(self, prompt: str, **kwargs) -> PipelineOutput:
+    def __call__(self, prompt: str, backend: str = "cpp", run_ahead: bool = False, **kwargs) -> PipelineOutput:
         stats: dict = {}
-        blocks = list(self.stream(prompt, stats=stats, **kwargs))
+        blocks = list(self.stream(prompt, stats=stats, backend=backend, run_ahead=run_ahead, **kwargs))
         return PipelineOutput(frames=torch.cat([b.frames for b in blocks]),
                               latents=torch.cat([b.latents for b in blocks], dim=2), stats=stats, blocks=blocks)

@@ -123,25 +123,44 @@ class _Model:
                 x = x0
         return x
 
-    def commit(self, latents: torch.Tensor, frame0: int) -> None:
-        """Clean forward at t = 0 writes the block's K/V; then the write pointer moves on."""
+    def commit_forward(self, latents: torch.Tensor, frame0: int) -> None:
+        """Clean forward at t = 0 writes the block's K/V into the pending slots (pointer unchanged)."""
         x = latents.to(self.device)
         t = torch.zeros((1, x.shape[2]), device=self.device)
         self.dit(x, t, self.text_kv, frame_offset=frame0, cache=self.cache)
         self._count()
+
+    def commit(self, latents: torch.Tensor, frame0: int) -> None:
+        """Clean forward at t = 0, then the write pointer moves on."""
+        self.commit_forward(latents, frame0)
         self.cache.commit()
 
 
-def _allocate(comps: Components, dit, device, num_blocks: int):
+def _allocate(comps: Components, dit, device, num_blocks: int, slack_frames: int = 0):
     p = comps.preset
     tpf = p.video.tokens_per_frame(p.vae, dit.config)
-    spec = KVCacheSpec.for_dit(dit.config, tpf, num_blocks * p.video.frames_per_block, p.kv_window)
+    window = p.kv_window
+    if window.window_frames and slack_frames > window.slack_frames:
+        window = replace(window, slack_frames=slack_frames)  # exact rollback of a run-ahead draft
+    spec = KVCacheSpec.for_dit(dit.config, tpf, num_blocks * p.video.frames_per_block, window)
     return spec.allocate(dit.dtype, device)
 
 
-def generate_blocks(comps: Components, prompt: str, cfg: GenerationConfig, out_stats: dict | None = None
-                    ) -> Iterator[BlockResult]:
-    """Yields each block as soon as its frames are final. `out_stats` receives the counters at the end."""
+@dataclass
+class Setup:
+    """What one video needs besides the loop: schedule, models with fresh caches, VAE cache."""
+
+    schedule: FlowSchedule
+    aggregator: Aggregator
+    drafter: _Model | None
+    target: _Model | None
+    vae_cache: object
+    frames_per_block: int
+    block_shape: tuple
+
+
+def prepare(comps: Components, prompt: str, cfg: GenerationConfig, counters: Counters, slack_frames: int = 0
+            ) -> Setup:
     cfg.validate()
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("prompt is empty; give a non-empty text prompt")
@@ -154,24 +173,31 @@ def generate_blocks(comps: Components, prompt: str, cfg: GenerationConfig, out_s
         raise ValueError(f"mode {cfg.mode!r} needs a target, but none is loaded")
     if cfg.mode == "sdvg" and cfg.router.kind == "reward" and comps.scorer is None:
         raise ValueError("router 'reward' needs the ImageReward model; load one or use router 'random'/'pattern'")
-
     schedule = FlowSchedule.from_base(p.timesteps, p.shift)
-    agg = Aggregator(cfg.aggregation)
-    counters = Counters()
     emb = comps.text_encoder.encode(prompt)
     drafter = target = None
     if need_drafter:
         drafter = _Model(comps.drafter, "drafter", _allocate(comps, comps.drafter, comps.drafter_device,
-                         cfg.num_blocks), comps.drafter.encode_text(emb), comps.drafter_device, schedule, counters,
-                         "drafter_forwards")
+                         cfg.num_blocks, slack_frames), comps.drafter.encode_text(emb), comps.drafter_device,
+                         schedule, counters, "drafter_forwards")
     if need_target:
         target = _Model(comps.target, "target", _allocate(comps, comps.target, comps.target_device,
                         cfg.num_blocks), comps.target.encode_text(emb), comps.target_device, schedule, counters,
                         "target_forwards")
-    vae_cache = comps.vae.new_cache()
     zf = p.video.frames_per_block
     lh, lw = p.video.latent_hw(p.vae)
-    shape = (1, p.vae.z_dim, zf, lh, lw)
+    return Setup(schedule, Aggregator(cfg.aggregation), drafter, target, comps.vae.new_cache(), zf,
+                 (1, p.vae.z_dim, zf, lh, lw))
+
+
+def generate_blocks(comps: Components, prompt: str, cfg: GenerationConfig, out_stats: dict | None = None
+                    ) -> Iterator[BlockResult]:
+    """Yields each block as soon as its frames are final. `out_stats` receives the counters at the end."""
+    counters = Counters()
+    setup = prepare(comps, prompt, cfg, counters)
+    schedule, agg, drafter, target = setup.schedule, setup.aggregator, setup.drafter, setup.target
+    vae_cache = setup.vae_cache
+    zf, shape = setup.frames_per_block, setup.block_shape
     pending_target_commits: list[tuple[torch.Tensor, int]] = []  # accepted blocks not yet in the target
 
     def timed(times, name, device, fn):

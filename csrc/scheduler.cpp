@@ -1,0 +1,323 @@
+#include "scheduler.h"
+
+#include <sstream>
+#include <stdexcept>
+#include <type_traits>
+
+namespace sdvg {
+
+namespace {
+struct Cancelled : std::runtime_error {
+  Cancelled() : std::runtime_error("sdvg scheduler cancelled") {}
+};
+}  // namespace
+
+const char* decision_name(Decision d) {
+  switch (d) {
+    case Decision::Forced: return "forced";
+    case Decision::Accepted: return "accepted";
+    case Decision::Rejected: return "rejected";
+    case Decision::Target: return "target";
+    case Decision::Draft: return "draft";
+  }
+  return "?";
+}
+
+const char* stage_name(Stage s) {
+  switch (s) {
+    case Stage::Draft: return "draft";
+    case Stage::Decode: return "decode";
+    case Stage::Score: return "score";
+    case Stage::Target: return "target";
+    case Stage::DrafterCommit: return "drafter_commit";
+    case Stage::TargetCommit: return "target_commit";
+    default: return "?";
+  }
+}
+
+void SchedulerConfig::validate() const {
+  std::ostringstream os;
+  if (num_blocks < 1) os << "num_blocks " << num_blocks << " must be >= 1; ";
+  if (frames_per_block < 1) os << "frames_per_block must be >= 1; ";
+  if (num_steps < 1) os << "num_steps must be >= 1; ";
+  if (router == RouterKind::Random && static_cast<int>(uniforms.size()) < num_blocks)
+    os << "random router needs one uniform draw per block; ";
+  if (router == RouterKind::Pattern && pattern.empty()) os << "pattern router needs a pattern; ";
+  if (tau != tau) os << "tau is NaN; ";
+  const std::string msg = os.str();
+  if (!msg.empty()) throw std::invalid_argument("invalid scheduler config: " + msg);
+}
+
+Scheduler::Scheduler(SchedulerConfig config, Executor& executor) : cfg_(std::move(config)), ex_(executor) {
+  cfg_.validate();
+  const int n = cfg_.num_blocks;
+  records_.resize(n);
+  for (int b = 0; b < n; ++b) records_[b].index = b;
+  drafts_.resize(n);
+  draft_ready_.assign(n, 0);
+  decided_.assign(n, -1);
+  emitted_.resize(n);
+}
+
+Scheduler::~Scheduler() {
+  cancel();
+  if (drafter_thread_.joinable()) drafter_thread_.join();
+}
+
+void Scheduler::cancel() {
+  cancelled_.store(true);
+  std::lock_guard<std::mutex> lk(mu_);
+  cv_.notify_all();
+}
+
+void Scheduler::check_cancel() const {
+  if (cancelled_.load()) throw Cancelled();
+}
+
+template <class F>
+auto Scheduler::timed(int block, Stage stage, bool main_thread, F&& fn) -> decltype(fn()) {
+  check_cancel();
+  const auto t0 = Clock::now();
+  auto account = [&] {
+    const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+    std::lock_guard<std::mutex> lk(mu_);
+    records_[block].times[static_cast<int>(stage)] += dt;
+    counters_.stage_call_s += dt;
+    if (main_thread) counters_.main_stage_s += dt;
+  };
+  if constexpr (std::is_void_v<decltype(fn())>) {
+    fn();
+    account();
+  } else {
+    auto out = fn();
+    account();
+    return out;
+  }
+}
+
+bool Scheduler::route(int b, const Scored& s) const {
+  switch (cfg_.router) {
+    case RouterKind::Reward:
+      if (!s.valid) throw std::invalid_argument("router 'reward' needs a block score, but no reward model ran");
+      return s.score >= cfg_.tau;
+    case RouterKind::Random: return cfg_.uniforms[b] < cfg_.accept_prob;
+    case RouterKind::Pattern: return cfg_.pattern[b % cfg_.pattern.size()];
+  }
+  return false;
+}
+
+void Scheduler::run() {
+  const auto t0 = Clock::now();
+  const bool lane = cfg_.run_ahead && cfg_.mode != Mode::Target;
+  if (lane) {
+    drafter_thread_ = std::thread([this] {
+      try {
+        drafter_loop();
+      } catch (const Cancelled&) {
+      } catch (...) {
+        std::lock_guard<std::mutex> lk(mu_);
+        drafter_error_ = std::current_exception();
+        cancelled_.store(true);
+        cv_.notify_all();
+      }
+    });
+  }
+  std::exception_ptr main_error;
+  try {
+    run_main();
+  } catch (...) {
+    main_error = std::current_exception();
+    cancel();
+  }
+  if (drafter_thread_.joinable()) drafter_thread_.join();
+  counters_.wall_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  if (drafter_error_) std::rethrow_exception(drafter_error_);
+  if (main_error) std::rethrow_exception(main_error);
+}
+
+// ------------------------------------------------------------------ drafter side
+Handle Scheduler::drafter_draft(int b) {
+  Handle d = timed(b, Stage::Draft, !cfg_.run_ahead, [&] { return ex_.draft(b); });
+  std::lock_guard<std::mutex> lk(mu_);
+  counters_.drafter_forwards += cfg_.num_steps;
+  return d;
+}
+
+void Scheduler::drafter_commit(int b, const Handle& latents) {
+  timed(b, Stage::DrafterCommit, !cfg_.run_ahead, [&] { ex_.drafter_commit_forward(b, latents); });
+  ex_.drafter_cache_commit();
+  std::lock_guard<std::mutex> lk(mu_);
+  counters_.drafter_forwards += 1;
+}
+
+bool Scheduler::wait_decision(int b, Handle* emitted) {
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_.wait(lk, [&] { return decided_[b] >= 0 || cancelled_.load(); });
+  if (decided_[b] < 0) throw Cancelled();
+  *emitted = emitted_[b];
+  return decided_[b] == 1;
+}
+
+void Scheduler::drafter_loop() {
+  const int n = cfg_.num_blocks, F = cfg_.frames_per_block;
+  const bool own = cfg_.mode == Mode::Draft || cfg_.own_context;
+  bool speculative_prev = false;  // block b-1 was committed assuming it would be accepted
+  for (int b = 0; b < n; ++b) {
+    check_cancel();
+    const bool last = b == n - 1;
+    if (b == 0 && cfg_.skips_first_draft()) {
+      Handle x0;
+      wait_decision(0, &x0);
+      if (!last) drafter_commit(0, x0);
+      continue;
+    }
+    Handle d = drafter_draft(b);
+    if (speculative_prev) {
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        counters_.speculative_drafts += 1;
+      }
+      Handle prev;
+      if (!wait_decision(b - 1, &prev)) {  // the guess was wrong: undo it, commit the target's block
+        ex_.drafter_cache_rollback(static_cast<int64_t>(b - 1) * F);
+        drafter_commit(b - 1, prev);
+        d = drafter_draft(b);
+        std::lock_guard<std::mutex> lk(mu_);
+        counters_.redrafts += 1;
+        records_[b].redrafts += 1;
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      drafts_[b] = d;
+      draft_ready_[b] = 1;
+      cv_.notify_all();
+    }
+    speculative_prev = false;
+    if (last) break;
+    if (own) {
+      drafter_commit(b, d);
+    } else if (cfg_.forced(b)) {
+      Handle x;
+      wait_decision(b, &x);
+      drafter_commit(b, x);
+    } else {
+      drafter_commit(b, d);  // assume acceptance; checked after the next draft
+      speculative_prev = true;
+    }
+  }
+}
+
+// --------------------------------------------------------------------- main side
+Handle Scheduler::obtain_draft(int b) {
+  if (!cfg_.run_ahead) return drafter_draft(b);
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_.wait(lk, [&] { return draft_ready_[b] != 0 || cancelled_.load(); });
+  if (!draft_ready_[b]) throw Cancelled();
+  return drafts_[b];
+}
+
+void Scheduler::settle(int b, bool accepted, const Handle& emitted) {
+  std::lock_guard<std::mutex> lk(mu_);
+  decided_[b] = accepted ? 1 : 0;
+  emitted_[b] = emitted;
+  cv_.notify_all();
+}
+
+void Scheduler::flush_target_commits(int block) {
+  for (auto& [b, x] : pending_target_commits_) {
+    timed(block, Stage::TargetCommit, true, [&] { ex_.target_commit_forward(b, x); });
+    ex_.target_cache_commit();
+    std::lock_guard<std::mutex> lk(mu_);
+    counters_.target_forwards += 1;
+  }
+  pending_target_commits_.clear();
+}
+
+void Scheduler::run_main() {
+  const int n = cfg_.num_blocks;
+  for (int b = 0; b < n; ++b) {
+    check_cancel();
+    const bool last = b == n - 1;
+    BlockRecord& rec = records_[b];
+    Handle x, frames, d;
+    bool accepted = false;
+    auto run_target = [&] {
+      flush_target_commits(b);
+      Handle t = timed(b, Stage::Target, true, [&] { return ex_.target(b); });
+      std::lock_guard<std::mutex> lk(mu_);
+      counters_.target_forwards += cfg_.num_steps;
+      return t;
+    };
+    if (cfg_.mode == Mode::Target) {
+      x = run_target();
+      frames = timed(b, Stage::Decode, true, [&] { return ex_.decode(x); });
+      rec.decision = Decision::Target;
+    } else if (cfg_.mode == Mode::Draft) {
+      d = obtain_draft(b);
+      x = d;
+      frames = timed(b, Stage::Decode, true, [&] { return ex_.decode(x); });
+      rec.decision = Decision::Draft;
+      accepted = true;
+      settle(b, true, x);
+      if (!cfg_.run_ahead && !last) drafter_commit(b, x);
+    } else {
+      const bool forced = cfg_.forced(b);
+      Handle snap, draft_frames;
+      Scored scored;
+      if (forced && cfg_.skips_first_draft()) {
+        std::lock_guard<std::mutex> lk(mu_);
+        counters_.skipped_drafter_forwards += cfg_.num_steps;
+      } else {
+        d = obtain_draft(b);
+        snap = ex_.vae_snapshot();
+        draft_frames = timed(b, Stage::Decode, true, [&] { return ex_.decode(d); });
+        scored = timed(b, Stage::Score, true, [&] { return ex_.score(draft_frames); });
+        rec.has_score = scored.valid;
+        rec.score = scored.score;
+        rec.frame_scores = scored.frame_scores;
+      }
+      accepted = !forced && route(b, scored);
+      if (accepted) {
+        x = d;
+        frames = draft_frames;
+        rec.decision = Decision::Accepted;
+        if (cfg_.score_emitted) rec.emitted_scores = rec.frame_scores;
+      } else {
+        rec.decision = forced ? Decision::Forced : Decision::Rejected;
+        if (d) ex_.vae_restore(snap);
+        x = run_target();
+        frames = timed(b, Stage::Decode, true, [&] { return ex_.decode(x); });
+        if (cfg_.score_emitted)
+          rec.emitted_scores = timed(b, Stage::Score, true, [&] { return ex_.score(frames); }).frame_scores;
+      }
+      settle(b, accepted, x);
+      if (!cfg_.run_ahead && !last) drafter_commit(b, (cfg_.own_context && d) ? d : x);
+    }
+    if (cfg_.mode != Mode::Draft) {
+      if (!last) {
+        pending_target_commits_.emplace_back(b, x);
+        if (!(cfg_.lazy_target_commit && accepted && cfg_.mode == Mode::Sdvg)) flush_target_commits(b);
+      } else {
+        std::lock_guard<std::mutex> lk(mu_);
+        counters_.skipped_target_commits += 1 + static_cast<int64_t>(pending_target_commits_.size());
+        pending_target_commits_.clear();
+      }
+    }
+    if (last && cfg_.mode != Mode::Target) {
+      std::lock_guard<std::mutex> lk(mu_);
+      counters_.skipped_drafter_commits += 1;
+    }
+    rec.latents = x;
+    rec.frames = frames;
+    rec.draft_latents = cfg_.mode == Mode::Sdvg ? d : nullptr;  // draft mode: the draft is the block
+    BlockRecord snapshot;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      snapshot = rec;
+    }
+    ex_.emit(snapshot);
+  }
+}
+
+}  // namespace sdvg

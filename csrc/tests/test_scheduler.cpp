@@ -1,0 +1,251 @@
+// Scheduler state machine against a fake executor (run with ctest).
+//
+// The fake models every cache: a drafted or target block's value is a hash of the block index
+// and of the exact context its model's cache holds, so a draft made on a wrong context (a missed
+// rollback, a commit of the wrong latent) changes every later value and is caught.
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "../scheduler.h"
+
+using namespace sdvg;
+
+static int failures = 0;
+#define CHECK(cond)                                                                    \
+  do {                                                                                 \
+    if (!(cond)) {                                                                     \
+      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);    \
+      ++failures;                                                                      \
+    }                                                                                  \
+  } while (0)
+
+struct Int : Value {
+  explicit Int(uint64_t v) : v(v) {}
+  uint64_t v;
+};
+static uint64_t val(const Handle& h) { return static_cast<Int*>(h.get())->v; }
+static Handle mk(uint64_t v) { return std::make_shared<Int>(v); }
+static uint64_t mix(uint64_t a, uint64_t b) { return (a ^ (b + 0x9e3779b97f4a7c15ULL + (a << 6) + (a >> 2))) * 1099511628211ULL; }
+
+struct FakeCache {
+  std::vector<uint64_t> committed;
+  uint64_t pending = 0;
+  uint64_t context_hash(int salt) const {
+    uint64_t h = salt;
+    for (auto v : committed) h = mix(h, v);
+    return h;
+  }
+};
+
+struct Fake : Executor {
+  int F = 3;
+  FakeCache drafter, target_cache;
+  std::vector<uint64_t> vae;  // latents decoded so far (the causal cache)
+  std::vector<double> scores;  // score per block (drafts)
+  std::mutex mu;
+  std::vector<std::string> log;
+  std::vector<BlockRecord> emitted;
+
+  void note(const std::string& s) {
+    std::lock_guard<std::mutex> lk(mu);
+    log.push_back(s);
+  }
+  Handle draft(int b) override {
+    note("draft " + std::to_string(b));
+    return mk(mix(drafter.context_hash(1), b));
+  }
+  void drafter_commit_forward(int b, const Handle& x) override {
+    note("dcommit " + std::to_string(b));
+    drafter.pending = val(x);
+  }
+  void drafter_cache_commit() override { drafter.committed.push_back(drafter.pending); }
+  void drafter_cache_rollback(int64_t frame) override {
+    note("rollback " + std::to_string(frame));
+    drafter.committed.resize(frame / F);
+  }
+  Handle target(int b) override {
+    note("target " + std::to_string(b));
+    return mk(mix(target_cache.context_hash(2), b));
+  }
+  void target_commit_forward(int b, const Handle& x) override {
+    note("tcommit " + std::to_string(b));
+    target_cache.pending = val(x);
+  }
+  void target_cache_commit() override { target_cache.committed.push_back(target_cache.pending); }
+  Handle decode(const Handle& x) override {
+    vae.push_back(val(x));
+    uint64_t h = 3;
+    for (auto v : vae) h = mix(h, v);
+    return mk(h);
+  }
+  Scored score(const Handle& frames) override {
+    Scored s;
+    s.score = static_cast<double>(val(frames) % 1000) / 1000.0;
+    s.frame_scores = {s.score, s.score + 1};
+    return s;
+  }
+  Handle vae_snapshot() override { return mk(vae.size()); }
+  void vae_restore(const Handle& s) override { vae.resize(val(s)); }
+  void emit(const BlockRecord& r) override {
+    std::lock_guard<std::mutex> lk(mu);
+    emitted.push_back(r);
+  }
+};
+
+static SchedulerConfig pattern_cfg(std::vector<bool> pattern, bool run_ahead, bool own = false, int n = 6) {
+  SchedulerConfig c;
+  c.num_blocks = n;
+  c.router = RouterKind::Pattern;
+  c.pattern = std::move(pattern);
+  c.run_ahead = run_ahead;
+  c.own_context = own;
+  return c;
+}
+
+static std::vector<uint64_t> latents(const Fake& f) {
+  std::vector<uint64_t> out;
+  for (auto& r : f.emitted) out.push_back(val(r.latents));
+  return out;
+}
+
+static void test_sequential_call_order() {
+  Fake f;
+  Scheduler s(pattern_cfg({false, true, false}, false, false, 3), f);
+  s.run();
+  const std::vector<std::string> want = {
+      "target 0",                       // block 0: draft skipped (committed context), forced
+      "dcommit 0", "tcommit 0",         // both caches take the target's block
+      "draft 1", "dcommit 1",           // accepted: the drafter keeps its draft; target commit deferred
+      "draft 2", "tcommit 1", "target 2",  // rejected: flush the deferred commit, then the target runs
+  };
+  CHECK(f.log == want);
+  CHECK(f.emitted.size() == 3);
+  CHECK(f.emitted[0].decision == Decision::Forced && !f.emitted[0].has_score);
+  CHECK(f.emitted[1].decision == Decision::Accepted && val(f.emitted[1].latents) == val(f.emitted[1].draft_latents));
+  CHECK(f.emitted[2].decision == Decision::Rejected);
+  const auto& c = s.counters();
+  CHECK(c.target_forwards == 4 + 1 + 1 + 4);
+  CHECK(c.drafter_forwards == 4 + 4 + 2);
+  CHECK(c.skipped_drafter_forwards == 4);
+  CHECK(c.skipped_target_commits == 1);  // block 2 is last
+  CHECK(c.skipped_drafter_commits == 1);
+}
+
+static void test_trailing_accepts_cost_the_target_nothing() {
+  Fake f;
+  Scheduler s(pattern_cfg({false, true, true, true, true}, false, false, 5), f);  // 0 forced, then all accepted
+  s.run();
+  int tcommits = 0;
+  for (auto& l : f.log) tcommits += l.rfind("tcommit", 0) == 0;
+  CHECK(tcommits == 1);  // only block 0, before the accepted run
+  CHECK(s.counters().skipped_target_commits == 4);
+  CHECK(s.counters().target_forwards == 5);
+}
+
+static void test_run_ahead_equals_sequential(bool own) {
+  std::vector<std::vector<bool>> patterns = {
+      {false, true, false, true, true, false}, {false}, {true}, {false, false, true}};
+  for (auto& p : patterns) {
+    Fake a, b;
+    Scheduler sa(pattern_cfg(p, false, own), a);
+    sa.run();
+    Scheduler sb(pattern_cfg(p, true, own), b);
+    sb.run();
+    CHECK(latents(a) == latents(b));
+    CHECK(a.drafter.committed == b.drafter.committed);
+    CHECK(a.target_cache.committed == b.target_cache.committed);
+    for (size_t i = 0; i < a.emitted.size(); ++i) {
+      CHECK(a.emitted[i].decision == b.emitted[i].decision);
+      CHECK(val(a.emitted[i].frames) == val(b.emitted[i].frames));
+    }
+    CHECK(sa.counters().target_forwards == sb.counters().target_forwards);
+    CHECK(sa.counters().skipped_target_commits == sb.counters().skipped_target_commits);
+    if (own) CHECK(sb.counters().redrafts == 0);  // `own`: the drafter never waits, never redrafts
+  }
+}
+
+static void test_run_ahead_rolls_back_on_rejection() {
+  Fake f;
+  Scheduler s(pattern_cfg({false, true, false, true}, true, false, 4), f);
+  s.run();
+  // Block 2 is rejected: the speculative commit of draft 2 is rolled back to frame 6, the
+  // target's block 2 is committed instead, and draft 3 is made again.
+  bool rolled = false;
+  for (auto& l : f.log) rolled |= l == "rollback 6";
+  CHECK(rolled);
+  CHECK(s.counters().redrafts == 1);
+  CHECK(f.emitted[3].redrafts == 1);
+  CHECK(s.counters().speculative_drafts >= 2);
+  Fake g;
+  Scheduler q(pattern_cfg({false, true, false, true}, false, false, 4), g);
+  q.run();
+  CHECK(latents(f) == latents(g));
+  CHECK(f.drafter.committed == g.drafter.committed);
+}
+
+static void test_reward_router_and_records() {
+  Fake f;
+  SchedulerConfig c;
+  c.num_blocks = 4;
+  c.router = RouterKind::Reward;
+  c.tau = 0.5;
+  Scheduler s(c, f);
+  s.run();
+  for (int b = 1; b < 4; ++b) {
+    const auto& r = f.emitted[b];
+    CHECK(r.has_score && r.frame_scores.size() == 2);
+    CHECK((r.decision == Decision::Accepted) == (r.score >= 0.5));
+    CHECK(r.times[static_cast<int>(Stage::Draft)] > 0.0);
+  }
+}
+
+static void test_stage_error_propagates_from_drafter_thread() {
+  struct Failing : Fake {
+    Handle draft(int b) override {
+      if (b == 2) throw std::runtime_error("draft failed");
+      return Fake::draft(b);
+    }
+  } f;
+  Scheduler s(pattern_cfg({false, true}, true, false, 5), f);
+  bool threw = false;
+  try {
+    s.run();
+  } catch (const std::runtime_error& e) {
+    threw = std::string(e.what()) == "draft failed";
+  }
+  CHECK(threw);
+  CHECK(f.emitted.size() >= 1 && f.emitted.size() <= 2);  // blocks settled before the failure are kept
+}
+
+static void test_bad_config() {
+  Fake f;
+  SchedulerConfig c;
+  c.num_blocks = 0;
+  bool threw = false;
+  try {
+    Scheduler s(c, f);
+  } catch (const std::invalid_argument&) {
+    threw = true;
+  }
+  CHECK(threw);
+}
+
+int main() {
+  test_sequential_call_order();
+  test_trailing_accepts_cost_the_target_nothing();
+  test_run_ahead_equals_sequential(false);
+  test_run_ahead_equals_sequential(true);
+  test_run_ahead_rolls_back_on_rejection();
+  test_reward_router_and_records();
+  test_stage_error_propagates_from_drafter_thread();
+  test_bad_config();
+  if (failures) {
+    std::fprintf(stderr, "%d check(s) failed\n", failures);
+    return EXIT_FAILURE;
+  }
+  std::printf("scheduler: all checks passed\n");
+  return EXIT_SUCCESS;
+}
