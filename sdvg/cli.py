@@ -215,6 +215,94 @@ def cmd_memory(args) -> int:
     return 0
 
 
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "MovieGenVideoBench.txt"
+
+
+def _prompts_for_sweep(args) -> list[str]:
+    path = Path(args.prompts_file) if args.prompts_file else DEFAULT_PROMPTS
+    if not path.is_file():
+        raise SystemExit(f"error: prompts file {path} not found; pass --prompts-file")
+    prompts = read_prompts(path)
+    return prompts[: args.limit] if args.limit else prompts
+
+
+def _taus(text: str) -> list[float]:
+    return [_tau(t) for t in text.split(",") if t.strip()]
+
+
+def _sweep_pipeline(args):
+    """Under torchrun each process takes its own GPU pair (or GPU), unless devices are given."""
+    import torch
+
+    from sdvg.sweep import dist_env
+
+    rank, world, local = dist_env()
+    if world > 1 and args.device == "cpu" and torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        if n >= 2 * world:
+            args.device, args.target_device = f"cuda:{2 * local}", f"cuda:{2 * local + 1}"
+        else:
+            args.device = f"cuda:{local % n}"
+    return build_pipeline(args), rank, world
+
+
+def cmd_sweep(args) -> int:
+    from sdvg.evaluators import load_evaluator
+    from sdvg.sweep import plot, read_records, run_sweep, summarise
+
+    prompts = _prompts_for_sweep(args)
+    out = Path(args.out)
+    if not args.report_only:
+        pipe, rank, world = _sweep_pipeline(args)
+        evaluator = load_evaluator(args.evaluator, pipe)
+        run_sweep(pipe, prompts, _taus(args.taus), out, evaluator, num_blocks=args.num_blocks, seed=args.seed,
+                  rank=rank, world=world, backend=args.backend,
+                  progress=None if args.quiet else lambda r: print(
+                      f"[{r['prompt_index']}] tau={r['tau']}: acceptance={r['acceptance_rate']}, "
+                      f"{r['wall_s']:.2f} s, quality {r['quality']:.4f}", file=sys.stderr))
+        if world > 1 and rank != 0:
+            return 0
+    summary = summarise(read_records(out))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    plot(summary, out / "pareto.png")
+    for r in summary["taus"]:
+        print(f"tau {r['tau']:g}: acceptance {r['acceptance']:.1%}, speed-up {r['speedup']:.2f}x, "
+              f"quality retention {r['retention']:.1%}")
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from sdvg.evaluators import load_evaluator
+    from sdvg.sweep import calibrate_acceptance, calibrate_retention, read_records, run_sweep, summarise
+
+    if (args.acceptance is None) == (args.retention is None):
+        raise SystemExit("error: give exactly one of --acceptance A or --retention R")
+    prompts = _prompts_for_sweep(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    pipe, _, _ = _sweep_pipeline(args)
+    if args.acceptance is not None:
+        scores = []
+        for prompt in prompts:  # every draft scored: accept all (contexts are the drafts)
+            o = pipe(prompt, tau=-math.inf, num_blocks=args.num_blocks, seed=args.seed, backend=args.backend)
+            scores += [b["score"] for b in o.stats["blocks"][1:]]
+        tau = calibrate_acceptance(scores, args.acceptance)
+        achieved = [pipe(p, tau=tau, num_blocks=args.num_blocks, seed=args.seed, backend=args.backend
+                         ).stats["acceptance_rate"] for p in prompts]
+        result = {"goal": {"acceptance": args.acceptance}, "tau": tau, "draft_scores": len(scores),
+                  "achieved_acceptance": sum(achieved) / len(achieved), "prompts": len(prompts)}
+    else:
+        evaluator = load_evaluator(args.evaluator, pipe)
+        run_sweep(pipe, prompts, _taus(args.taus), out, evaluator, num_blocks=args.num_blocks, seed=args.seed,
+                  backend=args.backend)
+        best = calibrate_retention(summarise(read_records(out)), args.retention)
+        result = {"goal": {"retention": args.retention}, "tau": best["tau"], "achieved": best,
+                  "prompts": len(prompts)}
+    (out / "calibration.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="sdvg", description="speculative decoding for video diffusion")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -233,6 +321,22 @@ def main(argv=None) -> int:
     m.add_argument("--num-blocks", type=_positive_int)
     m.add_argument("--budget-gib", type=float)
     m.set_defaults(func=cmd_memory)
+    for name, fn, helptext in (("sweep", cmd_sweep, "sweep tau over a prompt set; Pareto plot"),
+                               ("calibrate", cmd_calibrate, "pick tau for an acceptance rate or quality retention")):
+        sp = sub.add_parser(name, help=helptext)
+        add_generation_args(sp)
+        sp.add_argument("--prompts-file", help=f"default: {DEFAULT_PROMPTS}")
+        sp.add_argument("--limit", type=int, default=8, help="first N prompts (0 = all)")
+        sp.add_argument("--taus", default="-2.5,-1.5,-0.7,0.0,0.5")
+        sp.add_argument("--evaluator", default="imagereward", help="imagereward | python:<module>:<function>")
+        sp.add_argument("--out", default=f"results/{name}")
+        sp.add_argument("--quiet", action="store_true")
+        if name == "sweep":
+            sp.add_argument("--report-only", action="store_true", help="merge shards and plot only")
+        else:
+            sp.add_argument("--acceptance", type=float, help="wanted acceptance rate of blocks 1..B-1")
+            sp.add_argument("--retention", type=float, help="wanted quality retention vs target-only")
+        sp.set_defaults(func=fn)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
