@@ -83,12 +83,12 @@ def overhead(repeats: int, num_blocks: int) -> dict:
     out = {}
     kw = dict(router="pattern", pattern=acceptance_pattern(num_blocks, 0.731), num_blocks=num_blocks, seed=0)
     for backend in ("reference", "cpp"):
-        pipe("warm-up", backend=backend, **kw)
+        pipe("warm-up", scheduler=backend, **kw)
         per_block = []
         for _ in range(repeats):
             stats = {}
             t0 = time.perf_counter()
-            for _ in pipe.stream("a fox", stats=stats, backend=backend, **kw):
+            for _ in pipe.stream("a fox", stats=stats, scheduler=backend, **kw):
                 pass
             wall = time.perf_counter() - t0
             inside = sum(sum(b["times"][k] for k in ("draft", "decode", "score", "target", "drafter_commit",

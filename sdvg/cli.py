@@ -64,8 +64,11 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--aggregation", choices=AGGREGATIONS, default="min")
     p.add_argument("--drafter-context", choices=DRAFTER_CONTEXTS, default="committed")
     p.add_argument("--no-force-first-reject", action="store_true", help="let the router decide block 0 too")
-    p.add_argument("--backend", choices=("cpp", "reference"), default="cpp",
-                   help="cpp: the native scheduler; reference: the plain Python loop")
+    p.add_argument("--scheduler", choices=("cpp", "reference"), default="cpp",
+                   help="cpp: the native scheduler; reference: the plain Python loop (the oracle)")
+    p.add_argument("--backend", choices=("eager", "compile", "tensorrt"), default="eager",
+                   help="how stages run: eager PyTorch, torch.compile'd static stages, or TensorRT engines")
+    p.add_argument("--engines", help="engine folder built by `python -m build_engines` (backend tensorrt)")
     p.add_argument("--run-ahead", action="store_true", help="draft block b+1 while block b is settled (cpp)")
     p.add_argument("--device", "--drafter-device", dest="device", default="cpu",
                    help="drafter, VAE and reward device")
@@ -81,16 +84,18 @@ def build_pipeline(args):
             raise SystemExit("error: real weights need --drafter, --target, --vae and --text-encoder together")
         return SpeculativeVideoPipeline.from_pretrained(
             args.drafter, args.target, args.vae, args.reward, args.text_encoder, preset="wan2.1",
-            reward_tokenizer=args.reward_tokenizer, drafter_device=args.device, target_device=args.target_device)
+            reward_tokenizer=args.reward_tokenizer, drafter_device=args.device, target_device=args.target_device,
+            backend=args.backend, engines=args.engines)
     if args.preset not in PRESETS:
         raise SystemExit(f"error: unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
-    return SpeculativeVideoPipeline.from_preset(args.preset, device=args.device, target_device=args.target_device)
+    return SpeculativeVideoPipeline.from_preset(args.preset, device=args.device, target_device=args.target_device,
+                                                backend=args.backend, engines=args.engines)
 
 
 def generation_kwargs(args, mode: str) -> dict:
     return dict(mode=mode, tau=args.tau, num_blocks=args.num_blocks, seed=args.seed, router=args.router,
                 accept_prob=args.accept_prob, aggregation=args.aggregation, drafter_context=args.drafter_context,
-                force_first_reject=not args.no_force_first_reject, backend=args.backend, run_ahead=args.run_ahead)
+                force_first_reject=not args.no_force_first_reject, scheduler=args.scheduler, run_ahead=args.run_ahead)
 
 
 def _video_path(out: Path, index: int, many: bool) -> Path:
@@ -256,7 +261,7 @@ def cmd_sweep(args) -> int:
         pipe, rank, world = _sweep_pipeline(args)
         evaluator = load_evaluator(args.evaluator, pipe)
         run_sweep(pipe, prompts, _taus(args.taus), out, evaluator, num_blocks=args.num_blocks, seed=args.seed,
-                  rank=rank, world=world, backend=args.backend,
+                  rank=rank, world=world, scheduler=args.scheduler,
                   progress=None if args.quiet else lambda r: print(
                       f"[{r['prompt_index']}] tau={r['tau']}: acceptance={r['acceptance_rate']}, "
                       f"{r['wall_s']:.2f} s, quality {r['quality']:.4f}", file=sys.stderr))
@@ -284,17 +289,17 @@ def cmd_calibrate(args) -> int:
     if args.acceptance is not None:
         scores = []
         for prompt in prompts:  # every draft scored: accept all (contexts are the drafts)
-            o = pipe(prompt, tau=-math.inf, num_blocks=args.num_blocks, seed=args.seed, backend=args.backend)
+            o = pipe(prompt, tau=-math.inf, num_blocks=args.num_blocks, seed=args.seed, scheduler=args.scheduler)
             scores += [b["score"] for b in o.stats["blocks"][1:]]
         tau = calibrate_acceptance(scores, args.acceptance)
-        achieved = [pipe(p, tau=tau, num_blocks=args.num_blocks, seed=args.seed, backend=args.backend
+        achieved = [pipe(p, tau=tau, num_blocks=args.num_blocks, seed=args.seed, scheduler=args.scheduler
                          ).stats["acceptance_rate"] for p in prompts]
         result = {"goal": {"acceptance": args.acceptance}, "tau": tau, "draft_scores": len(scores),
                   "achieved_acceptance": sum(achieved) / len(achieved), "prompts": len(prompts)}
     else:
         evaluator = load_evaluator(args.evaluator, pipe)
         run_sweep(pipe, prompts, _taus(args.taus), out, evaluator, num_blocks=args.num_blocks, seed=args.seed,
-                  backend=args.backend)
+                  scheduler=args.scheduler)
         best = calibrate_retention(summarise(read_records(out)), args.retention)
         result = {"goal": {"retention": args.retention}, "tau": best["tau"], "achieved": best,
                   "prompts": len(prompts)}

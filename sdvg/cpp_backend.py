@@ -52,12 +52,12 @@ class _Stages:
         self._done(self.setup.target.commit_forward(x, b * self.F))
 
     def decode(self, x):
-        return self._done(self.comps.vae.decode(x, self.setup.vae_cache))
+        return self._done(self.setup.runners.decode(x, self.setup.vae_cache))
 
     def score(self, pixels):
         if self.comps.scorer is None:
             return None
-        s = self.comps.scorer.score(self.prompt, to_unit_frames(pixels))
+        s = self.setup.runners.score(self.prompt, to_unit_frames(pixels))
         self._done()
         return self.setup.aggregator(s), [float(v) for v in s.cpu()]
 
@@ -92,10 +92,10 @@ def scheduler_config(cfg: GenerationConfig, frames_per_block: int, num_steps: in
 
 
 def generate_blocks_cpp(comps: Components, prompt: str, cfg: GenerationConfig, out_stats: dict | None = None,
-                        run_ahead: bool = False, sync_stages: bool = True) -> Iterator[BlockResult]:
+                        run_ahead: bool = False, sync_stages: bool = True, runners=None) -> Iterator[BlockResult]:
     """Same contract as `reference.generate_blocks`, run by the native scheduler."""
     counters = Counters()
-    setup = prepare(comps, prompt, cfg, counters, slack_frames=setup_slack(comps, run_ahead))
+    setup = prepare(comps, prompt, cfg, counters, slack_frames=setup_slack(comps, run_ahead), runners=runners)
     sink: queue.Queue = queue.Queue()
     stages = _Stages(comps, prompt, cfg, setup, sink, sync_stages)
     sched = _C.Scheduler(

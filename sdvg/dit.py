@@ -83,6 +83,31 @@ class CausalWanDiT(nn.Module):
         With `cache`, the block's K/V are written into the cache's pending slots (claimed here) and
         attention covers every visible frame; the caller commits. Without it, attention covers the
         given frames only, restricted by `attn_mask` ([S, S] bool, True = attend) if given."""
+        _, _, nF, H, W = latents.shape
+        cos, sin = self.rope(frame_offset, nF, H, W, latents.device)
+        if cache is not None:
+            cache.begin_write(nF)
+
+            def attend(layer, k, v):
+                cache.write(layer, k, v)
+                k_all, v_all = cache.visible(layer)  # [B, H, S_visible, Dh]
+                return k_all, v_all, None
+        else:
+            mask = None if attn_mask is None else attn_mask.to(latents.device)
+
+            def attend(layer, k, v):
+                return k, v, mask
+        return self.forward_with(latents, timesteps, text.keys, text.values, cos, sin, attend)
+
+    def rope(self, frame_offset: int, frames: int, height: int, width: int, device):
+        """cos/sin [S, head_dim/2] of a block at `frame_offset` (latent height/width)."""
+        p = self.config.patch_size
+        return rope_cos_sin(self._angles, self.config.head_dim, frame_offset, frames, height // p[1], width // p[2],
+                            device)
+
+    def forward_with(self, latents, timesteps, text_keys, text_values, cos, sin, attend) -> torch.Tensor:
+        """The DiT body with self-attention keys/values supplied by `attend(layer, k, v) -> (k_all,
+        v_all, mask)`: a KV cache, a full-sequence mask, or static cache tensors (engine stages)."""
         m, cfg = self.model, self.config
         B, C, nF, H, W = latents.shape
         if timesteps.shape != (B, nF):
@@ -90,21 +115,18 @@ class CausalWanDiT(nn.Module):
         p_t, p_h, p_w = cfg.patch_size
         gh, gw = H // p_h, W // p_w
         tpf = gh * gw  # tokens per latent frame
-
-        cos, sin = rope_cos_sin(self._angles, cfg.head_dim, frame_offset, nF, gh, gw, latents.device)
         x = m.patch_embedding(latents.to(self.dtype)).flatten(2).transpose(1, 2)  # [B, S, dim]
 
         emb = m.condition_embedder
         t_freq = emb.timesteps_proj(timesteps.flatten().float())  # [B*F, freq_dim]
-        t_freq = t_freq.to(next(emb.time_embedder.parameters()).dtype)
+        t_freq = t_freq.to(emb.time_embedder.linear_1.weight.dtype)
         temb = emb.time_embedder(t_freq).unflatten(0, (B, nF))  # [B, F, dim]
         t_mod = emb.time_proj(emb.act_fn(temb).to(emb.time_proj.weight.dtype))  # [B, F, 6*dim]
         t_mod = t_mod.unflatten(2, (6, -1)).float()  # [B, F, 6, dim]
 
-        if cache is not None:
-            cache.begin_write(nF)
         for layer, block in enumerate(m.blocks):
-            x = self._block(block, layer, x, t_mod, text, cos, sin, nF, tpf, cache, attn_mask)
+            x = self._block(block, layer, x, t_mod, text_keys[layer], text_values[layer], cos, sin, nF, tpf,
+                            attend)
 
         shift, scale = (m.scale_shift_table.float()[:, None] + temb.float()[:, :, None]).chunk(2, dim=2)  # [B,F,1,d]
         h = m.norm_out(x.float()).unflatten(1, (nF, tpf))  # [B, F, T, dim]
@@ -113,7 +135,7 @@ class CausalWanDiT(nn.Module):
         out = out.reshape(B, nF // p_t, gh, gw, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
         return out.flatten(6, 7).flatten(4, 5).flatten(2, 3)  # [B, C, F, H, W]
 
-    def _block(self, block, layer: int, x, t_mod, text: TextKV, cos, sin, nF: int, tpf: int, cache, attn_mask):
+    def _block(self, block, layer: int, x, t_mod, text_k, text_v, cos, sin, nF: int, tpf: int, attend):
         B, S, D = x.shape
         heads = self.config.num_heads
         mod = block.scale_shift_table.float()[:, None] + t_mod  # [B, F, 6, dim] (table [1, 6, dim])
@@ -131,10 +153,7 @@ class CausalWanDiT(nn.Module):
         q = apply_rope(q, cos, sin).transpose(1, 2)  # [B, H, S, Dh]
         k = apply_rope(k, cos, sin).transpose(1, 2)
         v = v.transpose(1, 2)
-        if cache is not None:
-            cache.write(layer, k, v)
-            k, v = cache.visible(layer)  # [B, H, S_visible, Dh]
-        mask = None if attn_mask is None else attn_mask.to(q.device)
+        k, v, mask = attend(layer, k, v)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, S, Dh]
         o = a.to_out[0](o.transpose(1, 2).flatten(2))
         x = (x.float() + per_frame(lambda t: t * gate_msa, o.float())).to(x.dtype)
@@ -143,7 +162,7 @@ class CausalWanDiT(nn.Module):
         h = block.norm2(x.float()).to(x.dtype)
         c = block.attn2
         q = c.norm_q(c.to_q(h)).unflatten(2, (heads, -1)).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, text.keys[layer], text.values[layer])
+        o = F.scaled_dot_product_attention(q, text_k, text_v)
         x = x + c.to_out[0](o.transpose(1, 2).flatten(2))
 
         # Feed-forward.

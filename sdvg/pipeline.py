@@ -17,7 +17,7 @@ import torch
 
 from sdvg.config import Preset, get_preset
 
-BACKENDS = ("cpp", "reference")
+SCHEDULERS = ("cpp", "reference")
 from sdvg.models import Components, build_random, load_pretrained
 from sdvg.reference import BlockResult, GenerationConfig, generate_blocks
 from sdvg.routers import Router
@@ -68,28 +68,41 @@ class StatsCollector:
 
 
 class SpeculativeVideoPipeline:
-    def __init__(self, components: Components):
+    def __init__(self, components: Components, backend: str = "eager", engines=None):
         self.components = components
         self.preset = components.preset
+        self._runners: dict = {}  # stage backend -> StageRunners (compiled modules / engines), built on first use
+        self.default_backend = backend
+        self.engines = engines
+
+    def runners(self, backend: str | None = None):
+        from sdvg.backends import StageRunners
+
+        backend = backend or self.default_backend
+        if backend not in self._runners:
+            self._runners[backend] = StageRunners(self.components, backend, self.engines)
+        return self._runners[backend]
 
     @classmethod
     def from_preset(cls, name: str | Preset = "tiny", seed: int = 0, device: str = "cpu",
-                    target_device: str | None = None, **preset_changes) -> "SpeculativeVideoPipeline":
+                    target_device: str | None = None, backend: str = "eager", engines=None,
+                    **preset_changes) -> "SpeculativeVideoPipeline":
         """A pipeline with random weights of a named preset (`tiny`, `cpu-bench`, `real-size`)."""
         preset = get_preset(name) if isinstance(name, str) else name
         if preset_changes:
             preset = dataclasses.replace(preset, **preset_changes)
         preset.validate()
-        return cls(build_random(preset, seed=seed, drafter_device=device, target_device=target_device))
+        return cls(build_random(preset, seed=seed, drafter_device=device, target_device=target_device), backend,
+                   engines)
 
     @classmethod
     def from_pretrained(cls, drafter, target, vae, reward, text_encoder, preset: str | Preset = "wan2.1",
-                        reward_tokenizer=None, drafter_device="cuda:0", target_device=None
-                        ) -> "SpeculativeVideoPipeline":
+                        reward_tokenizer=None, drafter_device="cuda:0", target_device=None, backend: str = "eager",
+                        engines=None) -> "SpeculativeVideoPipeline":
         """Real weights from local paths or HF-cache folders (see sdvg.checkpoints for the formats)."""
         preset = get_preset(preset) if isinstance(preset, str) else preset
         return cls(load_pretrained(preset, drafter, target, vae, reward, text_encoder, reward_tokenizer,
-                                   drafter_device, target_device))
+                                   drafter_device, target_device), backend, engines)
 
     def make_config(self, mode="sdvg", tau=-0.7, num_blocks=None, seed=0, router="reward", accept_prob=0.731,
                     pattern=(), aggregation="min", force_first_reject=True, drafter_context="committed",
@@ -102,35 +115,39 @@ class SpeculativeVideoPipeline:
         cfg.validate()
         return cfg
 
-    def stream(self, prompt: str, stats: dict | None = None, backend: str = "cpp", run_ahead: bool = False,
-               **kwargs) -> Iterator[BlockResult]:
+    def stream(self, prompt: str, stats: dict | None = None, scheduler: str = "cpp", run_ahead: bool = False,
+               backend: str | None = None, **kwargs) -> Iterator[BlockResult]:
         """Yield each block as soon as its frames are final; `stats` (if given) is filled at the end.
 
-        backend: "cpp" (the native scheduler, default) or "reference" (the plain Python loop; the
+        scheduler: "cpp" (the native scheduler, default) or "reference" (the plain Python loop; the
         oracle). run_ahead (cpp only): the drafter drafts block b+1 while block b is decoded, scored
-        and committed; the output is identical."""
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
-        if run_ahead and backend != "cpp":
-            raise ValueError("run_ahead needs backend='cpp'")
+        and committed; the output is identical. backend: how stages run, "eager" | "compile" |
+        "tensorrt" (default: the pipeline's)."""
+        if scheduler not in SCHEDULERS:
+            raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {SCHEDULERS}")
+        if run_ahead and scheduler != "cpp":
+            raise ValueError("run_ahead needs scheduler='cpp'")
         cfg = self.make_config(**kwargs)
+        runners = self.runners(backend)
         collector = StatsCollector(prompt, cfg, self.preset)
-        collector.stats.update(backend=backend, run_ahead=run_ahead)
+        collector.stats.update(scheduler=scheduler, run_ahead=run_ahead, backend=runners.backend)
         counters: dict = {}
-        if backend == "cpp":
+        if scheduler == "cpp":
             from sdvg.cpp_backend import generate_blocks_cpp
 
-            blocks = generate_blocks_cpp(self.components, prompt, cfg, counters, run_ahead=run_ahead)
+            blocks = generate_blocks_cpp(self.components, prompt, cfg, counters, run_ahead=run_ahead, runners=runners)
         else:
-            blocks = generate_blocks(self.components, prompt, cfg, counters)
+            blocks = generate_blocks(self.components, prompt, cfg, counters, runners=runners)
         for block in blocks:
             collector.add(block)
             yield block
         if stats is not None:
             stats.update(collector.finish(counters))
 
-    def __call__(self, prompt: str, backend: str = "cpp", run_ahead: bool = False, **kwargs) -> PipelineOutput:
+    def __call__(self, prompt: str, scheduler: str = "cpp", run_ahead: bool = False, backend: str | None = None,
+                 **kwargs) -> PipelineOutput:
         stats: dict = {}
-        blocks = list(self.stream(prompt, stats=stats, backend=backend, run_ahead=run_ahead, **kwargs))
+        blocks = list(self.stream(prompt, stats=stats, scheduler=scheduler, run_ahead=run_ahead, backend=backend,
+                                  **kwargs))
         return PipelineOutput(frames=torch.cat([b.frames for b in blocks]),
                               latents=torch.cat([b.latents for b in blocks], dim=2), stats=stats, blocks=blocks)

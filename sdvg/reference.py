@@ -99,9 +99,12 @@ def _sync(device: torch.device) -> None:
 class _Model:
     """One DiT with its KV cache and prompt K/V on its device."""
 
-    def __init__(self, dit, role: str, cache, text_kv, device, schedule, counters: Counters, attr: str):
+    def __init__(self, dit, role: str, cache, text_kv, device, schedule, counters: Counters, attr: str, runners):
         self.dit, self.role, self.cache, self.text_kv, self.device = dit, role, cache, text_kv, device
-        self.schedule, self.counters, self.attr = schedule, counters, attr
+        self.schedule, self.counters, self.attr, self.runners = schedule, counters, attr, runners
+
+    def forward(self, x, t, frame0: int):
+        return self.runners.dit_forward(self.role, self.dit, x, t, self.text_kv, frame0, self.cache)
 
     def _count(self):
         setattr(self.counters, self.attr, getattr(self.counters, self.attr) + 1)
@@ -113,7 +116,7 @@ class _Model:
         steps = self.schedule.num_steps
         for i in range(steps):
             t = torch.full((1, n_frames), self.schedule.timesteps[i], device=self.device)
-            flow = self.dit(x, t, self.text_kv, frame_offset=frame0, cache=self.cache)
+            flow = self.forward(x, t, frame0)
             self._count()
             x0 = self.schedule.to_x0(x, flow, i)
             if i + 1 < steps:
@@ -127,7 +130,7 @@ class _Model:
         """Clean forward at t = 0 writes the block's K/V into the pending slots (pointer unchanged)."""
         x = latents.to(self.device)
         t = torch.zeros((1, x.shape[2]), device=self.device)
-        self.dit(x, t, self.text_kv, frame_offset=frame0, cache=self.cache)
+        self.forward(x, t, frame0)
         self._count()
 
     def commit(self, latents: torch.Tensor, frame0: int) -> None:
@@ -136,8 +139,10 @@ class _Model:
         self.cache.commit()
 
 
-def _allocate(comps: Components, dit, device, num_blocks: int, slack_frames: int = 0):
+def _allocate(comps: Components, dit, device, num_blocks: int, slack_frames: int = 0, runners=None):
     p = comps.preset
+    if runners is not None and runners.backend != "eager":
+        num_blocks = max(num_blocks, p.video.num_blocks)  # static stages were shaped for the preset's capacity
     tpf = p.video.tokens_per_frame(p.vae, dit.config)
     window = p.kv_window
     if window.window_frames and slack_frames > window.slack_frames:
@@ -157,11 +162,16 @@ class Setup:
     vae_cache: object
     frames_per_block: int
     block_shape: tuple
+    runners: object
 
 
-def prepare(comps: Components, prompt: str, cfg: GenerationConfig, counters: Counters, slack_frames: int = 0
-            ) -> Setup:
+def prepare(comps: Components, prompt: str, cfg: GenerationConfig, counters: Counters, slack_frames: int = 0,
+            runners=None) -> Setup:
     cfg.validate()
+    if runners is None:
+        from sdvg.backends import StageRunners
+
+        runners = StageRunners(comps, "eager")
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("prompt is empty; give a non-empty text prompt")
     p = comps.preset
@@ -178,23 +188,24 @@ def prepare(comps: Components, prompt: str, cfg: GenerationConfig, counters: Cou
     drafter = target = None
     if need_drafter:
         drafter = _Model(comps.drafter, "drafter", _allocate(comps, comps.drafter, comps.drafter_device,
-                         cfg.num_blocks, slack_frames), comps.drafter.encode_text(emb), comps.drafter_device,
-                         schedule, counters, "drafter_forwards")
+                         cfg.num_blocks, slack_frames, runners), comps.drafter.encode_text(emb), comps.drafter_device,
+                         schedule, counters, "drafter_forwards", runners)
     if need_target:
         target = _Model(comps.target, "target", _allocate(comps, comps.target, comps.target_device,
-                        cfg.num_blocks), comps.target.encode_text(emb), comps.target_device, schedule, counters,
-                        "target_forwards")
+                        cfg.num_blocks, 0, runners), comps.target.encode_text(emb), comps.target_device, schedule,
+                        counters, "target_forwards", runners)
     zf = p.video.frames_per_block
     lh, lw = p.video.latent_hw(p.vae)
     return Setup(schedule, Aggregator(cfg.aggregation), drafter, target, comps.vae.new_cache(), zf,
-                 (1, p.vae.z_dim, zf, lh, lw))
+                 (1, p.vae.z_dim, zf, lh, lw), runners)
 
 
-def generate_blocks(comps: Components, prompt: str, cfg: GenerationConfig, out_stats: dict | None = None
-                    ) -> Iterator[BlockResult]:
+def generate_blocks(comps: Components, prompt: str, cfg: GenerationConfig, out_stats: dict | None = None,
+                    runners=None) -> Iterator[BlockResult]:
     """Yields each block as soon as its frames are final. `out_stats` receives the counters at the end."""
     counters = Counters()
-    setup = prepare(comps, prompt, cfg, counters)
+    setup = prepare(comps, prompt, cfg, counters, runners=runners)
+    run = setup.runners
     schedule, agg, drafter, target = setup.schedule, setup.aggregator, setup.drafter, setup.target
     vae_cache = setup.vae_cache
     zf, shape = setup.frames_per_block, setup.block_shape
@@ -224,11 +235,11 @@ def generate_blocks(comps: Components, prompt: str, cfg: GenerationConfig, out_s
         if cfg.mode == "target":
             flush_target_commits(times)
             x_b = timed(times, "target", target.device, lambda: target.denoise(noise, b, frame0, cfg.seed))
-            pixels = timed(times, "decode", comps.vae.device, lambda: comps.vae.decode(x_b, vae_cache))
+            pixels = timed(times, "decode", comps.vae.device, lambda: run.decode(x_b, vae_cache))
             decision = "target"
         elif cfg.mode == "draft":
             x_b = timed(times, "draft", drafter.device, lambda: drafter.denoise(noise, b, frame0, cfg.seed))
-            pixels = timed(times, "decode", comps.vae.device, lambda: comps.vae.decode(x_b, vae_cache))
+            pixels = timed(times, "decode", comps.vae.device, lambda: run.decode(x_b, vae_cache))
             decision = "draft"
         else:
             forced = b == 0 and cfg.force_first_reject
@@ -238,10 +249,10 @@ def generate_blocks(comps: Components, prompt: str, cfg: GenerationConfig, out_s
             else:
                 draft = timed(times, "draft", drafter.device, lambda: drafter.denoise(noise, b, frame0, cfg.seed))
                 snap = vae_cache.snapshot()
-                pixels_hat = timed(times, "decode", comps.vae.device, lambda: comps.vae.decode(draft, vae_cache))
+                pixels_hat = timed(times, "decode", comps.vae.device, lambda: run.decode(draft, vae_cache))
                 if comps.scorer is not None:
                     scores = timed(times, "score", comps.vae.device,
-                                   lambda: comps.scorer.score(prompt, to_unit_frames(pixels_hat)))
+                                   lambda: run.score(prompt, to_unit_frames(pixels_hat)))
                     frame_scores = [float(s) for s in scores.cpu()]
                     score = agg(scores)
             accepted = (not forced) and cfg.router.accept(b, score, cfg.seed)
@@ -253,10 +264,10 @@ def generate_blocks(comps: Components, prompt: str, cfg: GenerationConfig, out_s
                     vae_cache.restore(snap)
                 flush_target_commits(times)
                 x_b = timed(times, "target", target.device, lambda: target.denoise(noise, b, frame0, cfg.seed))
-                pixels = timed(times, "decode", comps.vae.device, lambda: comps.vae.decode(x_b, vae_cache))
+                pixels = timed(times, "decode", comps.vae.device, lambda: run.decode(x_b, vae_cache))
                 if cfg.score_emitted and comps.scorer is not None:
                     s = timed(times, "score", comps.vae.device,
-                              lambda: comps.scorer.score(prompt, to_unit_frames(pixels)))
+                              lambda: run.score(prompt, to_unit_frames(pixels)))
                     emitted_scores = [float(v) for v in s.cpu()]
             if accepted and cfg.score_emitted:
                 emitted_scores = list(frame_scores)

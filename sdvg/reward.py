@@ -6,7 +6,6 @@ CLIP mean/std) runs on tensors on the model's device.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 from dataclasses import dataclass
 from importlib import resources
@@ -177,16 +176,19 @@ class RewardScorer:
         """Normalised ImageReward of every frame, one forward: float32 [N]."""
         images = self.preprocess(frames)
         tok = self.tokens(prompt)
+        return self.score_images(images, tok.ids, tok.mask)
+
+    def score_images(self, images: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """images [N, 3, S, S] (preprocessed), ids/mask [1, L] -> normalised scores float32 [N]."""
         n = images.shape[0]
         blip = self.model.blip
         image_embeds = blip.visual_encoder(images)  # [N, P, vit_dim]
         image_atts = torch.ones(image_embeds.shape[:-1], dtype=torch.long, device=images.device)
-        out = blip.text_encoder(tok.ids.expand(n, -1), attention_mask=tok.mask.expand(n, -1),
+        out = blip.text_encoder(ids.expand(n, -1), attention_mask=mask.expand(n, -1),
                                 encoder_hidden_states=image_embeds, encoder_attention_mask=image_atts,
                                 return_dict=True)
         feats = out.last_hidden_state[:, 0, :].float()
-        raw = self.model.mlp.float()(feats) if self.model.mlp.layers[0].weight.dtype != torch.float32 else \
-            self.model.mlp(feats)
+        raw = self.model.mlp.float()(feats)
         return ((raw - REWARD_MEAN) / REWARD_STD).squeeze(-1).float()
 
 
@@ -208,7 +210,3 @@ def check_frames(frames) -> torch.Tensor:
         raise ValueError(f"float frames must lie in [0, 1], got values in [{lo:.3g}, {hi:.3g}]")
     return frames
 
-
-@contextlib.contextmanager
-def _nothing():
-    yield

@@ -1,4 +1,4 @@
-"""The native scheduler (backend="cpp") against the reference loop, bitwise."""
+"""The native scheduler (scheduler="cpp") against the reference loop, bitwise."""
 import math
 import threading
 import time
@@ -35,7 +35,7 @@ def _same(ref, got):
 
 
 def _mixed_tau(pipe):
-    out = pipe(PROMPT, tau=-math.inf, num_blocks=NB, seed=3, backend="reference")
+    out = pipe(PROMPT, tau=-math.inf, num_blocks=NB, seed=3, scheduler="reference")
     scores = sorted(b["score"] for b in out.stats["blocks"][1:])
     return (scores[0] + scores[1]) / 2  # rejects the lowest-scoring draft, accepts the rest
 
@@ -87,11 +87,13 @@ def test_run_ahead_with_local_window_rolls_back_exactly():
 
 
 def test_pipeline_switch_and_stats(tiny_pipe):
-    a = tiny_pipe(PROMPT, tau=-0.1, num_blocks=3, seed=0, backend="cpp", run_ahead=True)
-    b = tiny_pipe(PROMPT, tau=-0.1, num_blocks=3, seed=0, backend="reference")
+    a = tiny_pipe(PROMPT, tau=-0.1, num_blocks=3, seed=0, scheduler="cpp", run_ahead=True)
+    b = tiny_pipe(PROMPT, tau=-0.1, num_blocks=3, seed=0, scheduler="reference")
     assert torch.equal(a.frames, b.frames)
-    assert a.stats["backend"] == "cpp" and a.stats["run_ahead"] is True
+    assert a.stats["scheduler"] == "cpp" and a.stats["run_ahead"] is True and a.stats["backend"] == "eager"
     assert set(a.stats) >= {"redrafts", "speculative_drafts", "scheduler_wall_s", "stage_call_s"}
+    with pytest.raises(ValueError, match="unknown scheduler"):
+        tiny_pipe(PROMPT, scheduler="rust")
     with pytest.raises(ValueError, match="unknown backend"):
         tiny_pipe(PROMPT, backend="rust")
 

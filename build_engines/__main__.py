@@ -1,0 +1,101 @@
+"""python -m build_engines --preset tiny --format onnx --verify --out engines/"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from build_engines.cache import EngineCache, EngineKey, weights_fingerprint
+from build_engines.export import VERIFY_TOLERANCE, all_stages, export_onnx, verify_onnx
+from build_engines.trt import build_engine, import_tensorrt, trt_version
+
+
+def device_identity(device: torch.device) -> tuple[str, str]:
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        return torch.cuda.get_device_name(device), f"{cap[0]}.{cap[1]}"
+    return "cpu", "none"
+
+
+def stage_key(stage, precision: str, artifact: str) -> EngineKey:
+    gpu, cc = device_identity(stage.device)
+    return EngineKey(stage=stage.name, config_hash=stage.config_hash(), weights_hash=weights_fingerprint(stage.weights),
+                     shapes=stage.shapes(), precision=precision, gpu_name=gpu, compute_capability=cc,
+                     trt_version=trt_version() if artifact == "tensorrt" else "none", artifact=artifact)
+
+
+def rebuild_command(argv: list[str]) -> str:
+    return "python -m build_engines " + " ".join(shlex.quote(a) for a in argv)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="python -m build_engines", description=__doc__)
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--drafter-device", default="cpu")
+    ap.add_argument("--target-device", default=None)
+    ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
+                    help="default: the preset's precision")
+    ap.add_argument("--num-blocks", type=int, default=None, help="KV capacity in blocks (default: the preset's)")
+    ap.add_argument("--format", choices=("onnx", "tensorrt"), default="tensorrt")
+    ap.add_argument("--verify", action="store_true", help="run every exported stage in onnxruntime against eager")
+    ap.add_argument("--timing-cache", type=Path, default=None)
+    ap.add_argument("--stages", default="all", help="comma list of drafter_dit,target_dit,vae_decode,reward")
+    ap.add_argument("--out", type=Path, default=Path("engines"))
+    args = ap.parse_args(argv)
+
+    from sdvg.config import get_preset
+    from sdvg.models import build_random
+
+    if args.format == "tensorrt":
+        import_tensorrt()  # fail before any heavy work, with the install hint
+    preset = get_preset(args.preset)
+    if args.precision:
+        preset = preset.replace(precision=args.precision)
+    comps = build_random(preset, drafter_device=args.drafter_device, target_device=args.target_device)
+    stages = all_stages(comps, args.num_blocks)
+    if args.stages != "all":
+        wanted = set(args.stages.split(","))
+        stages = [s for s in stages if s.name in wanted]
+    cache = EngineCache(args.out)
+    tol = VERIFY_TOLERANCE[preset.precision]
+    failed = []
+    for st in stages:
+        t0 = time.perf_counter()
+        onnx_path = args.out / "onnx" / f"{st.name}.onnx"
+        export_onnx(st, onnx_path)
+        msg = f"{st.name}: exported in {time.perf_counter() - t0:.1f} s"
+        if args.verify:
+            err = verify_onnx(st, onnx_path)
+            ok = err <= tol
+            msg += f"; onnxruntime vs eager max error {err:.2e} ({'ok' if ok else 'FAIL'}, tolerance {tol:.0e})"
+            if not ok:
+                failed.append(st.name)
+        if args.format == "tensorrt":
+            plan = build_engine(onnx_path, onnx_path.with_suffix(".plan"), args.timing_cache)
+            dest = cache.store(stage_key(st, preset.precision, "tensorrt"), plan, rebuild_command(argv))
+            msg += f"; engine {dest}"
+        else:
+            dest = cache.store(stage_key(st, preset.precision, "onnx"), onnx_path, rebuild_command(argv))
+            msg += f"; {dest}"
+        print(msg)
+    if failed:
+        print(f"verification failed for: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cli() -> int:
+    try:
+        return main()
+    except (RuntimeError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,158 @@
+"""The engine cache: one directory per built stage, named by the digest of everything the engine
+depends on, with a manifest that is checked before an engine is ever used.
+
+The key holds the stage's config hash and weights fingerprint, its input shapes and dtypes, the
+precision, the GPU name and compute capability and the TensorRT version. A stale or foreign engine
+is refused with the fields that differ and the command that rebuilds it; a truncated or altered
+file is refused by its size and SHA-256.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+
+
+class EngineCacheError(RuntimeError):
+    """Base class: an engine cannot be used."""
+
+
+class StaleEngineError(EngineCacheError):
+    """An engine exists for the stage but was built for something else."""
+
+
+class CorruptEngineError(EngineCacheError):
+    """An engine file or its manifest is damaged."""
+
+
+class MissingEngineError(EngineCacheError):
+    """No engine was built for the stage."""
+
+
+@dataclass(frozen=True)
+class EngineKey:
+    stage: str  # e.g. "target_dit", "drafter_dit", "vae_decode", "reward"
+    config_hash: str
+    weights_hash: str
+    shapes: tuple  # ((input name, (dims...), dtype), ...)
+    precision: str
+    gpu_name: str
+    compute_capability: str
+    trt_version: str
+    artifact: str = "tensorrt"  # tensorrt | onnx
+
+    def digest(self) -> str:
+        blob = json.dumps(self.as_json(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    def as_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["shapes"] = [[n, list(s), t] for n, s, t in self.shapes]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "EngineKey":
+        d = dict(d)
+        d["shapes"] = tuple((n, tuple(s), t) for n, s, t in d["shapes"])
+        return cls(**d)
+
+    def differences(self, other: "EngineKey") -> list[str]:
+        out = []
+        for f in dataclasses.fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if a != b:
+                out.append(f"{f.name}: built for {b!r}, needed {a!r}")
+        return out
+
+
+def weights_fingerprint(module) -> str:
+    """Names, shapes, dtypes and the first and last 1024 values of every tensor of a state dict: changes
+    with any checkpoint in practice, without reading all of a 14B model."""
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}".encode())
+        flat = t.detach().reshape(-1)
+        if flat.numel():
+            ends = flat[:1024], flat[-1024:]
+            for part in ends:
+                part = part.float() if part.is_floating_point() else part.long()
+                h.update(part.cpu().numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class EngineCache:
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def entry_dir(self, key: EngineKey) -> Path:
+        return self.root / f"{key.stage}-{key.digest()[:16]}"
+
+    def store(self, key: EngineKey, artifact: Path, rebuild_command: str) -> Path:
+        """Move a built artifact into the cache and write its manifest (atomically)."""
+        d = self.entry_dir(key)
+        d.mkdir(parents=True, exist_ok=True)
+        name = "engine.plan" if key.artifact == "tensorrt" else "model.onnx"
+        dest = d / name
+        if Path(artifact).resolve() != dest.resolve():
+            os.replace(artifact, dest)
+        manifest = {"manifest_version": MANIFEST_VERSION, "key": key.as_json(), "digest": key.digest(),
+                    "file": name, "size": dest.stat().st_size, "sha256": _sha256(dest),
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "rebuild_command": rebuild_command}
+        tmp = d / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=2))
+        os.replace(tmp, d / MANIFEST)
+        return dest
+
+    def _read_manifest(self, d: Path) -> dict:
+        try:
+            m = json.loads((d / MANIFEST).read_text())
+            EngineKey.from_json(m["key"])
+            return m
+        except Exception as exc:
+            raise CorruptEngineError(f"engine manifest {d / MANIFEST} is unreadable ({exc}); delete {d} and "
+                                     "rebuild") from exc
+
+    def load(self, key: EngineKey, rebuild_command: str) -> Path:
+        """The validated artifact for `key`, or an error naming what is wrong and how to rebuild."""
+        d = self.entry_dir(key)
+        if not (d / MANIFEST).is_file():
+            others = sorted(p for p in self.root.glob(f"{key.stage}-*") if (p / MANIFEST).is_file())
+            if not others:
+                raise MissingEngineError(f"no engine for stage {key.stage!r} in {self.root}; build it with: "
+                                         f"{rebuild_command}")
+            built = EngineKey.from_json(self._read_manifest(others[-1])["key"])
+            diffs = key.differences(built)
+            raise StaleEngineError(f"the engine for stage {key.stage!r} in {others[-1]} does not match this "
+                                   f"setup ({'; '.join(diffs)}); rebuild with: {rebuild_command}")
+        m = self._read_manifest(d)
+        built = EngineKey.from_json(m["key"])
+        if built != key:  # a digest collision or an edited manifest
+            raise StaleEngineError(f"engine {d} does not match ({'; '.join(key.differences(built))}); rebuild "
+                                   f"with: {rebuild_command}")
+        path = d / m["file"]
+        if not path.is_file():
+            raise CorruptEngineError(f"engine file {path} is missing; rebuild with: {rebuild_command}")
+        size = path.stat().st_size
+        if size != m["size"]:
+            raise CorruptEngineError(f"engine file {path} is {size} bytes, the manifest says {m['size']} (truncated "
+                                     f"or overwritten); rebuild with: {rebuild_command}")
+        if _sha256(path) != m["sha256"]:
+            raise CorruptEngineError(f"engine file {path} does not match its SHA-256; rebuild with: "
+                                     f"{rebuild_command}")
+        return path

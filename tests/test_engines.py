@@ -1,0 +1,133 @@
+"""build_engines: the CLI, the engine cache and its validation, TensorRT (marked)."""
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from build_engines.cache import (CorruptEngineError, EngineCache, EngineKey, MissingEngineError, StaleEngineError,
+                                 weights_fingerprint)
+
+CMD = "python -m build_engines --preset tiny"
+
+
+def _key(**changes):
+    base = EngineKey(stage="target_dit", config_hash="abc", weights_hash="w1",
+                     shapes=(("latents", (1, 16, 3, 8, 8), "float32"),), precision="bf16", gpu_name="NVIDIA H200",
+                     compute_capability="9.0", trt_version="11.0.0")
+    return dataclasses.replace(base, **changes)
+
+
+@pytest.fixture
+def cache(tmp_path):
+    c = EngineCache(tmp_path / "engines")
+    art = tmp_path / "engine.plan"
+    art.write_bytes(b"plan-bytes" * 100)
+    c.store(_key(), art, CMD)
+    return c
+
+
+def test_stored_engine_loads(cache):
+    path = cache.load(_key(), CMD)
+    assert path.read_bytes().startswith(b"plan-bytes")
+    m = json.loads((path.parent / "manifest.json").read_text())
+    assert m["key"]["gpu_name"] == "NVIDIA H200" and m["rebuild_command"] == CMD
+
+
+@pytest.mark.parametrize("field,value", [
+    ("config_hash", "def"), ("weights_hash", "w2"), ("shapes", (("latents", (1, 16, 3, 16, 16), "float32"),)),
+    ("precision", "fp16"), ("gpu_name", "NVIDIA A100"), ("compute_capability", "8.0"), ("trt_version", "10.9"),
+])
+def test_stale_or_foreign_engine_refused_with_reason(cache, field, value):
+    with pytest.raises(StaleEngineError) as err:
+        cache.load(_key(**{field: value}), CMD)
+    msg = str(err.value)
+    assert field in msg and "rebuild with: " + CMD in msg
+
+
+def test_truncated_and_corrupt_files_refused(cache, tmp_path):
+    path = cache.load(_key(), CMD)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CorruptEngineError, match="truncated"):
+        cache.load(_key(), CMD)
+    path.write_bytes(data[:-1] + b"X")
+    with pytest.raises(CorruptEngineError, match="SHA-256"):
+        cache.load(_key(), CMD)
+    (path.parent / "manifest.json").write_text("{not json")
+    with pytest.raises(CorruptEngineError, match="unreadable"):
+        cache.load(_key(), CMD)
+
+
+def test_missing_engine_names_the_build_command(tmp_path):
+    with pytest.raises(MissingEngineError, match="build it with: " + CMD):
+        EngineCache(tmp_path).load(_key(stage="vae_decode"), CMD)
+
+
+def test_weights_fingerprint_tracks_weights():
+    m = torch.nn.Linear(4, 4)
+    a = weights_fingerprint(m)
+    with torch.no_grad():
+        m.weight[0, 0] += 1
+    assert weights_fingerprint(m) != a
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "build_engines", *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_cli_onnx_verify_and_cache(tmp_path):
+    r = _cli("--preset", "tiny", "--format", "onnx", "--verify", "--stages", "target_dit,vae_decode",
+             "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("(ok, tolerance 1e-04)") == 2
+    manifests = sorted(tmp_path.glob("*/manifest.json"))
+    assert [m.parent.name.split("-")[0] for m in manifests] == ["target_dit", "vae_decode"]
+    assert json.loads(manifests[0].read_text())["key"]["artifact"] == "onnx"
+
+
+def test_cli_bad_input():
+    pytest.importorskip("onnx")
+    try:
+        import tensorrt  # noqa: F401
+        have_trt = True
+    except Exception:
+        have_trt = False
+    if not have_trt:
+        r = _cli("--preset", "tiny", "--format", "tensorrt")
+        assert r.returncode == 2 and "pip install 'sdvg[tensorrt]'" in r.stderr
+    r = _cli("--preset", "tiny", "--format", "onnx", "--drafter-device", "cuda:7")
+    assert r.returncode == 2 and "cuda:7" in r.stderr
+
+
+def test_tensorrt_backend_without_tensorrt_is_a_clear_error(tiny_pipe, tmp_path):
+    try:
+        import tensorrt  # noqa: F401
+        pytest.skip("TensorRT is installed here")
+    except Exception:
+        pass
+    from sdvg import SpeculativeVideoPipeline
+
+    pipe = SpeculativeVideoPipeline(tiny_pipe.components, backend="tensorrt", engines=tmp_path)
+    with pytest.raises(RuntimeError, match=r"pip install 'sdvg\[tensorrt\]'"):
+        pipe("a fox", num_blocks=1)
+    with pytest.raises(ValueError, match="needs engines"):
+        SpeculativeVideoPipeline(tiny_pipe.components, backend="tensorrt")("a fox", num_blocks=1)
+
+
+@pytest.mark.tensorrt
+def test_tensorrt_engines_match_eager(tmp_path):
+    """Builds the tiny engines on this GPU and runs a video through them (needs TensorRT and CUDA)."""
+    r = _cli("--preset", "tiny", "--format", "tensorrt", "--drafter-device", "cuda:0", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    from sdvg import SpeculativeVideoPipeline
+
+    pipe = SpeculativeVideoPipeline.from_preset("tiny", device="cuda:0", engines=tmp_path)
+    kw = dict(num_blocks=3, seed=1, router="pattern", pattern=(False, True, False))
+    eager = pipe("a red fox", **kw)
+    trt = pipe("a red fox", backend="tensorrt", **kw)
+    assert (eager.latents - trt.latents).abs().max() < 1e-3
+    assert [b["decision"] for b in eager.stats["blocks"]] == [b["decision"] for b in trt.stats["blocks"]]
