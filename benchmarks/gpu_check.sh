@@ -30,7 +30,12 @@ print(json.dumps({"gpu": torch.cuda.get_device_name(0), "capability": torch.cuda
                   "sdvg_C": _C.build_info()}, indent=2))
 PYEOF
 cat "$OUT/env.json"
-"$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_kv_cache.py tests/test_dit.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
-PYTHONUNBUFFERED=1 "$PY" benchmarks/latency.py --preset "${PRESET:-real-size}" --device "${DEVICE:-cuda:0}" --num-blocks "$BLOCKS" \
-  --repeats "${REPEATS:-1}" --out "$OUT" 2>&1 | grep -v pkg_resources | tail -20
+"$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_kv_cache.py tests/test_dit.py tests/test_scheduler.py \
+  2>&1 | tee "$OUT/gpu_tests.log" | tail -5
+PYTHONUNBUFFERED=1 timeout "${LATENCY_TIMEOUT:-330}" "$PY" benchmarks/latency.py --preset "${PRESET:-real-size}" \
+  --device "${DEVICE:-cuda:0}" --num-blocks "$BLOCKS" --repeats "${REPEATS:-1}" --variants "${VARIANTS:-run-ahead}" \
+  --out "$OUT" 2>&1 | grep -v pkg_resources | tail -20
+rm -f "$OUT/results.csv"  # derivable from results.json; keeps $OUT within 8 files
+PYTHONUNBUFFERED=1 timeout "${STAGES_TIMEOUT:-150}" "$PY" benchmarks/stages.py --preset "${PRESET:-real-size}" \
+  --device "${DEVICE:-cuda:0}" --repeats 5 --out "$OUT" 2>&1 | grep -v pkg_resources | tail -8
 echo "total $(( $(date +%s) - t0 )) s"

@@ -116,7 +116,7 @@ class SpeculativeVideoPipeline:
         return cfg
 
     def stream(self, prompt: str, stats: dict | None = None, scheduler: str = "cpp", run_ahead: bool = False,
-               backend: str | None = None, **kwargs) -> Iterator[BlockResult]:
+               backend: str | None = None, _threaded: bool = True, **kwargs) -> Iterator[BlockResult]:
         """Yield each block as soon as its frames are final; `stats` (if given) is filled at the end.
 
         scheduler: "cpp" (the native scheduler, default) or "reference" (the plain Python loop; the
@@ -135,7 +135,8 @@ class SpeculativeVideoPipeline:
         if scheduler == "cpp":
             from sdvg.cpp_backend import generate_blocks_cpp
 
-            blocks = generate_blocks_cpp(self.components, prompt, cfg, counters, run_ahead=run_ahead, runners=runners)
+            blocks = generate_blocks_cpp(self.components, prompt, cfg, counters, run_ahead=run_ahead, runners=runners,
+                                         threaded=_threaded)
         else:
             blocks = generate_blocks(self.components, prompt, cfg, counters, runners=runners)
         for block in blocks:
@@ -147,7 +148,8 @@ class SpeculativeVideoPipeline:
     def __call__(self, prompt: str, scheduler: str = "cpp", run_ahead: bool = False, backend: str | None = None,
                  **kwargs) -> PipelineOutput:
         stats: dict = {}
+        # the whole video is returned at once: run the scheduler on this thread (no streaming needed)
         blocks = list(self.stream(prompt, stats=stats, scheduler=scheduler, run_ahead=run_ahead, backend=backend,
-                                  **kwargs))
+                                  _threaded=False, **kwargs))
         return PipelineOutput(frames=torch.cat([b.frames for b in blocks]),
                               latents=torch.cat([b.latents for b in blocks], dim=2), stats=stats, blocks=blocks)

@@ -13,11 +13,14 @@ def test_latency_benchmark_smoke(tmp_path):
     import latency
 
     res = latency.main(["--preset", "tiny", "--num-blocks", "3", "--repeats", "1", "--rates", "0,0.5,1.0",
-                        "--out", str(tmp_path)])
+                        "--variants", "reference", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "results.json").read_text())
     assert {"runs", "speedup_vs_target", "floor_ratio"} <= set(data)
-    modes = [(r["mode"], r["acceptance"]) for r in data["runs"]]
-    assert modes == [("target", None), ("draft", None), ("sdvg", 0.0), ("sdvg", 0.5), ("sdvg", 1.0)]
+    modes = [(r["mode"], r["scheduler"], r["acceptance"]) for r in data["runs"]]
+    assert modes[:5] == [("target", "cpp", None), ("draft", "cpp", None), ("sdvg", "cpp", 0.0), ("sdvg", "cpp", 0.5),
+                         ("sdvg", "cpp", 1.0)]
+    assert [(m, s) for m, s, _ in modes[5:]] == [("target", "reference"), ("sdvg", "reference")]
+    assert {v["scheduler"] for v in data["variants"]} == {"cpp", "reference"}
     for r in data["runs"]:
         assert {"mode", "backend", "scheduler", "acceptance", "wall_s", "stages", "floor_s"} <= set(r)
         assert r["wall_s"] > 0 and r["floor_s"] > 0
@@ -28,7 +31,7 @@ def test_latency_benchmark_smoke(tmp_path):
     tgt = data["runs"][0]
     assert data["per_target_step_s"] == pytest.approx(tgt["stages"]["target"] / 12)
     rows = list(csv.DictReader((tmp_path / "results.csv").open()))
-    assert len(rows) == 5
+    assert len(rows) == 7
     for png in ("timeline.png", "speedup.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "speed-up" in (tmp_path / "results.md").read_text()

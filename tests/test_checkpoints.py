@@ -91,3 +91,22 @@ def test_original_mapping_agrees_with_diffusers_converter(source):
     orig = diffusers_to_original(source.model.state_dict())
     theirs = convert_wan_transformer_to_diffusers(dict(orig))
     assert set(theirs) == set(original_to_diffusers(orig)) == set(source.model.state_dict())
+
+
+def test_text_encoder_round_trip_from_a_folder(tmp_path):
+    """A transformers UMT5 folder (and a diffusers-style text_encoder/ + tokenizer/ layout) loads offline."""
+    from sdvg.config import get_preset
+    from sdvg.text_encoder import TextEncoder
+    from sdvg.tokenizers import tiny_umt5_tokenizer
+
+    cfg = get_preset("tiny").text_encoder
+    enc = TextEncoder.random(cfg, tiny_umt5_tokenizer(), seed=1)
+    enc.model.save_pretrained(tmp_path / "wan" / "text_encoder")
+    enc.tokenizer.save_pretrained(tmp_path / "wan" / "tokenizer")
+    loaded = TextEncoder.from_pretrained(tmp_path / "wan", config=cfg)
+    a, b = enc.encode("a red fox"), loaded.encode("a red fox")
+    assert a.shape == (1, 512, cfg.d_model) and torch.equal(a, b)
+    n = len(enc.tokenizer("a red fox").input_ids)
+    assert torch.all(a[0, n:] == 0) and torch.any(a[0, :n] != 0)  # zero past the prompt length
+    with pytest.raises(FileNotFoundError, match="not a UMT5 encoder folder"):
+        TextEncoder.from_pretrained(tmp_path / "nothing")

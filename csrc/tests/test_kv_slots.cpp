@@ -5,29 +5,14 @@
 #include <string>
 #include <vector>
 
+#include "check.h"
 #include "../kv_slots.h"
 
 using sdvg::FrameSlotTable;
 using sdvg::SlotLayout;
 using V = std::vector<int64_t>;
 
-static int failures = 0;
-#define CHECK(cond)                                                     \
-  do {                                                                  \
-    if (!(cond)) {                                                      \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      ++failures;                                                       \
-    }                                                                   \
-  } while (0)
 
-static bool throws(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception&) {
-    return true;
-  }
-  return false;
-}
 
 static SlotLayout layout(int64_t max_frames, int64_t sink = 0, int64_t window = 0, int64_t slack = 0) {
   SlotLayout l;
@@ -131,10 +116,5 @@ int main() {
   test_window_with_sink_evicts_oldest_non_sink();
   test_window_slack_makes_rollback_exact();
   test_bad_layouts();
-  if (failures) {
-    std::fprintf(stderr, "%d check(s) failed\n", failures);
-    return EXIT_FAILURE;
-  }
-  std::printf("kv_slots: all checks passed\n");
-  return EXIT_SUCCESS;
+  return check_report("kv_slots");
 }

@@ -9,18 +9,11 @@
 #include <string>
 #include <vector>
 
+#include "check.h"
 #include "../scheduler.h"
 
 using namespace sdvg;
 
-static int failures = 0;
-#define CHECK(cond)                                                                    \
-  do {                                                                                 \
-    if (!(cond)) {                                                                     \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);    \
-      ++failures;                                                                      \
-    }                                                                                  \
-  } while (0)
 
 struct Int : Value {
   explicit Int(uint64_t v) : v(v) {}
@@ -242,10 +235,5 @@ int main() {
   test_reward_router_and_records();
   test_stage_error_propagates_from_drafter_thread();
   test_bad_config();
-  if (failures) {
-    std::fprintf(stderr, "%d check(s) failed\n", failures);
-    return EXIT_FAILURE;
-  }
-  std::printf("scheduler: all checks passed\n");
-  return EXIT_SUCCESS;
+  return check_report("scheduler");
 }

@@ -1,0 +1,74 @@
+"""Per-stage latency, eager vs torch.compile (and TensorRT engines if given), on one preset.
+
+    python benchmarks/stages.py --preset real-size --device cuda:0 --out results/stages-h200
+
+Times one DiT forward of a block with a KV cache holding `--context-blocks` committed blocks (drafter
+and target), one steady-state VAE decode of a latent frame, and one reward forward of a later
+block's frames. CUDA events on a GPU (perf_counter on the CPU), warm-up excluded, median of
+--repeats. Each compiled stage is also compared with eager (max abs difference).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from build_engines.export import dit_stage, reward_stage, vae_stage  # noqa: E402
+from sdvg.config import get_preset  # noqa: E402
+from sdvg.models import build_random  # noqa: E402
+from timing import median_seconds  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="cpu-bench")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--context-blocks", type=int, default=4)
+    ap.add_argument("--backends", default="eager,compile")
+    ap.add_argument("--out", default="results/stages")
+    args = ap.parse_args(argv)
+    preset = get_preset(args.preset)
+    comps = build_random(preset, drafter_device=args.device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    specs = [dit_stage(comps, "drafter"), dit_stage(comps, "target"), vae_stage(comps), reward_stage(comps)]
+    # a realistic visibility: `context_blocks` committed blocks
+    fpb = preset.video.frames_per_block
+    for s in specs[:2]:
+        tpf = preset.video.tokens_per_frame(preset.vae, preset.target)
+        mask = torch.arange(s.inputs[6].shape[0], device=s.inputs[6].device) < args.context_blocks * fpb * tpf
+        s.inputs = s.inputs[:6] + (mask,) + s.inputs[7:]
+    res = {"preset": preset.name, "device": args.device,
+           "device_name": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
+           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "stages": {}}
+    for s in specs:
+        row = {}
+        with torch.no_grad():
+            eager_out = s.module(*s.inputs)
+            row["eager_s"] = median_seconds(lambda: s.module(*s.inputs), s.device, args.repeats)
+            if "compile" in args.backends:
+                t0 = time.perf_counter()
+                compiled = torch.compile(s.module, dynamic=False)
+                comp_out = compiled(*s.inputs)
+                row["compile_time_s"] = time.perf_counter() - t0
+                row["compile_s"] = median_seconds(lambda: compiled(*s.inputs), s.device, args.repeats)
+                row["compile_speedup"] = row["eager_s"] / row["compile_s"]
+                a = eager_out if isinstance(eager_out, (tuple, list)) else [eager_out]
+                b = comp_out if isinstance(comp_out, (tuple, list)) else [comp_out]
+                row["compile_max_abs_diff"] = max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b))
+        res["stages"][s.name] = row
+        print(s.name, json.dumps(row))
+    (out / "stages.json").write_text(json.dumps(res, indent=2))
+    return res
+
+
+if __name__ == "__main__":
+    main()

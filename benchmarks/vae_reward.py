@@ -1,0 +1,71 @@
+"""VAE decode per block and reward scoring per block: the batched scorer against the image-reward
+package's own per-image loop (PIL path), on the same model, in one run.
+
+    python benchmarks/vae_reward.py --preset cpu-bench --out results/vae-reward-cpu
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sdvg.config import get_preset  # noqa: E402
+from sdvg.models import build_random  # noqa: E402
+from sdvg.vae import to_uint8_frames, to_unit_frames  # noqa: E402
+from timing import median_seconds  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="cpu-bench")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="results/vae-reward")
+    args = ap.parse_args(argv)
+    preset = get_preset(args.preset)
+    comps = build_random(preset, drafter_device=args.device, need_drafter=False, need_target=False)
+    dev = comps.drafter_device
+    lh, lw = preset.video.latent_hw(preset.vae)
+    g = torch.Generator().manual_seed(0)
+    first = torch.randn(1, preset.vae.z_dim, 3, lh, lw, generator=g)
+    later = torch.randn(1, preset.vae.z_dim, 3, lh, lw, generator=g)
+
+    cache = comps.vae.new_cache()
+    comps.vae.decode(first, cache)
+    snap = cache.snapshot()
+
+    def decode_later():
+        cache.restore(snap)
+        return comps.vae.decode(later, cache)
+
+    t_decode = median_seconds(decode_later, dev, args.repeats)
+    pixels = decode_later()
+    frames = to_uint8_frames(pixels)  # a later block: 12 frames
+    unit = to_unit_frames(pixels)
+    sc = comps.scorer
+    prompt = "a red fox running through fresh snow"
+    t_batched = median_seconds(lambda: sc.score(prompt, unit), dev, args.repeats)
+    pils = [Image.fromarray(f.numpy()) for f in frames]
+    t_loop = median_seconds(lambda: [sc.model.score(prompt, p) for p in pils], dev, args.repeats)
+    res = {"preset": preset.name, "device": str(dev), "frames_per_block": int(frames.shape[0]),
+           "resolution": [preset.video.height, preset.video.width],
+           "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+           "vae_decode_block_s": t_decode, "reward_batched_block_s": t_batched,
+           "reward_package_loop_block_s": t_loop, "batched_speedup": t_loop / t_batched}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(res, indent=2))
+    print(json.dumps(res, indent=2))
+    return res
+
+
+if __name__ == "__main__":
+    main()
