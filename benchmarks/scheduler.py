@@ -82,20 +82,24 @@ def overhead(repeats: int, num_blocks: int) -> dict:
     pipe = SpeculativeVideoPipeline.from_preset("tiny")
     out = {}
     kw = dict(router="pattern", pattern=acceptance_pattern(num_blocks, 0.731), num_blocks=num_blocks, seed=0)
-    for backend in ("reference", "cpp"):
-        pipe("warm-up", scheduler=backend, **kw)
+    for name, scheduler, streaming in (("reference", "reference", False), ("cpp", "cpp", False),
+                                       ("cpp streaming (worker thread + queue)", "cpp", True)):
+        pipe("warm-up", scheduler=scheduler, **kw)
         per_block = []
         for _ in range(repeats):
-            stats = {}
             t0 = time.perf_counter()
-            for _ in pipe.stream("a fox", stats=stats, scheduler=backend, **kw):
-                pass
+            if streaming:
+                stats = {}
+                for _ in pipe.stream("a fox", stats=stats, scheduler=scheduler, **kw):
+                    pass
+            else:
+                stats = pipe("a fox", scheduler=scheduler, **kw).stats
             wall = time.perf_counter() - t0
             inside = sum(sum(b["times"][k] for k in ("draft", "decode", "score", "target", "drafter_commit",
                                                      "target_commit")) for b in stats["blocks"])
             per_block.append((wall - inside) / num_blocks)
-        out[backend] = {"overhead_per_block_ms": 1e3 * statistics.median(per_block),
-                        "all_ms": [1e3 * x for x in per_block]}
+        out[name] = {"overhead_per_block_ms": 1e3 * statistics.median(per_block),
+                     "all_ms": [1e3 * x for x in per_block]}
     return out
 
 

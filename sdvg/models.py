@@ -46,6 +46,17 @@ def _randomize_reward_head(model, seed: int) -> None:
             p.data.copy_(torch.randn(p.shape, generator=g) * p.shape[1] ** -0.5)
 
 
+def _construct(cfg, device: torch.device, dtype: torch.dtype) -> CausalWanDiT:
+    """A DiT created directly on `device` in `dtype` (big models are never materialised in fp32)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return CausalWanDiT(cfg)
+    finally:
+        torch.set_default_dtype(default)
+
+
 def _device(d) -> torch.device:
     d = torch.device(d)
     if d.type == "cuda":
@@ -68,14 +79,7 @@ def build_random(preset: Preset, seed: int = 0, drafter_device="cpu", target_dev
 
     def dit(cfg, dev, s):
         torch.manual_seed(s)
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)  # initialise big random models directly in their precision
-        try:
-            with torch.device(dev):
-                m = CausalWanDiT(cfg)
-        finally:
-            torch.set_default_dtype(default)
-        return m.set_precision(preset.precision).eval()
+        return _construct(cfg, dev, dtype).set_precision(preset.precision).eval()
 
     drafter = dit(preset.drafter, dd, seed + 1) if need_drafter else None
     target = dit(preset.target, td, seed + 2) if need_target else None
@@ -106,9 +110,9 @@ def load_pretrained(preset: Preset, drafter: str | Path, target: str | Path, vae
     text = TextEncoder.from_pretrained(text_encoder, config=preset.text_encoder).to(dd, preset.precision)
 
     def dit(cfg, path, dev):
-        m = CausalWanDiT(cfg)
+        m = _construct(cfg, dev, dtype)  # on its device in its precision: no fp32 copy of a 14B model in RAM
         load_dit(m, path)
-        return m.to(dev).set_precision(preset.precision).eval()
+        return m.set_precision(preset.precision).eval()
 
     d = dit(preset.drafter, drafter, dd)
     t = dit(preset.target, target, td)

@@ -239,3 +239,15 @@ def test_memory_command_budget():
     assert r.returncode == 2 and "target needs" in r.stderr
     r = _cli("memory", "--preset", "wan2.1")
     assert r.returncode == 0 and json.loads(r.stdout)["target"]["kv_cache_gib"] > 30
+
+
+def test_bf16_pipeline_runs_and_keeps_fp32_parts():
+    from sdvg import SpeculativeVideoPipeline
+
+    pipe = SpeculativeVideoPipeline.from_preset("tiny", precision="bf16")
+    target = pipe.components.target
+    assert target.dtype == torch.bfloat16
+    assert target.model.blocks[0].scale_shift_table.dtype == torch.float32  # kept in fp32, as diffusers does
+    assert target.model.condition_embedder.time_embedder.linear_1.weight.dtype == torch.float32
+    out = pipe(PROMPT, tau=-0.1, num_blocks=2, seed=0)
+    assert out.frames.shape == (21, 64, 64, 3) and torch.isfinite(out.latents).all()
