@@ -103,7 +103,7 @@ def plots(results, out: Path):
           (tgt["backend"], tgt["scheduler"], tgt["run_ahead"])]
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = [r["acceptance"] for r in sd]
-    ax.plot(xs, [tgt["wall_s"] / r["wall_s"] for r in sd], "o-", label="measured (sequential reference)")
+    ax.plot(xs, [tgt["wall_s"] / r["wall_s"] for r in sd], "o-", label=f"measured ({tgt['backend']}, {tgt['scheduler']} scheduler)")
     ax.plot(xs, [tgt["wall_s"] / r["floor_s"] for r in sd], "s--", label="cost-model floor (drafter hidden)")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("acceptance rate (blocks 1..B-1)")
