@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from sdvg.checkpoints import CheckpointError, load_dit, read_dit_checkpoint, save_dit
-from sdvg.config import DiTConfig, get_preset
+from sdvg.config import get_preset
 from sdvg.dit import CausalWanDiT
 
 from conftest import randomize

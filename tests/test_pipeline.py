@@ -156,7 +156,7 @@ def test_bad_prompt_and_preset(tiny_pipe):
         tiny_pipe("   ")
     with pytest.raises(ConfigError, match="unknown preset"):
         SpeculativeVideoPipeline.from_preset("huge")
-    from sdvg.config import VideoConfig, get_preset
+    from sdvg.config import VideoConfig
 
     with pytest.raises(ConfigError, match="multiple of 16"):
         SpeculativeVideoPipeline.from_preset("tiny", video=VideoConfig(height=70, width=64))
@@ -227,7 +227,6 @@ def test_interrupt_leaves_playable_mp4_and_marked_stats(tmp_path, tiny_pipe, mon
             yield block
 
     monkeypatch.setattr(tiny_pipe, "stream", interrupted_stream)
-    kwargs = tiny_pipe.make_config  # noqa: F841 (the config is built inside stream)
     stats = cli.run_one(tiny_pipe, PROMPT, dict(mode="sdvg", tau=-0.1, num_blocks=4, seed=0), tmp_path / "i.mp4",
                         progress=False)
     assert stats["interrupted"] is True and len(stats["blocks"]) == 2

@@ -1,0 +1,69 @@
+// KV-cache buffers over libtorch (run with ctest when built with SDVG_WITH_TORCH).
+#include <torch/torch.h>
+
+#include "check.h"
+#include "../kv_cache.h"
+
+using namespace sdvg;
+
+static KVCache make(int64_t max_frames, int64_t sink = 0, int64_t window = 0, int64_t slack = 0) {
+  SlotLayout l;
+  l.max_frames = max_frames;
+  l.sink_frames = sink;
+  l.window_frames = window;
+  l.slack_frames = slack;
+  return KVCache({2, 1, 2, 4, 3}, l, at::kFloat, at::Device(at::kCPU));
+}
+
+static at::Tensor block(int64_t frames, float value) { return at::full({1, 2, frames * 3, 4}, value); }
+
+static void test_write_overwrite_commit_view() {
+  KVCache c = make(9);
+  CHECK(c.nbytes() == 2 * 2 * 1 * 2 * 9 * 3 * 4 * 4);
+  c.begin_write(3);
+  c.write(0, block(3, 1), block(3, -1));
+  c.begin_write(3);  // a later denoising pass overwrites the slot
+  c.write(0, block(3, 2), block(3, -2));
+  auto [k, v] = c.visible(0);
+  CHECK(k.size(2) == 9 && k.eq(2).all().item<bool>() && v.eq(-2).all().item<bool>());
+  CHECK(k.data_ptr() == c.layer_buffer(0).select(0, 0).data_ptr());  // a view, no copy
+  c.commit();
+  c.begin_write(3);
+  c.write(0, block(3, 5), block(3, -5));
+  auto [k2, v2] = c.visible(0);
+  CHECK(k2.size(2) == 18 && k2.narrow(2, 0, 9).eq(2).all().item<bool>() && k2.narrow(2, 9, 9).eq(5).all().item<bool>());
+  CHECK(throws([&] { c.write(0, block(2, 0), block(2, 0)); }));  // wrong size
+}
+
+static void test_rollback_keeps_buffers() {
+  KVCache c = make(9);
+  for (int b = 0; b < 3; ++b) {
+    c.begin_write(3);
+    c.write(1, block(3, b + 1), block(3, b + 1));
+    c.commit();
+  }
+  at::Tensor before = c.buffer().clone();
+  c.rollback(3);
+  CHECK(c.table().committed_frames() == 3);
+  CHECK(at::equal(before, c.buffer()));
+}
+
+static void test_window_gathers_in_frame_order() {
+  KVCache c = make(30, 1, 6);
+  for (int b = 0; b < 6; ++b) {
+    c.begin_write(3);
+    c.write(0, block(3, b + 1), block(3, b + 1));
+    if (b < 5) c.commit();
+  }
+  auto [k, v] = c.visible(0);  // sink frame (block 1), then blocks 5 and 6
+  CHECK(k.size(2) == 7 * 3);
+  CHECK(k.select(2, 0).eq(1).all().item<bool>());
+  CHECK(k.narrow(2, 3, 9).eq(5).all().item<bool>() && k.narrow(2, 12, 9).eq(6).all().item<bool>());
+}
+
+int main() {
+  test_write_overwrite_commit_view();
+  test_rollback_keeps_buffers();
+  test_window_gathers_in_frame_order();
+  return check_report("kv_cache");
+}
