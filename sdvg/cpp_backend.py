@@ -17,6 +17,7 @@ from sdvg._native import _C
 from sdvg.models import Components
 from sdvg.noise import block_noise, generator
 from sdvg.reference import BlockResult, Counters, GenerationConfig, prepare
+from sdvg.transfer import LatentTransfer
 from sdvg.vae import to_uint8_frames, to_unit_frames
 
 _DONE = object()
@@ -30,9 +31,11 @@ class _Stages:
         self.comps, self.prompt, self.cfg, self.setup, self.sink = comps, prompt, cfg, setup, sink
         self.F = setup.frames_per_block
         self.sync = sync_stages
+        self.transfer = LatentTransfer([comps.drafter_device, comps.target_device])
+        self.drafter_dev, self.target_dev, self.vae_dev = comps.drafter_device, comps.target_device, comps.vae.device
 
     def _done(self, out=None):
-        if self.sync and torch.cuda.is_available():
+        if self.sync and torch.cuda.is_available() and "cuda" in (self.drafter_dev.type, self.target_dev.type):
             torch.cuda.current_stream().synchronize()  # this role's stream only: roles still overlap
         return out
 
@@ -40,19 +43,24 @@ class _Stages:
         return block_noise(self.setup.block_shape, self.cfg.seed, b)
 
     def draft(self, b):
-        return self._done(self.setup.drafter.denoise(self._noise(b), b, b * self.F, self.cfg.seed))
+        x = self.setup.drafter.denoise(self._noise(b), b, b * self.F, self.cfg.seed)
+        if self.setup.target is not None:
+            self.transfer.prefetch(x, self.target_dev)  # an accepted draft goes into the target's cache
+        return self._done(x)
 
     def drafter_commit(self, b, x):
-        self._done(self.setup.drafter.commit_forward(x, b * self.F))
+        self._done(self.setup.drafter.commit_forward(self.transfer.get(x, self.drafter_dev), b * self.F))
 
     def target(self, b):
-        return self._done(self.setup.target.denoise(self._noise(b), b, b * self.F, self.cfg.seed))
+        x = self.setup.target.denoise(self._noise(b), b, b * self.F, self.cfg.seed)
+        self.transfer.prefetch(x, self.vae_dev)  # decoded, and committed into the drafter, over there
+        return self._done(x)
 
     def target_commit(self, b, x):
-        self._done(self.setup.target.commit_forward(x, b * self.F))
+        self._done(self.setup.target.commit_forward(self.transfer.get(x, self.target_dev), b * self.F))
 
     def decode(self, x):
-        return self._done(self.setup.runners.decode(x, self.setup.vae_cache))
+        return self._done(self.setup.runners.decode(self.transfer.get(x, self.vae_dev), self.setup.vae_cache))
 
     def score(self, pixels):
         if self.comps.scorer is None:
@@ -71,6 +79,8 @@ class _Stages:
         times = dict(rec["times"])
         times["commit"] = times["drafter_commit"] + times["target_commit"]
         draft = rec["draft_latents"]
+        self.transfer.release(rec["latents"])
+        self.transfer.release(draft)
         self.sink.put(BlockResult(
             rec["index"], rec["decision"], rec["latents"].float().cpu(), to_uint8_frames(rec["frames"]),
             rec["score"], list(rec["frame_scores"]), times,

@@ -132,3 +132,17 @@ def test_role_streams_overlap_on_one_gpu():
     assert torch.cuda.current_stream().cuda_stream not in stages.streams.values()
     # Time inside stages exceeds the wall time only when drafter work ran beside target/VAE work.
     assert c["stage_call_s"] > 1.1 * c["scheduler_wall_s"], c
+
+
+def test_latent_transfer_prefetch_between_devices():
+    from sdvg.transfer import LatentTransfer
+
+    n = torch.cuda.device_count()
+    dest = torch.device(f"cuda:{1 if n > 1 else 0}")
+    t = LatentTransfer([torch.device("cuda:0"), dest])
+    x = torch.randn(1, 16, 3, 60, 104, device="cuda:0")
+    t.prefetch(x, dest)
+    y = t.get(x, dest)
+    assert y.device == dest and torch.equal(y.cpu(), x.cpu())
+    t.release(x)
+    assert not t._copies
