@@ -165,14 +165,11 @@ def read_dit_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict
     return state, config
 
 
-def load_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], source: str,
-                describe_size=None) -> None:
-    """Copy `state` into `module`, refusing missing, unexpected and mis-shaped keys."""
-    own = module.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    mismatched = [(k, tuple(own[k].shape), tuple(state[k].shape)) for k in own
-                  if k in state and own[k].shape != state[k].shape]
+def _mismatches(own_shapes: dict, state: dict[str, torch.Tensor], source: str, describe_size=None) -> None:
+    missing = sorted(set(own_shapes) - set(state))
+    unexpected = sorted(set(state) - set(own_shapes))
+    mismatched = [(k, own_shapes[k], tuple(state[k].shape)) for k in own_shapes
+                  if k in state and own_shapes[k] != tuple(state[k].shape)]
     problems = []
     if mismatched:
         k, want, got = mismatched[0]
@@ -185,23 +182,45 @@ def load_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], source:
         problems.append(f"{len(unexpected)} unexpected key(s), e.g. {unexpected[:3]}")
     if problems:
         raise CheckpointError(f"{source} does not match the model: " + "; ".join(problems))
+
+
+def load_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], source: str,
+                describe_size=None) -> None:
+    """Copy `state` into `module`, refusing missing, unexpected and mis-shaped keys."""
+    own = module.state_dict()
+    _mismatches({k: tuple(v.shape) for k, v in own.items()}, state, source, describe_size)
     with torch.no_grad():
         for k, t in own.items():
             t.copy_(state[k].to(t.dtype))
 
 
-def load_dit(dit, path: str | Path) -> None:
-    """Load any supported checkpoint into a `CausalWanDiT`, strictly."""
+def _size_hint(cfg) -> str:
+    return f"model has dim {cfg.dim}, {cfg.num_layers} layers, ffn {cfg.ffn_dim}"
+
+
+def check_dit_checkpoint(path: str | Path, cfg) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """Read a DiT checkpoint and check it against `cfg` before any model is allocated (the reference
+    shapes come from a model on the meta device). Returns what `load_dit` needs."""
+    from diffusers import WanTransformer3DModel
+
     state, config = read_dit_checkpoint(path)
-    cfg = dit.config
     if config is not None:
         want = cfg.diffusers_kwargs()
         for key in ("num_attention_heads", "attention_head_dim", "num_layers", "ffn_dim", "text_dim"):
             if key in config and config[key] != want[key]:
                 raise CheckpointError(f"{path}: config {key}={config[key]} but the model expects {want[key]}; the "
                                       "checkpoint is for a different model size than the preset")
-    load_strict(dit.model, state, str(path),
-                describe_size=f"model has dim {cfg.dim}, {cfg.num_layers} layers, ffn {cfg.ffn_dim}")
+    with torch.device("meta"):
+        ref = WanTransformer3DModel(**cfg.diffusers_kwargs())
+    _mismatches({k: tuple(v.shape) for k, v in ref.state_dict().items()}, state, str(path), _size_hint(cfg))
+    return state, config
+
+
+def load_dit(dit, path: str | Path, checked: tuple | None = None) -> None:
+    """Load any supported checkpoint into a `CausalWanDiT`, strictly (`checked`: the result of
+    `check_dit_checkpoint`, to avoid reading the file twice)."""
+    state, _ = checked if checked is not None else check_dit_checkpoint(path, dit.config)
+    load_strict(dit.model, state, str(path), describe_size=_size_hint(dit.config))
 
 
 def save_dit(dit, path: str | Path, fmt: str = "diffusers") -> None:

@@ -231,6 +231,8 @@ UMT5_XXL = TextEncoderConfig()
 WAN_VAE = VAEConfig()
 IMAGE_REWARD = RewardConfig()
 
+# The in-memory character BERT tokenizer of the random-weight presets (89 tokens) + [DEC] + [ENC].
+TINY_BERT_VOCAB = 89 + 2
 _TINY_TEXT = TextEncoderConfig(d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16, vocab_size=128)
 
 PRESETS: dict[str, Preset] = {
@@ -243,7 +245,7 @@ PRESETS: dict[str, Preset] = {
         vae=VAEConfig(base_dim=8, num_res_blocks=1),
         reward=RewardConfig(
             vit_dim=32, vit_depth=2, vit_heads=2, bert_hidden=32, bert_layers=2, bert_heads=2,
-            bert_intermediate=64, vocab_size=0, embed_dim=16,
+            bert_intermediate=64, vocab_size=TINY_BERT_VOCAB, embed_dim=16,
         ),
         video=VideoConfig(height=64, width=64, frames_per_block=3, num_blocks=3),
         precision="fp32",
@@ -268,7 +270,7 @@ PRESETS: dict[str, Preset] = {
         target=TARGET_14B,
         text_encoder=TextEncoderConfig(d_model=4096, d_ff=256, num_layers=1, num_heads=8, d_kv=64, vocab_size=128),
         vae=WAN_VAE,
-        reward=dataclasses.replace(IMAGE_REWARD, vocab_size=0),
+        reward=dataclasses.replace(IMAGE_REWARD, vocab_size=TINY_BERT_VOCAB),
         video=VideoConfig(),
         precision="bf16",
         tiny_tokenizers=True,
@@ -283,7 +285,7 @@ PRESETS: dict[str, Preset] = {
         vae=VAEConfig(base_dim=4, num_res_blocks=1),
         reward=RewardConfig(
             vit_dim=64, vit_depth=2, vit_heads=2, bert_hidden=64, bert_layers=2, bert_heads=2,
-            bert_intermediate=128, vocab_size=0, embed_dim=16,
+            bert_intermediate=128, vocab_size=TINY_BERT_VOCAB, embed_dim=16,
         ),
         video=VideoConfig(height=64, width=96, frames_per_block=3, num_blocks=9),
         precision="fp32",

@@ -101,21 +101,24 @@ def load_pretrained(preset: Preset, drafter: str | Path, target: str | Path, vae
                     reward: str | Path | None, text_encoder: str | Path, reward_tokenizer_folder=None,
                     drafter_device="cuda:0", target_device=None) -> Components:
     """Real weights from local paths (files or diffusers / HF-cache folders)."""
-    from sdvg.checkpoints import load_dit
+    from sdvg.checkpoints import check_dit_checkpoint, load_dit
 
     preset.validate()
+    # both checkpoints are checked against the preset before either model is allocated
+    checked = {"drafter": check_dit_checkpoint(drafter, preset.drafter),
+               "target": check_dit_checkpoint(target, preset.target)}
     dd = _device(drafter_device)
     td = _device(target_device or drafter_device)
     dtype = torch_dtype(preset.precision)
     text = TextEncoder.from_pretrained(text_encoder, config=preset.text_encoder).to(dd, preset.precision)
 
-    def dit(cfg, path, dev):
+    def dit(role, cfg, path, dev):
         m = _construct(cfg, dev, dtype)  # on its device in its precision: no fp32 copy of a 14B model in RAM
-        load_dit(m, path)
+        load_dit(m, path, checked.pop(role))
         return m.set_precision(preset.precision).eval()
 
-    d = dit(preset.drafter, drafter, dd)
-    t = dit(preset.target, target, td)
+    d = dit("drafter", preset.drafter, drafter, dd)
+    t = dit("target", preset.target, target, td)
     v = build_vae(preset.vae)
     load_vae_weights(v, vae)
     scorer = None

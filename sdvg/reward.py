@@ -67,12 +67,7 @@ def build_image_reward(cfg: RewardConfig, tokenizer, device="cpu"):
 
 
 def reward_tokenizer(cfg: RewardConfig, folder=None, tiny: bool = False):
-    if tiny:
-        tok = add_blip_tokens(tiny_bert_tokenizer())
-        if cfg.vocab_size:
-            check_vocab_size(tok, cfg.vocab_size, "ImageReward (tiny)")
-        return tok
-    tok = add_blip_tokens(load_bert_tokenizer(folder))
+    tok = add_blip_tokens(tiny_bert_tokenizer() if tiny else load_bert_tokenizer(folder))
     check_vocab_size(tok, cfg.vocab_size or BERT_BASE_UNCASED_VOCAB + 2, "ImageReward BERT")
     return tok
 

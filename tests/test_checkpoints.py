@@ -110,3 +110,15 @@ def test_text_encoder_round_trip_from_a_folder(tmp_path):
     assert torch.all(a[0, n:] == 0) and torch.any(a[0, :n] != 0)  # zero past the prompt length
     with pytest.raises(FileNotFoundError, match="not a UMT5 encoder folder"):
         TextEncoder.from_pretrained(tmp_path / "nothing")
+
+
+def test_wrong_size_is_refused_before_any_model_is_allocated(tmp_path, source, monkeypatch):
+    from sdvg import checkpoints
+    from sdvg.dit import CausalWanDiT as Dit
+
+    save_dit(source, tmp_path / "d.safetensors", "krea")
+    monkeypatch.setattr(Dit, "__init__", lambda *a, **k: pytest.fail("a model was allocated"))
+    with pytest.raises(CheckpointError, match=r"expected \[.*\], found \[.*model has dim 64"):
+        checkpoints.check_dit_checkpoint(tmp_path / "d.safetensors", get_preset("tiny").target)
+    state, _ = checkpoints.check_dit_checkpoint(tmp_path / "d.safetensors", source.config)
+    assert "proj_out.weight" in state
