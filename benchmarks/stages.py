@@ -66,7 +66,7 @@ def main(argv=None):
                 row["compile_max_abs_diff"] = max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b))
         res["stages"][s.name] = row
         print(s.name, json.dumps(row))
-    (out / "stages.json").write_text(json.dumps(res, indent=2))
+        (out / "stages.json").write_text(json.dumps(res, indent=2))  # after each stage: a timeout keeps the rest
     return res
 
 
