@@ -81,13 +81,13 @@ def summarise(mode, rate, runs, variant=("eager", "cpp", False)):
     }
 
 
-def floor_seconds(run, per_step, per_commit, num_blocks):
-    """Target-side cost model: 4 (steps) forwards per target-made block + the commits a later target run reads."""
-    d = run["decisions"]
-    target_blocks = sum(x in ("forced", "rejected", "target") for x in d)
-    commits = run["target_forwards"] - 4 * target_blocks if run["mode"] != "draft" else 0
+def floor_seconds(run, per_step, per_commit):
+    """Target-side cost model: 4 (steps) forwards per target-made block + the commits a later target run reads.
+    Draft-only has no target: its floor is the drafter's own work."""
     if run["mode"] == "draft":
         return run["stages"]["draft"] + run["stages"]["drafter_commit"]
+    target_blocks = sum(x in ("forced", "rejected", "target") for x in run["decisions"])
+    commits = run["target_forwards"] - 4 * target_blocks
     return target_blocks * 4 * per_step + commits * per_commit
 
 
@@ -197,7 +197,7 @@ def main(argv=None):
     commits = tgt["target_forwards"] - 4 * n
     per_commit = tgt["stages"]["target_commit"] / max(1, commits)
     for r in runs:
-        r["floor_s"] = floor_seconds(r, per_step, per_commit, n)
+        r["floor_s"] = floor_seconds(r, per_step, per_commit)
         r["floor_ratio"] = r["wall_s"] / r["floor_s"] if r["floor_s"] else None
     main_sdvg = [r for r in runs if r["mode"] == "sdvg" and (r["backend"], r["scheduler"], r["run_ahead"]) ==
                  main_variant]

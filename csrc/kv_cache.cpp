@@ -11,7 +11,7 @@ int64_t kv_cache_nbytes(const KVCacheShape& s, const SlotLayout& layout, int64_t
 }
 
 KVCache::KVCache(const KVCacheShape& shape, const SlotLayout& layout, at::ScalarType dtype, at::Device device)
-    : shape_(shape), table_(layout), layout_(layout) {
+    : shape_(shape), table_(layout) {
   if (shape.num_layers < 1 || shape.batch < 1 || shape.heads < 1 || shape.head_dim < 1 ||
       shape.tokens_per_frame < 1)
     throw std::invalid_argument("KV cache shape entries must all be >= 1");
@@ -102,7 +102,7 @@ void KVCache::rollback(int64_t frame) {
 }
 
 void KVCache::reset() {
-  table_ = FrameSlotTable(layout_);
+  table_ = FrameSlotTable(table_.layout());
   pending_slots_.clear();
   refresh_visible();
 }

@@ -50,7 +50,6 @@ class KVCache {
   void refresh_visible();
   KVCacheShape shape_;
   FrameSlotTable table_;
-  SlotLayout layout_;
   at::Tensor buffer_;  // [L, 2, B, H, num_slots*tokens_per_frame, D]
   std::vector<int64_t> pending_slots_;
   std::pair<int64_t, int64_t> visible_range_{0, 0};  // token range if contiguous

@@ -124,6 +124,7 @@ class RewardScorer:
 
     def __init__(self, model, config: RewardConfig):
         self.model = model.eval()
+        self.model.mlp.float()  # the score head runs in fp32 whatever the encoders' precision
         self.config = config
         self._tokens: dict[str, PromptTokens] = {}  # per-prompt tokenisation, explicit and bounded by use
 
@@ -137,6 +138,7 @@ class RewardScorer:
 
     def to(self, device, dtype=torch.float32) -> "RewardScorer":
         self.model.to(device=device, dtype=dtype)
+        self.model.mlp.float()
         self.model.device = torch.device(device)
         self._tokens.clear()
         return self
@@ -183,7 +185,7 @@ class RewardScorer:
                                 encoder_hidden_states=image_embeds, encoder_attention_mask=image_atts,
                                 return_dict=True)
         feats = out.last_hidden_state[:, 0, :].float()
-        raw = self.model.mlp.float()(feats)
+        raw = self.model.mlp(feats)
         return ((raw - REWARD_MEAN) / REWARD_STD).squeeze(-1).float()
 
 

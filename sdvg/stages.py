@@ -50,12 +50,10 @@ def static_cache_inputs(cache, tokens_per_frame: int):
     """The cache's K/V buffers and the mask of its visible *committed* tokens (the pending block's
     slots excluded: a static step appends the block's fresh K/V itself)."""
     buf = cache.buffer  # [L, 2, B, H, S_cap, D]
-    pending = set(cache.visible_frames()[len(cache.visible_frames()) - cache.pending_frames:]) \
-        if cache.pending_frames else set()
+    committed = len(cache.visible_frames()) - cache.pending_frames  # pending frames come last
     mask = torch.zeros(buf.shape[4], dtype=torch.bool)
-    for f, slot in zip(cache.visible_frames(), cache.visible_slots()):
-        if f not in pending:
-            mask[slot * tokens_per_frame:(slot + 1) * tokens_per_frame] = True
+    for slot in cache.visible_slots()[:committed]:
+        mask[slot * tokens_per_frame:(slot + 1) * tokens_per_frame] = True
     return buf[:, 0], buf[:, 1], mask.to(buf.device)
 
 
