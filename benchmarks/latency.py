@@ -137,6 +137,86 @@ def plots(results, out: Path):
     plt.close(fig)
 
 
+def assemble(runs, meta, paper_rate=PAPER_ACCEPTANCE):
+    """Results dict from the runs measured so far (runs[0] is target-only, eager, cpp, sequential)."""
+    tgt = runs[0]
+    n = meta["num_blocks"]
+    per_step = tgt["stages"]["target"] / (4 * n)
+    commits = tgt["target_forwards"] - 4 * n
+    per_commit = tgt["stages"]["target_commit"] / max(1, commits)
+    for r in runs:
+        r["floor_s"] = floor_seconds(r, per_step, per_commit)
+        r["floor_ratio"] = r["wall_s"] / r["floor_s"] if r["floor_s"] else None
+    key = (tgt["backend"], tgt["scheduler"], tgt["run_ahead"])
+    main_sdvg = [r for r in runs if r["mode"] == "sdvg" and (r["backend"], r["scheduler"], r["run_ahead"]) == key]
+    paper = min(main_sdvg, key=lambda r: abs(r["acceptance"] - paper_rate)) if main_sdvg else None
+    by_variant = {}
+    for r in runs:
+        by_variant.setdefault((r["backend"], r["scheduler"], r["run_ahead"]), {}).setdefault(r["mode"], []).append(r)
+    variant_speedups = []
+    for (b, s_, ra), d in by_variant.items():
+        if "target" in d and "sdvg" in d:
+            sd = min(d["sdvg"], key=lambda r: abs(r["acceptance"] - paper_rate))
+            variant_speedups.append({"backend": b, "scheduler": s_, "run_ahead": ra, "target_s": d["target"][0]["wall_s"],
+                                     "sdvg_s": sd["wall_s"], "acceptance": sd["acceptance"],
+                                     "speedup_vs_target": d["target"][0]["wall_s"] / sd["wall_s"]})
+    return {
+        **meta,
+        "variants": variant_speedups,
+        "per_target_step_s": per_step, "per_target_commit_s": per_commit,
+        "speedup_vs_target": tgt["wall_s"] / paper["wall_s"] if paper else None,
+        "speedup_vs_target_acceptance": paper["acceptance"] if paper else None,
+        "floor_ratio": paper["floor_ratio"] if paper else None,
+        "floor_speedup_vs_target": tgt["wall_s"] / paper["floor_s"] if paper else None,
+        "runs": runs,
+    }, by_variant
+
+
+def write_results(results, by_variant, out: Path, final: bool):
+    """results.json/csv/md after every run (a run cut short by a time limit keeps what it measured); plots at the end."""
+    runs = results["runs"]
+    tgt = runs[0]
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    with (out / "results.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["mode", "backend", "scheduler", "run_ahead", "acceptance", "wall_s", "floor_s", "floor_ratio",
+                    "target_forwards", "drafter_forwards", *STAGES, "overhead"])
+        for r in runs:
+            w.writerow([r["mode"], r["backend"], r["scheduler"], r["run_ahead"], r["acceptance"], f"{r['wall_s']:.4f}",
+                        f"{r['floor_s']:.4f}", f"{r['floor_ratio']:.3f}", r["target_forwards"],
+                        r["drafter_forwards"], *(f"{r['stages'][k]:.4f}" for k in STAGES),
+                        f"{r['stages']['overhead']:.4f}"])
+    lines = [f"# Latency: {results['preset']}, {results['num_blocks']} blocks, {results['device_name']} "
+             f"({results['date']})", "",
+             "| mode | backend | scheduler | acceptance | wall s | speed-up vs target (same variant) | floor s | "
+             "wall / floor |", "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        acc = "" if r["acceptance"] is None else f"{r['acceptance']:.1%}"
+        base = by_variant[(r["backend"], r["scheduler"], r["run_ahead"])].get("target", [tgt])[0]
+        sched = r["scheduler"] + (" run-ahead" if r["run_ahead"] else "")
+        lines.append(f"| {r['mode']} | {r['backend']} | {sched} | {acc} | {r['wall_s']:.3f} | "
+                     f"{base['wall_s'] / r['wall_s']:.2f}x | {r['floor_s']:.3f} | {r['floor_ratio']:.2f} |")
+    if results["speedup_vs_target"] is not None:
+        lines += ["", f"SDVG at {results['speedup_vs_target_acceptance']:.1%} acceptance: "
+                  f"{results['speedup_vs_target']:.2f}x over target-only (floor {results['floor_speedup_vs_target']:.2f}x, "
+                  f"measured/floor {results['floor_ratio']:.2f}); eager PyTorch, cpp scheduler, sequential. The floor "
+                  "counts only the target's forwards (drafter, VAE and reward hidden on another device or stream)."]
+    if results.get("skipped"):
+        lines += ["", "Not run (time budget): " + ", ".join(results["skipped"])]
+    if not final:
+        lines += ["", "(partial: the benchmark is still running or was stopped)"]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    if final and results["speedup_vs_target"] is not None:
+        plots(results, out)
+    return lines
+
+
+def run_label(mode, rate, variant):
+    backend, scheduler, run_ahead = variant
+    acc = "" if rate is None else f"@{rate:.1%}"
+    return f"{mode}{acc} ({backend}, {scheduler}{', run-ahead' if run_ahead else ''})"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="cpu-bench")
@@ -149,12 +229,23 @@ def main(argv=None):
     ap.add_argument("--variants", default="reference,run-ahead",
                     help="extra runs of target-only and SDVG at 73.1%%: reference, run-ahead, compile, tensorrt")
     ap.add_argument("--engines", default=None, help="engine folder for the tensorrt variant")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no run (or warm-up) that would end past this many seconds after the models are "
+                         "built; target-only and SDVG at 73.1%% are always measured, then the rest in order "
+                         "while time allows; the ones left out are listed under 'skipped'")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="the same as an absolute time (seconds since the epoch, as `date +%%s` prints)")
     args = ap.parse_args(argv)
 
     preset = get_preset(args.preset)
     n = args.num_blocks or preset.video.num_blocks
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    extra = {"reference": ("eager", "reference", False), "run-ahead": ("eager", "cpp", True),
+             "compile": ("compile", "cpp", False), "tensorrt": ("tensorrt", "cpp", False)}
+    unknown = [v for v in args.variants.split(",") if v and v not in extra]
+    if unknown:
+        ap.error(f"unknown variant(s) {unknown}; choose from {sorted(extra)}")
     t_build = time.perf_counter()
     pipe = SpeculativeVideoPipeline(build_random(preset, drafter_device=args.device,
                                                  target_device=args.target_device), engines=args.engines)
@@ -163,95 +254,78 @@ def main(argv=None):
     devices = {comps.drafter_device, comps.target_device}
     rates = [float(x) for x in args.rates.split(",")]
     patterns = {r: acceptance_pattern(n, r, seed=0) for r in rates}
+    paper_rate = min(rates, key=lambda r: abs(r - PAPER_ACCEPTANCE))
 
     main_variant = ("eager", "cpp", False)
-    extra = {"reference": ("eager", "reference", False), "run-ahead": ("eager", "cpp", True),
-             "compile": ("compile", "cpp", False), "tensorrt": ("tensorrt", "cpp", False)}
     variants = [extra[v] for v in args.variants.split(",") if v]
-    paper_pattern = acceptance_pattern(n, PAPER_ACCEPTANCE, seed=0)
-    for v in [main_variant] + variants:  # warm-up (all stages; compiles), excluded
-        run_once(pipe, "sdvg", n, patterns[rates[len(rates) // 2]], v)
-    for d in devices:
-        if d.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(d)
-
-    def sdvg_run(rate, pattern, v):
-        run = summarise("sdvg", rate, [run_once(pipe, "sdvg", n, pattern, v) for _ in range(args.repeats)], v)
-        if run["decisions"][1:] != ["accepted" if p else "rejected" for p in pattern[1:]]:
-            raise AssertionError("forced pattern not followed")
-        run["acceptance"] = sum(d == "accepted" for d in run["decisions"][1:]) / max(1, n - 1)
-        return run
-
-    runs = []
-    for mode in ("target", "draft"):
-        runs.append(summarise(mode, None, [run_once(pipe, mode, n, None, main_variant) for _ in range(args.repeats)],
-                              main_variant))
-    for r in rates:
-        runs.append(sdvg_run(r, patterns[r], main_variant))
+    # (mode, rate, variant) in the order they are reported; measured most important first
+    plan = [("target", None, main_variant), ("draft", None, main_variant)]
+    plan += [("sdvg", r, main_variant) for r in rates]
     for v in variants:
-        runs.append(summarise("target", None, [run_once(pipe, "target", n, None, v) for _ in range(args.repeats)], v))
-        runs.append(sdvg_run(PAPER_ACCEPTANCE, paper_pattern, v))
+        plan += [("target", None, v), ("sdvg", paper_rate, v)]  # same pattern as the main run
+    first = [plan[0], ("sdvg", paper_rate, main_variant)]
+    order = first + [p for p in plan if p not in first]
 
-    tgt = runs[0]  # eager, cpp scheduler, sequential
-    per_step = tgt["stages"]["target"] / (4 * n)
-    commits = tgt["target_forwards"] - 4 * n
-    per_commit = tgt["stages"]["target_commit"] / max(1, commits)
-    for r in runs:
-        r["floor_s"] = floor_seconds(r, per_step, per_commit)
-        r["floor_ratio"] = r["wall_s"] / r["floor_s"] if r["floor_s"] else None
-    main_sdvg = [r for r in runs if r["mode"] == "sdvg" and (r["backend"], r["scheduler"], r["run_ahead"]) ==
-                 main_variant]
-    paper = min(main_sdvg, key=lambda r: abs(r["acceptance"] - PAPER_ACCEPTANCE))
-    by_variant = {}
-    for r in runs:
-        by_variant.setdefault((r["backend"], r["scheduler"], r["run_ahead"]), {})[r["mode"]] = r
-    variant_speedups = [
-        {"backend": b, "scheduler": s_, "run_ahead": ra, "target_s": d["target"]["wall_s"],
-         "sdvg_s": min((r for r in runs if r["mode"] == "sdvg" and (r["backend"], r["scheduler"], r["run_ahead"]) ==
-                        (b, s_, ra)), key=lambda r: abs(r["acceptance"] - PAPER_ACCEPTANCE))["wall_s"]}
-        for (b, s_, ra), d in by_variant.items() if "target" in d]
-    for v in variant_speedups:
-        v["speedup_vs_target"] = v["target_s"] / v["sdvg_s"]
     dev0 = comps.target_device
-    results = {
+    meta = {
         "preset": preset.name, "num_blocks": n, "precision": preset.precision,
         "device_name": torch.cuda.get_device_name(dev0) if dev0.type == "cuda" else platform.processor() or "cpu",
         "devices": [str(d) for d in devices], "torch": torch.__version__, "repeats": args.repeats,
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "build_s": build_s,
-        "variants": variant_speedups,
-        "per_target_step_s": per_step, "per_target_commit_s": per_commit,
-        "speedup_vs_target": tgt["wall_s"] / paper["wall_s"],
-        "speedup_vs_target_acceptance": paper["acceptance"],
-        "floor_ratio": paper["floor_ratio"],
-        "floor_speedup_vs_target": tgt["wall_s"] / paper["floor_s"],
-        "peak_memory_gib": peak_memory(devices),
-        "runs": runs,
+        "budget_s": args.budget_s, "deadline": args.deadline,
     }
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    with (out / "results.csv").open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["mode", "backend", "scheduler", "run_ahead", "acceptance", "wall_s", "floor_s", "floor_ratio",
-                    "target_forwards", "drafter_forwards", *STAGES, "overhead"])
-        for r in runs:
-            w.writerow([r["mode"], r["backend"], r["scheduler"], r["run_ahead"], r["acceptance"], f"{r['wall_s']:.4f}",
-                        f"{r['floor_s']:.4f}", f"{r['floor_ratio']:.3f}", r["target_forwards"],
-                        r["drafter_forwards"], *(f"{r['stages'][k]:.4f}" for k in STAGES),
-                        f"{r['stages']['overhead']:.4f}"])
-    lines = [f"# Latency: {preset.name}, {n} blocks, {results['device_name']} ({results['date']})", "",
-             "| mode | backend | scheduler | acceptance | wall s | speed-up vs target (same variant) | floor s | "
-             "wall / floor |", "|---|---|---|---|---|---|---|---|"]
-    for r in runs:
-        acc = "" if r["acceptance"] is None else f"{r['acceptance']:.1%}"
-        base = by_variant[(r["backend"], r["scheduler"], r["run_ahead"])].get("target", tgt)
-        sched = r["scheduler"] + (" run-ahead" if r["run_ahead"] else "")
-        lines.append(f"| {r['mode']} | {r['backend']} | {sched} | {acc} | {r['wall_s']:.3f} | "
-                     f"{base['wall_s'] / r['wall_s']:.2f}x | {r['floor_s']:.3f} | {r['floor_ratio']:.2f} |")
-    lines += ["", f"SDVG at {paper['acceptance']:.1%} acceptance: {results['speedup_vs_target']:.2f}x over "
-              f"target-only (floor {results['floor_speedup_vs_target']:.2f}x, measured/floor "
-              f"{results['floor_ratio']:.2f}); eager PyTorch, cpp scheduler, sequential. The floor counts only the "
-              "target's forwards (drafter, VAE and reward hidden on another device or stream)."]
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    plots(results, out)
+    t0 = time.perf_counter()
+    longest = 0.0  # longest single video so far: the estimate for the next one
+
+    def fits(videos: int) -> bool:
+        need = videos * longest
+        if args.deadline is not None and time.time() + need > args.deadline:
+            return False
+        return args.budget_s is None or (time.perf_counter() - t0) + need <= args.budget_s
+
+    def measure(mode, rate, v):
+        nonlocal longest
+        pattern = patterns[rate] if mode == "sdvg" else None
+        walls = []
+        for _ in range(args.repeats):
+            walls.append(run_once(pipe, mode, n, pattern, v))
+            longest = max(longest, walls[-1]["wall_s"])
+        run = summarise(mode, rate, walls, v)
+        if mode == "sdvg":
+            if run["decisions"][1:] != ["accepted" if p else "rejected" for p in pattern[1:]]:
+                raise AssertionError("forced pattern not followed")
+            run["acceptance"] = sum(d == "accepted" for d in run["decisions"][1:]) / max(1, n - 1)
+        return run
+
+    warm = set()
+    done, skipped = {}, []
+    results, by_variant = None, None
+    for item in order:
+        mode, rate, v = item
+        if v not in warm:  # warm-up (all stages; compiles), excluded from the timings
+            if warm and not fits(1 + args.repeats):
+                skipped.append(run_label(*item))
+                continue
+            t_w = time.perf_counter()
+            run_once(pipe, "sdvg", n, patterns[rates[len(rates) // 2]], v)
+            longest = max(longest, time.perf_counter() - t_w) if v == main_variant else longest
+            warm.add(v)
+            if v == main_variant:
+                for d in devices:
+                    if d.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats(d)
+        if item not in first and not fits(args.repeats):  # target-only and SDVG at 73.1% are always measured
+            skipped.append(run_label(*item))
+            continue
+        done[item] = measure(mode, rate, v)
+        print(f"[{time.perf_counter() - t0:7.1f} s] {run_label(*item)}: {done[item]['wall_s']:.3f} s", flush=True)
+        runs = [done[p] for p in plan if p in done]
+        results, by_variant = assemble(runs, meta)
+        results["skipped"] = list(skipped)
+        results["peak_memory_gib"] = peak_memory(devices)
+        write_results(results, by_variant, out, final=False)
+    results["skipped"] = skipped
+    lines = write_results(results, by_variant, out, final=True)
     print("\n".join(lines))
     return results
 

@@ -36,3 +36,21 @@ def test_latency_benchmark_smoke(tmp_path):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "speed-up" in (tmp_path / "results.md").read_text()
     assert res["speedup_vs_target"] == data["speedup_vs_target"]
+
+
+@pytest.mark.slow
+def test_latency_budget_keeps_what_was_measured(tmp_path):
+    """With no time left, only target-only and SDVG at the rate nearest 73.1% run; the rest is listed as skipped."""
+    import latency
+
+    res = latency.main(["--preset", "tiny", "--num-blocks", "2", "--repeats", "1", "--rates", "0,1.0",
+                        "--variants", "reference", "--budget-s", "0", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["mode"], r["scheduler"], r["acceptance"]) for r in data["runs"]] == [("target", "cpp", None),
+                                                                                   ("sdvg", "cpp", 1.0)]
+    assert data["skipped"] == ["draft (eager, cpp)", "sdvg@0.0% (eager, cpp)", "target (eager, reference)",
+                               "sdvg@100.0% (eager, reference)"]
+    assert data["speedup_vs_target"] == pytest.approx(data["runs"][0]["wall_s"] / data["runs"][1]["wall_s"])
+    assert res["skipped"] == data["skipped"]
+    assert "Not run (time budget)" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "speedup.png").exists()
