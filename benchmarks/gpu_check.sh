@@ -10,17 +10,18 @@ OUT=${OUT:-results/gpu-$(date -u +%Y%m%d)}
 BLOCKS=${BLOCKS:-9}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
+SITE_DIR=${SITE_DIR:-/tmp/sdvg-site}
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/sdvg-site .whl/*.whl \
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE_DIR" .whl/*.whl \
     || { echo "wheel install failed"; exit 1; }
-  export PYTHONPATH=/tmp/sdvg-site:$PWD
+  export PYTHONPATH=$SITE_DIR:$PWD
 else
   export PYTHONPATH=$PWD
 fi
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 t0=$(date +%s)
 deadline=$(( t0 + ${TOTAL_S:-510} ))  # the whole check ends by then (a device call may run 600 s)
-SDVG_CUDA=1 "$PY" setup.py build_ext --inplace -j 16 > "$OUT/build.log" 2>&1 || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
+SDVG_CUDA=${SDVG_CUDA:-1} "$PY" setup.py build_ext --inplace -j 16 > "$OUT/build.log" 2>&1 || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
 echo "extension built in $(( $(date +%s) - t0 )) s"
 "$PY" - > "$OUT/env.json" <<'PYEOF'
 import json, platform, torch, diffusers, transformers

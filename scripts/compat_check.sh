@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Run sdvg on the GPU machine's stack, on the CPU: Python 3.12 (where installed), torch 2.11 (the
+# oldest torch sdvg supports), numpy 2.5, transformers 5 / huggingface-hub 1 shadowed by the wheels
+# of benchmarks/gpu-wheels.txt exactly as benchmarks/gpu_check.sh installs them there. First
+# gpu_check.sh itself with the tiny preset on the CPU (a failure there would have cost a GPU
+# session), then the whole test suite. Uses .compat/ (a venv) and .whl/; downloads ~3.5 GB once.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=""
+for c in python3.12 "$(pyenv root 2>/dev/null || echo /none)"/versions/3.12*/bin/python3.12 python3; do
+  if "$c" -V >/dev/null 2>&1; then py=$c; break; fi
+done
+echo "compat_check: $("$py" -V) from $py"
+[ -x .compat/bin/python ] || "$py" -m venv .compat
+.compat/bin/python -m pip install -q -r requirements-gpu-image.txt
+PYTHON=.compat/bin/python bash scripts/fetch_wheels.sh >/dev/null
+out=$(mktemp -d)
+cuda=0; [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ] && cuda=1
+SDVG_CUDA=$cuda SITE_DIR=$PWD/.compat/sdvg-site PYTHON=.compat/bin/python OUT=$out PRESET=tiny DEVICE=cpu \
+  TOTAL_S=900 bash benchmarks/gpu_check.sh
+for f in env.json gpu_tests.log results.json results.md stages.json timeline.png; do
+  [ -s "$out/$f" ] || { echo "compat_check: gpu_check.sh wrote no $f"; exit 1; }
+done
+if ! grep -q -E "[0-9]+ passed" "$out/gpu_tests.log" || grep -q -E "[0-9]+ (failed|errors?)\b" "$out/gpu_tests.log"; then
+  echo "compat_check: the GPU test subset failed under gpu_check.sh"; exit 1
+fi
+# the same interpreter and site as gpu_check.sh, with the extension it built in place
+export PYTHONPATH=$PWD/.compat/sdvg-site:$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+.compat/bin/python -c "import torch, transformers, sdvg._native as n; print('compat stack: torch', torch.__version__, '| transformers', transformers.__version__, '| sdvg._C', n._C.build_info())"
+.compat/bin/python -m pytest -q -p no:cacheprovider tests "$@"
+echo "compat_check: ok"
