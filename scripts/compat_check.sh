@@ -6,13 +6,15 @@
 # session), then the whole test suite. Uses .compat/ (a venv) and .whl/; downloads ~3.5 GB once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# pip warns about each of this machine's local index folders that lacks a package; keep errors only
+quiet_pip() { "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
 py=""
 for c in python3.12 "$(pyenv root 2>/dev/null || echo /none)"/versions/3.12*/bin/python3.12 python3; do
   if "$c" -V >/dev/null 2>&1; then py=$c; break; fi
 done
 echo "compat_check: $("$py" -V) from $py"
 [ -x .compat/bin/python ] || "$py" -m venv .compat
-.compat/bin/python -m pip install -q -r requirements-gpu-image.txt
+quiet_pip .compat/bin/python -m pip install -q -r requirements-gpu-image.txt
 PYTHON=.compat/bin/python bash scripts/fetch_wheels.sh >/dev/null
 out=$(mktemp -d)
 cuda=0; [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ] && cuda=1
