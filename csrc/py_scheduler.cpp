@@ -66,10 +66,13 @@ class StreamSet {
 #ifdef SDVG_WITH_CUDA
   c10::cuda::CUDAStream stream(Role r) const { return *streams_[static_cast<int>(r)]; }
   // The consumer's stream waits for the handle's producer; tensors are marked as used there.
+  // Called without the GIL; it takes it to look at the Python object (THPVariable_Check may call
+  // PyObject_IsInstance, which needs the GIL while the drafter thread runs beside this one).
   void consume(Role r, const Handle& h) const {
     if (!h || !active(r)) return;
     auto* p = static_cast<PyHandle*>(h.get());
     if (p->ready) p->ready->block(stream(r));
+    py::gil_scoped_acquire gil;
     if (THPVariable_Check(p->obj.ptr())) {
       const at::Tensor& t = THPVariable_Unpack(p->obj.ptr());
       if (t.is_cuda()) t.record_stream(stream(r));
@@ -128,7 +131,9 @@ class PyExecutor : public Executor {
     target_cache_obj_ = py::object();
   }
 
-  Handle draft(int b) override { return produce(Role::Drafter, "draft", py::int_(b)); }
+  Handle draft(int b) override {
+    return produce(Role::Drafter, [&] { return stages_.attr("draft")(b); });
+  }
   void drafter_commit_forward(int b, const Handle& x) override { consume_call(Role::Drafter, "drafter_commit", b, x); }
   void drafter_cache_commit() override { cache_op(drafter_cache_, "drafter_cache_commit", [](KVCache* c) { c->commit(); }); }
   void drafter_cache_rollback(int64_t frame) override {
@@ -139,12 +144,14 @@ class PyExecutor : public Executor {
       if (py::hasattr(stages_, "drafter_cache_rollback")) stages_.attr("drafter_cache_rollback")(frame);
     }
   }
-  Handle target(int b) override { return produce(Role::Target, "target", py::int_(b)); }
+  Handle target(int b) override {
+    return produce(Role::Target, [&] { return stages_.attr("target")(b); });
+  }
   void target_commit_forward(int b, const Handle& x) override { consume_call(Role::Target, "target_commit", b, x); }
   void target_cache_commit() override { cache_op(target_cache_, "target_cache_commit", [](KVCache* c) { c->commit(); }); }
   Handle decode(const Handle& x) override {
     streams_.consume(Role::Vae, x);
-    return produce(Role::Vae, "decode", unwrap_gil(x));
+    return produce(Role::Vae, [&] { return stages_.attr("decode")(unwrap(x)); });
   }
   Scored score(const Handle& frames) override {
     streams_.consume(Role::Vae, frames);
@@ -189,17 +196,15 @@ class PyExecutor : public Executor {
   }
 
  private:
-  py::object unwrap_gil(const Handle& h) {
-    py::gil_scoped_acquire gil;
-    return unwrap(h);
-  }
-  template <class... A>
-  Handle produce(Role r, const char* name, A&&... args) {
+  // Runs `call` on the role's stream with the GIL held: every Python object it makes (the
+  // arguments, the result) is created and released under the GIL, also on the drafter thread.
+  template <class Call>
+  Handle produce(Role r, Call&& call) {
     Handle h;
     {
       RoleScope scope(streams_, r);
       py::gil_scoped_acquire gil;
-      h = std::make_shared<PyHandle>(stages_.attr(name)(std::forward<A>(args)...));
+      h = std::make_shared<PyHandle>(call());
     }
     streams_.produced(r, h);
     return h;
