@@ -8,6 +8,7 @@
 #include <cmath>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 
 #include "kv_cache.h"
 #include "scheduler.h"
@@ -37,7 +38,12 @@ struct PyHandle : Value {
 #endif
 };
 
-py::object unwrap(const Handle& h) { return h ? static_cast<PyHandle*>(h.get())->obj : py::none(); }
+// Copies a reference to the handle's object: only with the GIL held (checked, every call: the
+// drafter thread runs beside the main one and Python's reference counts are not atomic).
+py::object unwrap(const Handle& h) {
+  if (!PyGILState_Check()) throw std::logic_error("sdvg scheduler: Python object used without the GIL");
+  return h ? static_cast<PyHandle*>(h.get())->obj : py::none();
+}
 
 // Per-role CUDA streams (a no-op on the CPU and in CPU builds).
 class StreamSet {

@@ -26,6 +26,17 @@ done
 if ! grep -q -E "[0-9]+ passed" "$out/gpu_tests.log" || grep -q -E "[0-9]+ (failed|errors?)\b" "$out/gpu_tests.log"; then
   echo "compat_check: the GPU test subset failed under gpu_check.sh"; exit 1
 fi
+.compat/bin/python - "$out" <<'PYEOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+lat, st = json.loads((out / "results.json").read_text()), json.loads((out / "stages.json").read_text())
+assert lat["speedup_vs_target"] > 0 and lat["floor_ratio"] > 0 and not lat["skipped"], lat.get("skipped")
+assert [r["mode"] for r in lat["runs"]][:2] == ["target", "draft"], lat["runs"]
+for name, row in st["stages"].items():
+    assert row["eager_s"] > 0 and row["compile_s"] > 0 and row["compile_max_abs_diff"] < 1e-3, (name, row)
+print("compat_check: gpu_check.sh results are complete")
+PYEOF
 # the same interpreter and site as gpu_check.sh, with the extension it built in place
 export PYTHONPATH=$PWD/.compat/sdvg-site:$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 .compat/bin/python -c "import torch, transformers, sdvg._native as n; print('compat stack: torch', torch.__version__, '| transformers', transformers.__version__, '| sdvg._C', n._C.build_info())"

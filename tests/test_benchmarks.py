@@ -54,3 +54,13 @@ def test_latency_budget_keeps_what_was_measured(tmp_path):
     assert res["skipped"] == data["skipped"]
     assert "Not run (time budget)" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "speedup.png").exists()
+
+
+@pytest.mark.slow
+def test_stages_benchmark_writes_every_stage(tmp_path):
+    import stages
+
+    res = stages.main(["--preset", "tiny", "--repeats", "1", "--backends", "eager", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "stages.json").read_text())
+    assert list(data["stages"]) == ["drafter_dit", "target_dit", "vae_decode", "reward"] == list(res["stages"])
+    assert all(row["eager_s"] > 0 and "compile_s" not in row for row in data["stages"].values())
