@@ -6,6 +6,8 @@ dedicated copy stream of the destination, so the copy overlaps whatever runs nex
 `.to()` (exact either way)."""
 from __future__ import annotations
 
+import threading
+
 import torch
 
 
@@ -16,14 +18,18 @@ class LatentTransfer:
             if d.type == "cuda":
                 self.streams[d] = torch.cuda.Stream(device=d)
         self._copies: dict = {}  # (id(source), destination) -> (source, copy, event)
+        self._lock = threading.Lock()  # the drafter thread (run-ahead) prefetches while the main one releases
 
     def _async(self, x: torch.Tensor, dest: torch.device) -> bool:
         return x.device != dest and x.device.type == "cuda" and dest in self.streams
 
     def prefetch(self, x: torch.Tensor, dest) -> None:
         dest = torch.device(dest)
-        if not self._async(x, dest) or (id(x), dest) in self._copies:
+        if not self._async(x, dest):
             return
+        with self._lock:
+            if (id(x), dest) in self._copies:
+                return
         stream = self.streams[dest]
         stream.wait_stream(torch.cuda.current_stream(x.device))  # the producer's work comes first
         with torch.cuda.stream(stream):
@@ -31,13 +37,15 @@ class LatentTransfer:
             x.record_stream(stream)  # keep the source alive until the copy has run
             event = torch.cuda.Event()
             event.record(stream)
-        self._copies[(id(x), dest)] = (x, y, event)
+        with self._lock:
+            self._copies[(id(x), dest)] = (x, y, event)
 
     def get(self, x: torch.Tensor, dest) -> torch.Tensor:
         dest = torch.device(dest)
         if x.device == dest:
             return x
-        entry = self._copies.get((id(x), dest))
+        with self._lock:
+            entry = self._copies.get((id(x), dest))
         if entry is None:
             return x.to(dest)
         _, y, event = entry
@@ -49,5 +57,6 @@ class LatentTransfer:
     def release(self, x) -> None:
         if x is None:
             return
-        for key in [k for k in self._copies if k[0] == id(x)]:
-            del self._copies[key]
+        with self._lock:
+            for key in [k for k in self._copies if k[0] == id(x)]:
+                del self._copies[key]
