@@ -78,6 +78,7 @@ def summarise(mode, rate, runs, variant=("eager", "cpp", False)):
         "target_forwards": med["target_forwards"], "drafter_forwards": med["drafter_forwards"],
         "skipped_target_commits": med["skipped_target_commits"],
         "timeline": [{"index": b["index"], "decision": b["decision"], "times": b["times"]} for b in med["blocks"]],
+        "trace": med.get("trace", []),  # every stage call: block, stage, thread, start_s, end_s
     }
 
 
@@ -105,6 +106,10 @@ def plots(results, out: Path):
     xs = [r["acceptance"] for r in sd]
     ax.plot(xs, [tgt["wall_s"] / r["wall_s"] for r in sd], "o-", label=f"measured ({tgt['backend']}, {tgt['scheduler']} scheduler)")
     ax.plot(xs, [tgt["wall_s"] / r["floor_s"] for r in sd], "s--", label="cost-model floor (drafter hidden)")
+    for v in results["variants"]:  # the other variants at the paper's rate, each over its own target-only
+        if (v["backend"], v["scheduler"], v["run_ahead"]) != (tgt["backend"], tgt["scheduler"], tgt["run_ahead"]):
+            label = f"{v['backend']}, {v['scheduler']}" + (" run-ahead" if v["run_ahead"] else "")
+            ax.plot([v["acceptance"]], [v["speedup_vs_target"]], "D", label=label)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("acceptance rate (blocks 1..B-1)")
     ax.set_ylabel("speed-up over target-only")
@@ -114,25 +119,36 @@ def plots(results, out: Path):
     fig.savefig(out / "speedup.png", dpi=120)
     plt.close(fig)
 
-    run = min(sd, key=lambda r: abs(r["acceptance"] - PAPER_ACCEPTANCE))
-    fig, ax = plt.subplots(figsize=(9, 2.8))
-    colors = {"draft": "tab:blue", "decode": "tab:green", "score": "tab:olive", "target": "tab:red",
-              "drafter_commit": "tab:cyan", "target_commit": "tab:orange"}
-    rows = {"draft": 1, "decode": 1, "score": 1, "drafter_commit": 1, "target": 0, "target_commit": 0}
-    t = 0.0
-    for blk in run["timeline"]:
-        for stage in ("target_commit", "draft", "decode", "score", "target", "drafter_commit"):
-            dur = blk["times"].get(stage, 0.0)
-            if dur > 0:
-                ax.barh(rows[stage], dur, left=t, color=colors[stage], edgecolor="black", lw=0.3)
-                t += dur
-        ax.axvline(t, color="black", lw=0.3)
-        ax.text(t, 1.45, f"{blk['index']}{blk['decision'][0]}", fontsize=7, ha="right")
-    ax.set_yticks([0, 1], ["target device", "drafter device"])
-    ax.set_xlabel("seconds (sequential reference order; f/a/r = forced/accepted/rejected)")
+    # The measured timeline of SDVG at the paper's rate, one panel per scheduler variant: every stage
+    # call where it really ran (run-ahead shows the drafter's calls beside the target's).
+    shown = []
+    for key in dict.fromkeys((r["backend"], r["scheduler"], r["run_ahead"]) for r in runs):
+        cand = [r for r in runs if r["mode"] == "sdvg" and r.get("trace") and
+                (r["backend"], r["scheduler"], r["run_ahead"]) == key]
+        if cand:
+            shown.append(min(cand, key=lambda r: abs(r["acceptance"] - PAPER_ACCEPTANCE)))
+    colors = {"draft": "tab:blue", "drafter_commit": "tab:cyan", "decode": "tab:green", "score": "tab:olive",
+              "target": "tab:red", "target_commit": "tab:orange"}
+    lanes = {"draft": 2, "drafter_commit": 2, "decode": 1, "score": 1, "target": 0, "target_commit": 0}
+    fig, axes = plt.subplots(len(shown), 1, figsize=(10, 1.0 + 1.3 * len(shown)), squeeze=False, sharex=True)
+    for ax, run in zip(axes[:, 0], shown):
+        first = {}
+        for sp in run["trace"]:
+            ax.barh(lanes[sp["stage"]], sp["end_s"] - sp["start_s"], left=sp["start_s"], color=colors[sp["stage"]],
+                    edgecolor="black", lw=0.3, alpha=0.6 if sp["thread"] == "drafter" else 1.0)
+            first.setdefault(sp["block"], sp["start_s"])
+        decisions = {b["index"]: b["decision"][0] for b in run["timeline"]}
+        for b, t in first.items():
+            ax.text(t, 2.45 + 0.25 * (b % 2), f"{b}{decisions.get(b, '')}", fontsize=7)
+        ax.set_yticks([0, 1, 2], ["target", "VAE + reward", "drafter"], fontsize=8)
+        ax.set_ylim(-0.6, 3.1)
+        sched = run["scheduler"] + (" run-ahead" if run["run_ahead"] else "")
+        ax.set_title(f"{run['backend']}, {sched}: {run['wall_s']:.2f} s at {run['acceptance']:.0%} acceptance",
+                     fontsize=9, loc="left")
+    axes[-1, 0].set_xlabel("seconds from the start of the video (block index + f/a/r = forced/accepted/rejected)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, list(colors), fontsize=7, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.35))
-    fig.tight_layout()
+    fig.legend(handles, list(colors), fontsize=7, ncol=6, loc="lower center")
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(out / "timeline.png", dpi=120)
     plt.close(fig)
 

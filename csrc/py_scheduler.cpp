@@ -298,6 +298,19 @@ class PyScheduler {
     d["main_stage_s"] = c.main_stage_s;
     return d;
   }
+  py::list trace() const {
+    py::list out;
+    for (const auto& sp : scheduler_.trace()) {
+      py::dict d;
+      d["block"] = sp.block;
+      d["stage"] = stage_name(sp.stage);
+      d["thread"] = sp.main_thread ? "main" : "drafter";
+      d["start_s"] = sp.start_s;
+      d["end_s"] = sp.end_s;
+      out.append(d);
+    }
+    return out;
+  }
   py::list block_times() const {
     py::list out;
     for (const auto& r : scheduler_.records()) {
@@ -323,7 +336,9 @@ void register_scheduler(py::module_& m) {
       .def("run", &PyScheduler::run, "Run the whole video (releases the GIL; stages re-enter Python)")
       .def("cancel", &PyScheduler::cancel, "Stop after the stage in flight (thread-safe)")
       .def("counters", &PyScheduler::counters)
-      .def("block_times", &PyScheduler::block_times);
+      .def("block_times", &PyScheduler::block_times)
+      .def("trace", &PyScheduler::trace,
+           "Every stage call of the last run: block, stage, thread (main|drafter), start_s, end_s (from the run's start)");
 }
 
 }  // namespace sdvg

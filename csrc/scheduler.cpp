@@ -79,9 +79,12 @@ auto Scheduler::timed(int block, Stage stage, bool main_thread, F&& fn) -> declt
   check_cancel();
   const auto t0 = Clock::now();
   auto account = [&] {
-    const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+    const auto t1 = Clock::now();
+    const double dt = std::chrono::duration<double>(t1 - t0).count();
     std::lock_guard<std::mutex> lk(mu_);
     records_[block].times[static_cast<int>(stage)] += dt;
+    trace_.push_back({block, stage, main_thread, std::chrono::duration<double>(t0 - start_).count(),
+                      std::chrono::duration<double>(t1 - start_).count()});
     counters_.stage_call_s += dt;
     if (main_thread) counters_.main_stage_s += dt;
   };
@@ -108,6 +111,8 @@ bool Scheduler::route(int b, const Scored& s) const {
 
 void Scheduler::run() {
   const auto t0 = Clock::now();
+  start_ = t0;
+  trace_.clear();
   const bool lane = cfg_.run_ahead && cfg_.mode != Mode::Target;
   if (lane) {
     drafter_thread_ = std::thread([this] {

@@ -85,6 +85,16 @@ struct BlockRecord {
   int redrafts = 0;
 };
 
+// One stage call on the timeline: when it started and ended (seconds from the start of run()) and
+// on which thread; `block` is the block being produced when the call was made.
+struct Span {
+  int block = 0;
+  Stage stage = Stage::Draft;
+  bool main_thread = true;
+  double start_s = 0.0;
+  double end_s = 0.0;
+};
+
 struct Counters {
   int64_t target_forwards = 0;
   int64_t drafter_forwards = 0;
@@ -128,6 +138,8 @@ class Scheduler {
   bool cancelled() const { return cancelled_.load(); }
   const Counters& counters() const { return counters_; }
   const std::vector<BlockRecord>& records() const { return records_; }
+  // Every stage call, in the order they ended (both threads); read after run() returns.
+  const std::vector<Span>& trace() const { return trace_; }
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -152,6 +164,8 @@ class Scheduler {
   Executor& ex_;
   Counters counters_;
   std::vector<BlockRecord> records_;
+  std::vector<Span> trace_;
+  Clock::time_point start_{};
   std::vector<std::pair<int, Handle>> pending_target_commits_;
 
   std::mutex mu_;

@@ -150,6 +150,7 @@ def generate_blocks_cpp(comps: Components, prompt: str, cfg: GenerationConfig, o
         out_stats["drafter_cache"] = setup.drafter.cache if setup.drafter else None
         out_stats["target_cache"] = setup.target.cache if setup.target else None
         out_stats["final_block_times"] = sched.block_times()
+        out_stats["trace"] = sched.trace()
 
 
 def setup_slack(comps: Components, run_ahead: bool) -> int:

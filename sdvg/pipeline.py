@@ -60,6 +60,8 @@ class StatsCollector:
         for k in ("scheduler_wall_s", "stage_call_s", "main_stage_s"):
             if k in counters:
                 s[k] = counters[k]
+        # every stage call on a timeline (seconds from the loop's start; thread main|drafter)
+        s["trace"] = list(counters.get("trace", []))
         s["wall_s"] = time.perf_counter() - self.t0
         s["stage_totals"] = {k: sum(b["times"].get(k, 0.0) for b in s["blocks"])
                              for k in ("draft", "decode", "score", "target", "commit")}

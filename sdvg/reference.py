@@ -211,12 +211,19 @@ def generate_blocks(comps: Components, prompt: str, cfg: GenerationConfig, out_s
     zf, shape = setup.frames_per_block, setup.block_shape
     pending_target_commits: list[tuple[torch.Tensor, int]] = []  # accepted blocks not yet in the target
 
+    trace: list[dict] = []  # every stage call: the same spans as the native scheduler's trace()
+    t_start = time.perf_counter()
+    current = {"block": 0}
+
     def timed(times, name, device, fn):
         _sync(device)
         t0 = time.perf_counter()
         out = fn()
         _sync(device)
-        times[name] = times.get(name, 0.0) + time.perf_counter() - t0
+        t1 = time.perf_counter()
+        times[name] = times.get(name, 0.0) + t1 - t0
+        trace.append({"block": current["block"], "stage": name, "thread": "main", "start_s": t0 - t_start,
+                      "end_s": t1 - t_start})
         return out
 
     def flush_target_commits(times):
@@ -225,6 +232,7 @@ def generate_blocks(comps: Components, prompt: str, cfg: GenerationConfig, out_s
             timed(times, "target_commit", target.device, lambda: target.commit(lat, f0))
 
     for b in range(cfg.num_blocks):
+        current["block"] = b
         times = {k: 0.0 for k in STAGES}
         frame0 = b * zf
         last = b == cfg.num_blocks - 1
@@ -291,5 +299,6 @@ def generate_blocks(comps: Components, prompt: str, cfg: GenerationConfig, out_s
                           emitted_scores=emitted_scores)
     if out_stats is not None:
         out_stats.update(vars(counters))
+        out_stats["trace"] = trace
         out_stats["drafter_cache"] = drafter.cache if drafter else None
         out_stats["target_cache"] = target.cache if target else None

@@ -98,6 +98,32 @@ def test_pipeline_switch_and_stats(tiny_pipe):
         tiny_pipe(PROMPT, backend="rust")
 
 
+def test_trace_is_the_same_timeline_in_both_schedulers(tiny_pipe):
+    kw = dict(router="pattern", pattern=(False, True, False, True), num_blocks=4, seed=2)
+    ref = tiny_pipe(PROMPT, scheduler="reference", **kw).stats
+    seq = tiny_pipe(PROMPT, scheduler="cpp", **kw).stats
+    ahead = tiny_pipe(PROMPT, scheduler="cpp", run_ahead=True, **kw).stats
+    calls = [(x["block"], x["stage"]) for x in ref["trace"]]
+    assert calls == [(x["block"], x["stage"]) for x in seq["trace"]]  # the same calls in the same order
+    assert calls[:4] == [(0, "target"), (0, "decode"), (0, "drafter_commit"), (0, "target_commit")]
+    for stats in (ref, seq, ahead):
+        spans = stats["trace"]
+        per_block = {}
+        for x in spans:
+            assert 0 <= x["start_s"] <= x["end_s"] <= stats["wall_s"]
+            per_block.setdefault(x["block"], {}).setdefault(x["stage"], 0.0)
+            per_block[x["block"]][x["stage"]] += x["end_s"] - x["start_s"]
+        main = sorted((x for x in spans if x["thread"] == "main"), key=lambda x: x["start_s"])
+        assert all(a["end_s"] <= b["start_s"] + 1e-9 for a, b in zip(main, main[1:]))  # one call at a time
+        for blk in stats["blocks"]:  # the spans add up to each block's stage times
+            for stage, secs in per_block[blk["index"]].items():
+                assert blk["times"][stage] == pytest.approx(secs, rel=1e-6, abs=1e-6)
+    assert {x["thread"] for x in ahead["trace"]} == {"main", "drafter"}
+    assert {x["stage"] for x in ahead["trace"] if x["thread"] == "drafter"} == {"draft", "drafter_commit"}
+    # the speculative commit of rejected block 2 and the redraft of block 3 are on the timeline too
+    assert sum((x["block"], x["stage"]) == (3, "draft") for x in ahead["trace"]) == 1 + ahead["redrafts"]
+
+
 def test_consumer_thread_streams_without_deadlock(tiny_pipe):
     got, errors = [], []
 

@@ -3,7 +3,10 @@
 // The fake models every cache: a drafted or target block's value is a hash of the block index
 // and of the exact context its model's cache holds, so a draft made on a wrong context (a missed
 // rollback, a commit of the wrong latent) changes every later value and is caught.
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <thread>
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -213,6 +216,50 @@ static void test_stage_error_propagates_from_drafter_thread() {
   CHECK(f.emitted.size() >= 1 && f.emitted.size() <= 2);  // blocks settled before the failure are kept
 }
 
+// The trace holds one span per stage call; on each thread the spans follow one another; with
+// run-ahead the drafter's spans run beside the main thread's (stages that sleep make it visible).
+static void test_trace_spans() {
+  struct Slow : Fake {
+    static void nap() { std::this_thread::sleep_for(std::chrono::milliseconds(3)); }
+    Handle draft(int b) override { nap(); return Fake::draft(b); }
+    Handle target(int b) override { nap(); return Fake::target(b); }
+    Handle decode(const Handle& x) override { nap(); return Fake::decode(x); }
+  };
+  for (bool run_ahead : {false, true}) {
+    Slow f;
+    Scheduler s(pattern_cfg({false, true, true, false, true, true}, run_ahead), f);
+    s.run();
+    const auto& tr = s.trace();
+    size_t logged = 0, unlogged = 0;  // stage calls the fake logs (rollbacks are pointer moves, not stages)
+    for (auto& l : f.log) logged += l.rfind("rollback", 0) != 0;
+    for (auto& sp : tr) unlogged += sp.stage == Stage::Decode || sp.stage == Stage::Score;
+    CHECK(tr.size() == logged + unlogged);
+    double overlap = 0.0;
+    std::vector<Span> main_spans;
+    for (auto& sp : tr) {
+      CHECK(sp.start_s >= 0.0 && sp.end_s >= sp.start_s && sp.end_s <= s.counters().wall_s + 1e-9);
+      CHECK(sp.main_thread == (run_ahead ? sp.stage != Stage::Draft && sp.stage != Stage::DrafterCommit : true));
+      if (sp.main_thread) main_spans.push_back(sp);
+    }
+    // spans of one thread never overlap (each thread calls one stage at a time)
+    for (bool main : {true, false}) {
+      double last_end = 0.0;
+      std::vector<Span> mine;
+      for (auto& sp : tr) if (sp.main_thread == main) mine.push_back(sp);
+      std::sort(mine.begin(), mine.end(), [](const Span& a, const Span& b) { return a.start_s < b.start_s; });
+      for (auto& sp : mine) {
+        CHECK(sp.start_s >= last_end - 1e-9);
+        last_end = sp.end_s;
+      }
+    }
+    for (auto& d : tr) {
+      if (d.main_thread) continue;
+      for (auto& m : main_spans) overlap += std::max(0.0, std::min(d.end_s, m.end_s) - std::max(d.start_s, m.start_s));
+    }
+    CHECK(run_ahead ? overlap > 0.003 : overlap == 0.0);
+  }
+}
+
 static void test_bad_config() {
   Fake f;
   SchedulerConfig c;
@@ -234,6 +281,7 @@ int main() {
   test_run_ahead_rolls_back_on_rejection();
   test_reward_router_and_records();
   test_stage_error_propagates_from_drafter_thread();
+  test_trace_spans();
   test_bad_config();
   return check_report("scheduler");
 }
