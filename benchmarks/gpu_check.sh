@@ -37,6 +37,7 @@ PYEOF
 cat "$OUT/env.json"
 timeout "${TESTS_S:-200}" "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_kv_cache.py tests/test_dit.py tests/test_scheduler.py \
   2>&1 | tee "$OUT/gpu_tests.log" | tail -5
+[ "${PIPESTATUS[0]}" = 124 ] && echo "GPU tests stopped at their ${TESTS_S:-200} s limit (TESTS_S)" | tee -a "$OUT/gpu_tests.log"
 # The latency benchmark starts no run that would end past its deadline (it measures the most
 # important runs first and writes its files after each run); `timeout` is only the backstop.
 # What is left after it goes to the per-stage benchmark, which also writes after each stage.
