@@ -10,6 +10,10 @@ inline int& check_failures() {
   return n;
 }
 
+// c10's logging header (included with torch) defines a CHECK of its own: the tests use this one.
+#ifdef CHECK
+#undef CHECK
+#endif
 #define CHECK(cond)                                                                 \
   do {                                                                              \
     if (!(cond)) {                                                                  \
