@@ -38,6 +38,7 @@ from sdvg.config import get_preset  # noqa: E402
 from sdvg.models import build_random  # noqa: E402
 from sdvg.pipeline import SpeculativeVideoPipeline  # noqa: E402
 from sdvg.routers import acceptance_pattern  # noqa: E402
+from sdvg.timeline import plot_timeline  # noqa: E402
 
 STAGES = ("draft", "decode", "score", "target", "drafter_commit", "target_commit")
 PAPER_ACCEPTANCE = 0.731
@@ -121,38 +122,20 @@ def plots(results, out: Path):
     fig.savefig(out / "speedup.png", dpi=120)
     plt.close(fig)
 
-    # The measured timeline of SDVG at the paper's rate, one panel per scheduler variant: every stage
-    # call where it really ran (run-ahead shows the drafter's calls beside the target's).
-    shown = []
+    # The measured timeline of SDVG at the paper's rate, one panel per variant: every stage call
+    # where it really ran (run-ahead shows the drafter's calls beside the target's).
+    panels = []
     for key in dict.fromkeys((r["backend"], r["scheduler"], r["run_ahead"]) for r in runs):
         cand = [r for r in runs if r["mode"] == "sdvg" and r.get("trace") and
                 (r["backend"], r["scheduler"], r["run_ahead"]) == key]
         if cand:
-            shown.append(min(cand, key=lambda r: abs(r["acceptance"] - PAPER_ACCEPTANCE)))
-    colors = {"draft": "tab:blue", "drafter_commit": "tab:cyan", "decode": "tab:green", "score": "tab:olive",
-              "target": "tab:red", "target_commit": "tab:orange"}
-    lanes = {"draft": 2, "drafter_commit": 2, "decode": 1, "score": 1, "target": 0, "target_commit": 0}
-    fig, axes = plt.subplots(len(shown), 1, figsize=(10, 1.0 + 1.3 * len(shown)), squeeze=False, sharex=True)
-    for ax, run in zip(axes[:, 0], shown):
-        first = {}
-        for sp in run["trace"]:
-            ax.barh(lanes[sp["stage"]], sp["end_s"] - sp["start_s"], left=sp["start_s"], color=colors[sp["stage"]],
-                    edgecolor="black", lw=0.3, alpha=0.6 if sp["thread"] == "drafter" else 1.0)
-            first.setdefault(sp["block"], sp["start_s"])
-        decisions = {b["index"]: b["decision"][0] for b in run["timeline"]}
-        for b, t in first.items():
-            ax.text(t, 2.45 + 0.25 * (b % 2), f"{b}{decisions.get(b, '')}", fontsize=7)
-        ax.set_yticks([0, 1, 2], ["target", "VAE + reward", "drafter"], fontsize=8)
-        ax.set_ylim(-0.6, 3.1)
-        sched = run["scheduler"] + (" run-ahead" if run["run_ahead"] else "")
-        ax.set_title(f"{run['backend']}, {sched}: {run['wall_s']:.2f} s at {run['acceptance']:.0%} acceptance",
-                     fontsize=9, loc="left")
-    axes[-1, 0].set_xlabel("seconds from the start of the video (block index + f/a/r = forced/accepted/rejected)")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    fig.legend(handles, list(colors), fontsize=7, ncol=6, loc="lower center")
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(out / "timeline.png", dpi=120)
-    plt.close(fig)
+            run = min(cand, key=lambda r: abs(r["acceptance"] - PAPER_ACCEPTANCE))
+            sched = run["scheduler"] + (" run-ahead" if run["run_ahead"] else "")
+            panels.append({"title": f"{run['backend']}, {sched}: {run['wall_s']:.2f} s at {run['acceptance']:.0%} "
+                                    "acceptance", "trace": run["trace"],
+                           "decisions": {b["index"]: b["decision"] for b in run["timeline"]}})
+    if panels:
+        plot_timeline(panels, out / "timeline.png")
 
 
 def assemble(runs, meta, paper_rate=PAPER_ACCEPTANCE):

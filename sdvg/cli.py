@@ -166,6 +166,7 @@ def cmd_generate(args) -> int:
         stats = run_one(pipe, prompts[0], kwargs, out, progress=not args.quiet)
         stats_path.parent.mkdir(parents=True, exist_ok=True)
         stats_path.write_text(json.dumps(stats, indent=2))
+        _timeline(args, stats, 0, many=False)
         _summary(stats, stats_path)
         return 130 if stats.get("interrupted") else 0
     done = _done_prompts(stats_path) if args.resume else set()
@@ -179,11 +180,24 @@ def cmd_generate(args) -> int:
         stats["prompt_index"] = i
         with stats_path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(stats) + "\n")
+        _timeline(args, stats, i, many=True)
         if stats.get("interrupted"):
             print(f"interrupted at prompt {i}; rerun with --resume to continue", file=sys.stderr)
             return 130
     print(f"wrote {len(prompts) - len(done)} video(s); stats in {stats_path}", file=sys.stderr)
     return 0
+
+
+def _timeline(args, stats: dict, index: int, many: bool) -> None:
+    if not args.timeline or not stats.get("trace"):
+        return  # an interrupted video keeps no trace
+    from sdvg.timeline import decisions_of, plot_timeline
+
+    acc = stats.get("acceptance_rate")
+    title = (f"{stats['mode']}, {stats.get('scheduler', '')}{' run-ahead' if stats.get('run_ahead') else ''}: "
+             f"{stats['wall_s']:.2f} s" + ("" if acc is None else f" at {acc:.0%} acceptance"))
+    plot_timeline([{"title": title, "trace": stats["trace"], "decisions": decisions_of(stats)}],
+                  _video_path(Path(args.timeline), index, many))
 
 
 def _summary(stats: dict, path: Path) -> None:
@@ -319,6 +333,8 @@ def main(argv=None) -> int:
     g.add_argument("--out", default="video.mp4")
     g.add_argument("--stats", help="JSON stats (JSONL with --prompts-file); default: next to --out")
     g.add_argument("--resume", action="store_true", help="skip prompts already in the stats JSONL")
+    g.add_argument("--timeline", help="PNG of every stage call on the drafter / VAE+reward / target lanes "
+                                      "(one per prompt with --prompts-file)")
     g.add_argument("--quiet", action="store_true")
     g.set_defaults(func=cmd_generate)
     m = sub.add_parser("memory", help="weights and KV-cache memory of a preset, before allocating")

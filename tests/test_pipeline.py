@@ -182,10 +182,13 @@ def test_cli_generate_writes_mp4_and_stats(tmp_path):
     from sdvg.video_writer import read_mp4_frames
 
     r = _cli("generate", "--preset", "tiny", "--prompt", PROMPT, "--num-blocks", "2", "--tau", "-0.1",
-             "--out", str(tmp_path / "v.mp4"), "--stats", str(tmp_path / "s.json"), "--quiet")
+             "--out", str(tmp_path / "v.mp4"), "--stats", str(tmp_path / "s.json"), "--quiet",
+             "--timeline", str(tmp_path / "t.png"))
     assert r.returncode == 0, r.stderr
     stats = json.loads((tmp_path / "s.json").read_text())
     assert stats["frames"] == 21 and len(stats["blocks"]) == 2
+    assert [(s["block"], s["stage"]) for s in stats["trace"]][:2] == [(0, "target"), (0, "decode")]
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert read_mp4_frames(tmp_path / "v.mp4").shape[0] == 21
 
 
@@ -274,3 +277,11 @@ def test_from_pretrained_with_real_formats_equals_the_source(tmp_path, tiny_pipe
     a, b = tiny_pipe(PROMPT, **kw), loaded(PROMPT, **kw)
     assert [x["score"] for x in a.stats["blocks"]] == [x["score"] for x in b.stats["blocks"]]
     assert torch.equal(a.latents, b.latents) and torch.equal(a.frames, b.frames)
+
+
+def test_timeline_refuses_stats_without_trace(tmp_path):
+    from sdvg.timeline import plot_timeline
+
+    with pytest.raises(ValueError, match="no stage trace"):
+        plot_timeline([{"title": "old stats", "trace": []}], tmp_path / "t.png")
+    assert not (tmp_path / "t.png").exists()
