@@ -38,7 +38,7 @@ from sdvg.config import get_preset  # noqa: E402
 from sdvg.models import build_random  # noqa: E402
 from sdvg.pipeline import SpeculativeVideoPipeline  # noqa: E402
 from sdvg.routers import acceptance_pattern  # noqa: E402
-from sdvg.timeline import plot_timeline  # noqa: E402
+from sdvg.timeline import decisions_of, plot_timeline  # noqa: E402
 
 STAGES = ("draft", "decode", "score", "target", "drafter_commit", "target_commit")
 PAPER_ACCEPTANCE = 0.731
@@ -85,6 +85,14 @@ def summarise(mode, rate, runs, variant=("eager", "cpp", False)):
     }
 
 
+def variant_of(run) -> tuple:
+    return run["backend"], run["scheduler"], run["run_ahead"]
+
+
+def variant_name(backend, scheduler, run_ahead) -> str:
+    return f"{backend}, {scheduler}" + (" run-ahead" if run_ahead else "")
+
+
 def floor_seconds(run, per_step, per_commit):
     """Target-side cost model: 4 (steps) forwards per target-made block + the commits a later target run reads.
     Draft-only has no target: its floor is the drafter's own work."""
@@ -103,16 +111,14 @@ def plots(results, out: Path):
 
     runs = results["runs"]
     tgt = runs[0]
-    sd = [r for r in runs if r["mode"] == "sdvg" and (r["backend"], r["scheduler"], r["run_ahead"]) ==
-          (tgt["backend"], tgt["scheduler"], tgt["run_ahead"])]
+    sd = [r for r in runs if r["mode"] == "sdvg" and variant_of(r) == variant_of(tgt)]
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = [r["acceptance"] for r in sd]
     ax.plot(xs, [tgt["wall_s"] / r["wall_s"] for r in sd], "o-", label=f"measured ({tgt['backend']}, {tgt['scheduler']} scheduler)")
     ax.plot(xs, [tgt["wall_s"] / r["floor_s"] for r in sd], "s--", label="cost-model floor (drafter hidden)")
     for v in results["variants"]:  # the other variants at the paper's rate, each over its own target-only
-        if (v["backend"], v["scheduler"], v["run_ahead"]) != (tgt["backend"], tgt["scheduler"], tgt["run_ahead"]):
-            label = f"{v['backend']}, {v['scheduler']}" + (" run-ahead" if v["run_ahead"] else "")
-            ax.plot([v["acceptance"]], [v["speedup_vs_target"]], "D", label=label)
+        if variant_of(v) != variant_of(tgt):
+            ax.plot([v["acceptance"]], [v["speedup_vs_target"]], "D", label=variant_name(*variant_of(v)))
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("acceptance rate (blocks 1..B-1)")
     ax.set_ylabel("speed-up over target-only")
@@ -125,20 +131,17 @@ def plots(results, out: Path):
     # The measured timeline of SDVG at the paper's rate, one panel per variant: every stage call
     # where it really ran (run-ahead shows the drafter's calls beside the target's).
     panels = []
-    for key in dict.fromkeys((r["backend"], r["scheduler"], r["run_ahead"]) for r in runs):
-        cand = [r for r in runs if r["mode"] == "sdvg" and r.get("trace") and
-                (r["backend"], r["scheduler"], r["run_ahead"]) == key]
+    for key in dict.fromkeys(variant_of(r) for r in runs):
+        cand = [r for r in runs if r["mode"] == "sdvg" and r.get("trace") and variant_of(r) == key]
         if cand:
             run = min(cand, key=lambda r: abs(r["acceptance"] - PAPER_ACCEPTANCE))
-            sched = run["scheduler"] + (" run-ahead" if run["run_ahead"] else "")
-            panels.append({"title": f"{run['backend']}, {sched}: {run['wall_s']:.2f} s at {run['acceptance']:.0%} "
-                                    "acceptance", "trace": run["trace"],
-                           "decisions": {b["index"]: b["decision"] for b in run["timeline"]}})
+            panels.append({"title": f"{variant_name(*key)}: {run['wall_s']:.2f} s at {run['acceptance']:.0%} "
+                                    "acceptance", "trace": run["trace"], "decisions": decisions_of(run["timeline"])})
     if panels:
         plot_timeline(panels, out / "timeline.png")
 
 
-def assemble(runs, meta, paper_rate=PAPER_ACCEPTANCE):
+def assemble(runs, meta):
     """Results dict from the runs measured so far (runs[0] is target-only, eager, cpp, sequential)."""
     tgt = runs[0]
     n = meta["num_blocks"]
@@ -148,16 +151,18 @@ def assemble(runs, meta, paper_rate=PAPER_ACCEPTANCE):
     for r in runs:
         r["floor_s"] = floor_seconds(r, per_step, per_commit)
         r["floor_ratio"] = r["wall_s"] / r["floor_s"] if r["floor_s"] else None
-    key = (tgt["backend"], tgt["scheduler"], tgt["run_ahead"])
-    main_sdvg = [r for r in runs if r["mode"] == "sdvg" and (r["backend"], r["scheduler"], r["run_ahead"]) == key]
-    paper = min(main_sdvg, key=lambda r: abs(r["acceptance"] - paper_rate)) if main_sdvg else None
+    def nearest_paper(rs):
+        return min(rs, key=lambda r: abs(r["acceptance"] - PAPER_ACCEPTANCE))
+
+    main_sdvg = [r for r in runs if r["mode"] == "sdvg" and variant_of(r) == variant_of(tgt)]
+    paper = nearest_paper(main_sdvg) if main_sdvg else None
     by_variant = {}
     for r in runs:
-        by_variant.setdefault((r["backend"], r["scheduler"], r["run_ahead"]), {}).setdefault(r["mode"], []).append(r)
+        by_variant.setdefault(variant_of(r), {}).setdefault(r["mode"], []).append(r)
     variant_speedups = []
     for (b, s_, ra), d in by_variant.items():
         if "target" in d and "sdvg" in d:
-            sd = min(d["sdvg"], key=lambda r: abs(r["acceptance"] - paper_rate))
+            sd = nearest_paper(d["sdvg"])
             variant_speedups.append({"backend": b, "scheduler": s_, "run_ahead": ra, "target_s": d["target"][0]["wall_s"],
                                      "sdvg_s": sd["wall_s"], "acceptance": sd["acceptance"],
                                      "speedup_vs_target": d["target"][0]["wall_s"] / sd["wall_s"]})
@@ -193,7 +198,7 @@ def write_results(results, by_variant, out: Path, final: bool):
              "wall / floor |", "|---|---|---|---|---|---|---|---|"]
     for r in runs:
         acc = "" if r["acceptance"] is None else f"{r['acceptance']:.1%}"
-        base = by_variant[(r["backend"], r["scheduler"], r["run_ahead"])].get("target", [tgt])[0]
+        base = by_variant[variant_of(r)].get("target", [tgt])[0]
         sched = r["scheduler"] + (" run-ahead" if r["run_ahead"] else "")
         lines.append(f"| {r['mode']} | {r['backend']} | {sched} | {acc} | {r['wall_s']:.3f} | "
                      f"{base['wall_s'] / r['wall_s']:.2f}x | {r['floor_s']:.3f} | {r['floor_ratio']:.2f} |")
@@ -213,9 +218,8 @@ def write_results(results, by_variant, out: Path, final: bool):
 
 
 def run_label(mode, rate, variant):
-    backend, scheduler, run_ahead = variant
     acc = "" if rate is None else f"@{rate:.1%}"
-    return f"{mode}{acc} ({backend}, {scheduler}{', run-ahead' if run_ahead else ''})"
+    return f"{mode}{acc} ({variant_name(*variant)})"
 
 
 def main(argv=None):
@@ -309,9 +313,9 @@ def main(argv=None):
                 continue
             t_w = time.perf_counter()
             run_once(pipe, "sdvg", n, patterns[rates[len(rates) // 2]], v)
-            longest = max(longest, time.perf_counter() - t_w) if v == main_variant else longest
             warm.add(v)
-            if v == main_variant:
+            if v == main_variant:  # a compiling variant's warm-up says nothing about its runs
+                longest = max(longest, time.perf_counter() - t_w)
                 for d in devices:
                     if d.type == "cuda":
                         torch.cuda.reset_peak_memory_stats(d)

@@ -72,13 +72,12 @@ class StreamSet {
 #ifdef SDVG_WITH_CUDA
   c10::cuda::CUDAStream stream(Role r) const { return *streams_[static_cast<int>(r)]; }
   // The consumer's stream waits for the handle's producer; tensors are marked as used there.
-  // Called without the GIL; it takes it to look at the Python object (THPVariable_Check may call
+  // Called with the GIL held, inside the stage call's own GIL scope (THPVariable_Check may call
   // PyObject_IsInstance, which needs the GIL while the drafter thread runs beside this one).
   void consume(Role r, const Handle& h) const {
     if (!h || !active(r)) return;
     auto* p = static_cast<PyHandle*>(h.get());
     if (p->ready) p->ready->block(stream(r));
-    py::gil_scoped_acquire gil;
     if (THPVariable_Check(p->obj.ptr())) {
       const at::Tensor& t = THPVariable_Unpack(p->obj.ptr());
       if (t.is_cuda()) t.record_stream(stream(r));
@@ -156,13 +155,15 @@ class PyExecutor : public Executor {
   void target_commit_forward(int b, const Handle& x) override { consume_call(Role::Target, "target_commit", b, x); }
   void target_cache_commit() override { cache_op(target_cache_, "target_cache_commit", [](KVCache* c) { c->commit(); }); }
   Handle decode(const Handle& x) override {
-    streams_.consume(Role::Vae, x);
-    return produce(Role::Vae, [&] { return stages_.attr("decode")(unwrap(x)); });
+    return produce(Role::Vae, [&] {
+      streams_.consume(Role::Vae, x);
+      return stages_.attr("decode")(unwrap(x));
+    });
   }
   Scored score(const Handle& frames) override {
-    streams_.consume(Role::Vae, frames);
     RoleScope scope(streams_, Role::Vae);
     py::gil_scoped_acquire gil;
+    streams_.consume(Role::Vae, frames);
     py::object out = stages_.attr("score")(unwrap(frames));
     Scored s;
     if (out.is_none()) {
@@ -216,9 +217,9 @@ class PyExecutor : public Executor {
     return h;
   }
   void consume_call(Role r, const char* name, int b, const Handle& x) {
-    streams_.consume(r, x);
     RoleScope scope(streams_, r);
     py::gil_scoped_acquire gil;
+    streams_.consume(r, x);
     stages_.attr(name)(b, unwrap(x));
   }
   template <class F>

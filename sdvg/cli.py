@@ -196,7 +196,7 @@ def _timeline(args, stats: dict, index: int, many: bool) -> None:
     acc = stats.get("acceptance_rate")
     title = (f"{stats['mode']}, {stats.get('scheduler', '')}{' run-ahead' if stats.get('run_ahead') else ''}: "
              f"{stats['wall_s']:.2f} s" + ("" if acc is None else f" at {acc:.0%} acceptance"))
-    plot_timeline([{"title": title, "trace": stats["trace"], "decisions": decisions_of(stats)}],
+    plot_timeline([{"title": title, "trace": stats["trace"], "decisions": decisions_of(stats.get("blocks", []))}],
                   _video_path(Path(args.timeline), index, many))
 
 

@@ -213,7 +213,6 @@ def generate_blocks(comps: Components, prompt: str, cfg: GenerationConfig, out_s
 
     trace: list[dict] = []  # every stage call: the same spans as the native scheduler's trace()
     t_start = time.perf_counter()
-    current = {"block": 0}
 
     def timed(times, name, device, fn):
         _sync(device)
@@ -222,7 +221,8 @@ def generate_blocks(comps: Components, prompt: str, cfg: GenerationConfig, out_s
         _sync(device)
         t1 = time.perf_counter()
         times[name] = times.get(name, 0.0) + t1 - t0
-        trace.append({"block": current["block"], "stage": name, "thread": "main", "start_s": t0 - t_start,
+        # b: the block the loop below is producing when this call is made
+        trace.append({"block": b, "stage": name, "thread": "main", "start_s": t0 - t_start,
                       "end_s": t1 - t_start})
         return out
 
@@ -232,7 +232,6 @@ def generate_blocks(comps: Components, prompt: str, cfg: GenerationConfig, out_s
             timed(times, "target_commit", target.device, lambda: target.commit(lat, f0))
 
     for b in range(cfg.num_blocks):
-        current["block"] = b
         times = {k: 0.0 for k in STAGES}
         frame0 = b * zf
         last = b == cfg.num_blocks - 1

@@ -11,8 +11,9 @@ LANES = {"draft": 2, "drafter_commit": 2, "decode": 1, "score": 1, "target": 0, 
 LANE_NAMES = ["target", "VAE + reward", "drafter"]
 
 
-def decisions_of(stats: dict) -> dict[int, str]:
-    return {b["index"]: b["decision"] for b in stats.get("blocks", [])}
+def decisions_of(blocks: list[dict]) -> dict[int, str]:
+    """{block index: decision} of a stats dict's `blocks` (or any list of {"index", "decision", ...})."""
+    return {b["index"]: b["decision"] for b in blocks}
 
 
 def plot_timeline(panels: list[dict], path: str | Path) -> Path:
