@@ -115,9 +115,14 @@ def test_trace_is_the_same_timeline_in_both_schedulers(tiny_pipe):
             per_block[x["block"]][x["stage"]] += x["end_s"] - x["start_s"]
         main = sorted((x for x in spans if x["thread"] == "main"), key=lambda x: x["start_s"])
         assert all(a["end_s"] <= b["start_s"] + 1e-9 for a, b in zip(main, main[1:]))  # one call at a time
-        for blk in stats["blocks"]:  # the spans add up to each block's stage times
+        for blk in stats["blocks"]:
             for stage, secs in per_block[blk["index"]].items():
-                assert blk["times"][stage] == pytest.approx(secs, rel=1e-6, abs=1e-6)
+                if stats is ahead:
+                    # an emitted block's times are those known when it was emitted: under run-ahead the
+                    # drafter thread may still be committing it, so they never exceed the traced total
+                    assert blk["times"][stage] <= secs + 1e-6
+                else:  # sequential: every call for a block ends before it is emitted, so they add up
+                    assert blk["times"][stage] == pytest.approx(secs, rel=1e-6, abs=1e-6)
     assert {x["thread"] for x in ahead["trace"]} == {"main", "drafter"}
     assert {x["stage"] for x in ahead["trace"] if x["thread"] == "drafter"} == {"draft", "drafter_commit"}
     # the speculative commit of rejected block 2 and the redraft of block 3 are on the timeline too
