@@ -56,7 +56,7 @@ setup(
     version="0.1.0",
     description="Speculative decoding for block-autoregressive video diffusion",
     packages=find_packages(include=["sdvg", "sdvg.*", "build_engines", "build_engines.*"]),
-    package_data={"sdvg": ["assets/*.json"]},
+    package_data={"sdvg": ["assets/*.json", "data/*.txt", "data/README.md"]},
     ext_modules=[extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
     python_requires=">=3.10",

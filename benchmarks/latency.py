@@ -8,7 +8,7 @@ seeded decision patterns (0%, 50%, the paper's 73.1%, 100% of blocks 1..B-1) and
 known acceptance rate. Every stage is timed with the device synchronised before and after it;
 a warm-up run is excluded; the median of --repeats runs is reported.
 
-The cost-model floor (DESIGN.md section 1): with the drafter, VAE and reward hidden behind the
+The cost-model floor (docs/cost-model.md): with the drafter, VAE and reward hidden behind the
 target (a second GPU or stream), a video costs what the target must do: 4 denoising forwards per
 rejected block plus one commit forward per block that a later target run reads. The per-forward
 times come from the same run's target-only measurement.
@@ -35,12 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from sdvg.config import get_preset  # noqa: E402
-from sdvg.models import build_random  # noqa: E402
+from sdvg.models.components import build_random  # noqa: E402
 from sdvg.pipeline import SpeculativeVideoPipeline  # noqa: E402
-from sdvg.routers import acceptance_pattern  # noqa: E402
-from sdvg.timeline import decisions_of, plot_timeline  # noqa: E402
+from sdvg.generation.routers import acceptance_pattern  # noqa: E402
+from sdvg.evaluation.timeline import decisions_of, plot_timeline  # noqa: E402
 
-STAGES = ("draft", "decode", "score", "target", "drafter_commit", "target_commit")
+from sdvg.generation.types import STAGE_NAMES as STAGES  # noqa: E402
 PAPER_ACCEPTANCE = 0.731
 PROMPT = "a red fox running through fresh snow at dawn, cinematic"
 
@@ -60,7 +60,7 @@ def run_once(pipe, mode, num_blocks, pattern=None, variant=("eager", "cpp", Fals
     if mode == "sdvg":
         kw.update(router="pattern", pattern=pattern)
     t0 = time.perf_counter()
-    stats = pipe(PROMPT, **kw).stats
+    stats = pipe(PROMPT, **kw).stats.as_dict()
     for d in {pipe.components.drafter_device, pipe.components.target_device}:
         if d.type == "cuda":
             torch.cuda.synchronize(d)

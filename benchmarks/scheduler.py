@@ -7,7 +7,7 @@ run-ahead vs sequential with stages of controlled cost against the cost-model fl
    thread), per block, median of --repeats, both backends on the same pipeline in one run.
 2. Run-ahead: stages that sleep for set durations (sleep releases the GIL, like device work), a
    drafter:target forward cost of 1:10 (1.3B vs 14B), 9 blocks at the paper's 73.1% acceptance as
-   a fixed pattern. The floor is the target-side cost model of DESIGN.md section 1 (the target's
+   a fixed pattern. The floor is the target-side cost model of docs/cost-model.md (the target's
    own forwards; everything on the drafter side hidden) plus what the main lane must still do
    (decode and score of each block).
 """
@@ -20,60 +20,21 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sdvg._native import _C  # noqa: E402
-from sdvg.routers import acceptance_pattern  # noqa: E402
-
-
-class SleepStages:
-    def __init__(self, costs: dict):
-        self.c = costs
-
-    def _sleep(self, k):
-        time.sleep(self.c[k])
-
-    def draft(self, b):
-        self._sleep("draft")
-        return torch.zeros(1)
-
-    def drafter_commit(self, b, x):
-        self._sleep("drafter_commit")
-
-    def target(self, b):
-        self._sleep("target")
-        return torch.ones(1)
-
-    def target_commit(self, b, x):
-        self._sleep("target_commit")
-
-    def decode(self, x):
-        self._sleep("decode")
-        return x
-
-    def score(self, frames):
-        self._sleep("score")
-        return 0.0, [0.0]
-
-    def vae_snapshot(self):
-        return None
-
-    def vae_restore(self, s):
-        pass
-
-    def emit(self, rec):
-        pass
+from sdvg.generation.fake_stages import FakeStages, fake_scheduler  # noqa: E402
+from sdvg.generation.routers import acceptance_pattern  # noqa: E402
+from sdvg.generation.types import STAGE_NAMES  # noqa: E402
+from sdvg.options import GenerationOptions  # noqa: E402
 
 
 def run_sleep(costs, pattern, run_ahead, policy="committed"):
-    cfg = dict(mode="sdvg", num_blocks=len(pattern), frames_per_block=3, num_steps=4, router="pattern",
-               pattern=list(pattern), run_ahead=run_ahead, own_context=policy == "own")
-    cpu = torch.device("cpu")
-    s = _C.Scheduler(cfg, SleepStages(costs), None, None, cpu, cpu)
-    s.run()
-    return s.counters()
+    """One video of sleeping stages (the shared fake); the scheduler's counters."""
+    opts = GenerationOptions(router="pattern", pattern=pattern, num_blocks=len(pattern), run_ahead=run_ahead,
+                             drafter_context=policy)
+    sched = fake_scheduler(FakeStages(costs=costs), opts)
+    sched.run()
+    return sched.counters()
 
 
 def overhead(repeats: int, num_blocks: int) -> dict:
@@ -89,14 +50,14 @@ def overhead(repeats: int, num_blocks: int) -> dict:
         for _ in range(repeats):
             t0 = time.perf_counter()
             if streaming:
-                stats = {}
-                for _ in pipe.stream("a fox", stats=stats, scheduler=scheduler, **kw):
+                stream = pipe.stream("a fox", scheduler=scheduler, **kw)
+                for _ in stream:
                     pass
+                stats = stream.stats
             else:
                 stats = pipe("a fox", scheduler=scheduler, **kw).stats
             wall = time.perf_counter() - t0
-            inside = sum(sum(b["times"][k] for k in ("draft", "decode", "score", "target", "drafter_commit",
-                                                     "target_commit")) for b in stats["blocks"])
+            inside = sum(sum(b["times"][k] for k in STAGE_NAMES) for b in stats.blocks)
             per_block.append((wall - inside) / num_blocks)
         out[name] = {"overhead_per_block_ms": 1e3 * statistics.median(per_block),
                      "all_ms": [1e3 * x for x in per_block]}
@@ -129,7 +90,7 @@ def main(argv=None):
     runs = {}
     for name, ra, pol in (("sequential", False, "committed"), ("run_ahead", True, "committed"),
                           ("run_ahead_own", True, "own")):
-        walls = [run_sleep(costs, pattern, ra, pol)["scheduler_wall_s"] for _ in range(args.repeats)]
+        walls = [run_sleep(costs, pattern, ra, pol).scheduler_wall_s for _ in range(args.repeats)]
         runs[name] = statistics.median(walls)
     res = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),

@@ -20,9 +20,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from build_engines.export import dit_stage, reward_stage, vae_stage  # noqa: E402
+from sdvg.engines.signatures import dit_stage, reward_stage, vae_stage  # noqa: E402
 from sdvg.config import get_preset  # noqa: E402
-from sdvg.models import build_random  # noqa: E402
+from sdvg.models.components import build_random  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
 

@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sdvg.config import get_preset  # noqa: E402
-from sdvg.models import build_random  # noqa: E402
-from sdvg.vae import to_uint8_frames, to_unit_frames  # noqa: E402
+from sdvg.models.components import build_random  # noqa: E402
+from sdvg.models.vae import to_uint8_frames, to_unit_frames  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
 

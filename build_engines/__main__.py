@@ -7,25 +7,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
-from build_engines.cache import EngineCache, EngineKey, weights_fingerprint
-from build_engines.export import VERIFY_TOLERANCE, all_stages, export_onnx, verify_onnx
-from build_engines.trt import build_engine, import_tensorrt, trt_version
-
-
-def device_identity(device: torch.device) -> tuple[str, str]:
-    if device.type == "cuda":
-        cap = torch.cuda.get_device_capability(device)
-        return torch.cuda.get_device_name(device), f"{cap[0]}.{cap[1]}"
-    return "cpu", "none"
-
-
-def stage_key(stage, precision: str, artifact: str) -> EngineKey:
-    gpu, cc = device_identity(stage.device)
-    return EngineKey(stage=stage.name, config_hash=stage.config_hash(), weights_hash=weights_fingerprint(stage.weights),
-                     shapes=stage.shapes(), precision=precision, gpu_name=gpu, compute_capability=cc,
-                     trt_version=trt_version() if artifact == "tensorrt" else "none", artifact=artifact)
+from build_engines.export import VERIFY_TOLERANCE, export_onnx, verify_onnx
+from build_engines.trt import build_engine
+from sdvg.engines.cache import EngineCache
+from sdvg.engines.signatures import all_stages, stage_key
+from sdvg.engines.tensorrt import import_tensorrt
 
 
 def rebuild_command(argv: list[str]) -> str:
@@ -49,7 +36,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from sdvg.config import get_preset
-    from sdvg.models import build_random
+    from sdvg.models.components import build_random
 
     if args.format == "tensorrt":
         import_tensorrt()  # fail before any heavy work, with the install hint

@@ -89,20 +89,8 @@ void KVCache::commit() {
   refresh_visible();
 }
 
-void KVCache::discard() {
-  table_.discard();
-  pending_slots_.clear();
-  refresh_visible();
-}
-
 void KVCache::rollback(int64_t frame) {
   table_.rollback(frame);
-  pending_slots_.clear();
-  refresh_visible();
-}
-
-void KVCache::reset() {
-  table_ = FrameSlotTable(table_.layout());
   pending_slots_.clear();
   refresh_visible();
 }

@@ -37,9 +37,7 @@ class KVCache {
   // A view when the visible slots are contiguous, else a gathered copy.
   std::tuple<at::Tensor, at::Tensor> visible(int64_t layer) const;
   void commit();
-  void discard();
   void rollback(int64_t frame);
-  void reset();
 
   // Whole buffer of one layer: [2, B, H, num_slots*tokens_per_frame, D] (0 = K, 1 = V).
   at::Tensor layer_buffer(int64_t layer) const;

@@ -6,9 +6,13 @@
 
 #include <array>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
 
 #include "kv_cache.h"
 #include "scheduler.h"
@@ -120,14 +124,15 @@ class RoleScope {
 
 class PyExecutor : public Executor {
  public:
-  PyExecutor(py::object stages, py::object drafter_cache, py::object target_cache, at::Device drafter_device,
-             at::Device target_device)
+  // The caches of the roles `mode` runs are required (the scheduler moves their pointers itself).
+  PyExecutor(Mode mode, py::object stages, py::object drafter_cache, py::object target_cache,
+             at::Device drafter_device, at::Device target_device)
       : stages_(std::move(stages)),
         drafter_cache_obj_(std::move(drafter_cache)),
         target_cache_obj_(std::move(target_cache)),
         streams_(drafter_device, target_device) {
-    if (!drafter_cache_obj_.is_none()) drafter_cache_ = drafter_cache_obj_.cast<KVCache*>();
-    if (!target_cache_obj_.is_none()) target_cache_ = target_cache_obj_.cast<KVCache*>();
+    drafter_cache_ = cache_of(drafter_cache_obj_, "drafter", mode != Mode::Target, mode);
+    target_cache_ = cache_of(target_cache_obj_, "target", mode != Mode::Draft, mode);
   }
   ~PyExecutor() override {
     py::gil_scoped_acquire gil;
@@ -140,20 +145,13 @@ class PyExecutor : public Executor {
     return produce(Role::Drafter, [&] { return stages_.attr("draft")(b); });
   }
   void drafter_commit_forward(int b, const Handle& x) override { consume_call(Role::Drafter, "drafter_commit", b, x); }
-  void drafter_cache_commit() override { cache_op(drafter_cache_, "drafter_cache_commit", [](KVCache* c) { c->commit(); }); }
-  void drafter_cache_rollback(int64_t frame) override {
-    if (drafter_cache_) {
-      drafter_cache_->rollback(frame);
-    } else {
-      py::gil_scoped_acquire gil;
-      if (py::hasattr(stages_, "drafter_cache_rollback")) stages_.attr("drafter_cache_rollback")(frame);
-    }
-  }
+  void drafter_cache_commit() override { used(drafter_cache_, "drafter").commit(); }
+  void drafter_cache_rollback(int64_t frame) override { used(drafter_cache_, "drafter").rollback(frame); }
   Handle target(int b) override {
     return produce(Role::Target, [&] { return stages_.attr("target")(b); });
   }
   void target_commit_forward(int b, const Handle& x) override { consume_call(Role::Target, "target_commit", b, x); }
-  void target_cache_commit() override { cache_op(target_cache_, "target_cache_commit", [](KVCache* c) { c->commit(); }); }
+  void target_cache_commit() override { used(target_cache_, "target").commit(); }
   Handle decode(const Handle& x) override {
     return produce(Role::Vae, [&] {
       streams_.consume(Role::Vae, x);
@@ -222,14 +220,23 @@ class PyExecutor : public Executor {
     streams_.consume(r, x);
     stages_.attr(name)(b, unwrap(x));
   }
-  template <class F>
-  void cache_op(KVCache* cache, const char* fallback, F&& op) {
-    if (cache) {
-      op(cache);
-      return;
+  static KVCache* cache_of(const py::object& obj, const char* role, bool needed, Mode mode) {
+    if (obj.is_none()) {
+      if (needed)
+        throw std::logic_error(std::string("sdvg scheduler: mode '") + mode_name(mode) + "' runs the " + role +
+                               ", but " + role + "_cache is None");
+      return nullptr;
     }
-    py::gil_scoped_acquire gil;
-    if (py::hasattr(stages_, fallback)) stages_.attr(fallback)();
+    if (!py::isinstance<KVCache>(obj))
+      throw py::type_error(std::string(role) + "_cache must be an sdvg._C.KVCache or None, got " +
+                           py::str(py::type::handle_of(obj).attr("__name__")).cast<std::string>());
+    return obj.cast<KVCache*>();
+  }
+  // Checked at construction; a call for a role without a cache is a scheduler bug.
+  static KVCache& used(KVCache* cache, const char* role) {
+    if (!cache)
+      throw std::logic_error(std::string("sdvg scheduler: the ") + role + " cache is used, but none was given");
+    return *cache;
   }
 
   py::object stages_, drafter_cache_obj_, target_cache_obj_;
@@ -238,67 +245,167 @@ class PyExecutor : public Executor {
   StreamSet streams_;
 };
 
-SchedulerConfig config_from_dict(const py::dict& d) {
+// ---------------------------------------------------------------- SchedulerConfig(**kwargs)
+std::string type_name(py::handle v) { return py::str(py::type::handle_of(v).attr("__name__")).cast<std::string>(); }
+
+[[noreturn]] void wrong_type(const char* field, const char* want, py::handle v) {
+  throw py::type_error(std::string("SchedulerConfig field '") + field + "' must be " + want + ", got " +
+                       type_name(v) + " " + py::repr(v).cast<std::string>());
+}
+
+bool is_number(py::handle v) { return !PyBool_Check(v.ptr()) && (PyFloat_Check(v.ptr()) || PyIndex_Check(v.ptr())); }
+
+// One converter per field type: strict (a bool is not an int, an int is not a bool, None is nothing).
+template <class T>
+T from_py(const char* field, py::handle v);
+
+template <>
+Mode from_py<Mode>(const char* field, py::handle v) {
+  if (!py::isinstance<py::str>(v)) wrong_type(field, "a str (sdvg, target or draft)", v);
+  return parse_mode(v.cast<std::string>());
+}
+template <>
+RouterKind from_py<RouterKind>(const char* field, py::handle v) {
+  if (!py::isinstance<py::str>(v)) wrong_type(field, "a str (reward, random or pattern)", v);
+  return parse_router(v.cast<std::string>());
+}
+template <>
+int from_py<int>(const char* field, py::handle v) {
+  if (PyBool_Check(v.ptr()) || !PyIndex_Check(v.ptr())) wrong_type(field, "an int", v);
+  auto i = py::reinterpret_steal<py::object>(PyNumber_Index(v.ptr()));
+  if (!i) throw py::error_already_set();
+  int overflow = 0;
+  const long long x = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
+  if (overflow || x < std::numeric_limits<int>::min() || x > std::numeric_limits<int>::max())
+    throw py::value_error(std::string("SchedulerConfig field '") + field + "' = " + py::repr(v).cast<std::string>() +
+                          " is out of range");
+  return static_cast<int>(x);
+}
+template <>
+double from_py<double>(const char* field, py::handle v) {
+  if (!is_number(v)) wrong_type(field, "a number", v);
+  return py::float_(py::reinterpret_borrow<py::object>(v)).cast<double>();
+}
+template <>
+bool from_py<bool>(const char* field, py::handle v) {
+  if (!PyBool_Check(v.ptr())) wrong_type(field, "a bool", v);
+  return v.ptr() == Py_True;
+}
+template <class Item, class Check>
+std::vector<Item> list_from_py(const char* field, py::handle v, const char* want, Check&& ok) {
+  if (!py::isinstance<py::list>(v) && !py::isinstance<py::tuple>(v)) wrong_type(field, want, v);
+  std::vector<Item> out;
+  size_t i = 0;
+  for (py::handle item : v) {
+    if (!ok(item))
+      throw py::type_error(std::string("SchedulerConfig field '") + field + "' must be " + want + ", item " +
+                           std::to_string(i) + " is " + type_name(item) + " " + py::repr(item).cast<std::string>());
+    if constexpr (std::is_same_v<Item, bool>)
+      out.push_back(item.ptr() == Py_True);
+    else
+      out.push_back(py::float_(py::reinterpret_borrow<py::object>(item)).cast<double>());
+    ++i;
+  }
+  return out;
+}
+template <>
+std::vector<double> from_py<std::vector<double>>(const char* field, py::handle v) {
+  return list_from_py<double>(field, v, "a list of numbers", is_number);
+}
+template <>
+std::vector<bool> from_py<std::vector<bool>>(const char* field, py::handle v) {
+  return list_from_py<bool>(field, v, "a list of bools", [](py::handle x) { return PyBool_Check(x.ptr()); });
+}
+
+// Field values as Python reads them back (mode and router as their names).
+template <class T>
+py::object to_py(const T& v) {
+  return py::cast(v);
+}
+py::object to_py(Mode m) { return py::str(mode_name(m)); }
+py::object to_py(RouterKind r) { return py::str(router_name(r)); }
+py::object to_py(const std::vector<bool>& v) {
+  py::list out;
+  for (bool b : v) out.append(py::bool_(b));
+  return out;
+}
+
+template <size_t N>
+py::tuple names_tuple(const char* const (&names)[N]) {
+  py::tuple t(N);
+  for (size_t i = 0; i < N; ++i) t[i] = py::str(names[i]);
+  return t;
+}
+
+template <size_t N>
+std::string joined(const char* const (&names)[N]) {
+  std::string s;
+  for (size_t i = 0; i < N; ++i) s += (i ? ", " : "") + std::string(names[i]);
+  return s;
+}
+
+SchedulerConfig config_from_kwargs(const py::kwargs& kw) {
+  std::vector<std::string> unknown, missing;
+  for (auto item : kw) {
+    const auto key = py::str(item.first).cast<std::string>();
+    bool known = false;
+    for (const char* f : kConfigFieldNames) known |= key == f;
+    if (!known) unknown.push_back(key);
+  }
+  for (const char* f : kConfigFieldNames)
+    if (!kw.contains(f)) missing.emplace_back(f);
+  auto quoted = [](const std::vector<std::string>& keys) {
+    std::string s = keys.size() == 1 ? "field " : "fields ";
+    for (size_t i = 0; i < keys.size(); ++i) s += (i ? ", '" : "'") + keys[i] + "'";
+    return s;
+  };
+  if (!unknown.empty())
+    throw py::value_error("SchedulerConfig: unknown " + quoted(unknown) + "; the fields are " +
+                          joined(kConfigFieldNames));
+  if (!missing.empty())
+    throw py::value_error("SchedulerConfig: missing " + quoted(missing) + "; every field is required: " +
+                          joined(kConfigFieldNames));
   SchedulerConfig c;
-  auto get = [&](const char* k) { return d.contains(k) ? py::object(d[k]) : py::object(); };
-  if (auto v = get("mode")) {
-    const auto m = v.cast<std::string>();
-    if (m == "sdvg") c.mode = Mode::Sdvg;
-    else if (m == "target") c.mode = Mode::Target;
-    else if (m == "draft") c.mode = Mode::Draft;
-    else throw std::invalid_argument("unknown mode '" + m + "'; choose sdvg, target or draft");
-  }
-  if (auto v = get("router")) {
-    const auto r = v.cast<std::string>();
-    if (r == "reward") c.router = RouterKind::Reward;
-    else if (r == "random") c.router = RouterKind::Random;
-    else if (r == "pattern") c.router = RouterKind::Pattern;
-    else throw std::invalid_argument("unknown router '" + r + "'; choose reward, random or pattern");
-  }
-  if (auto v = get("num_blocks")) c.num_blocks = v.cast<int>();
-  if (auto v = get("frames_per_block")) c.frames_per_block = v.cast<int>();
-  if (auto v = get("num_steps")) c.num_steps = v.cast<int>();
-  if (auto v = get("tau")) c.tau = v.cast<double>();
-  if (auto v = get("accept_prob")) c.accept_prob = v.cast<double>();
-  if (auto v = get("uniforms")) c.uniforms = v.cast<std::vector<double>>();
-  if (auto v = get("pattern")) c.pattern = v.cast<std::vector<bool>>();
-  if (auto v = get("force_first_reject")) c.force_first_reject = v.cast<bool>();
-  if (auto v = get("own_context")) c.own_context = v.cast<bool>();
-  if (auto v = get("skip_first_draft")) c.skip_first_draft = v.cast<bool>();
-  if (auto v = get("lazy_target_commit")) c.lazy_target_commit = v.cast<bool>();
-  if (auto v = get("score_emitted")) c.score_emitted = v.cast<bool>();
-  if (auto v = get("run_ahead")) c.run_ahead = v.cast<bool>();
+#define SDVG_FROM_PY_(type, name, doc) c.name = from_py<type>(#name, kw[#name]);
+  SDVG_CONFIG_FIELDS(SDVG_FROM_PY_)
+#undef SDVG_FROM_PY_
+  c.validate();
   return c;
+}
+
+std::string config_repr(const SchedulerConfig& c) {
+  std::string s = "SchedulerConfig(";
+  const char* sep = "";
+#define SDVG_REPR_(type, name, doc)                                               \
+  s += sep + std::string(#name) + "=" + py::repr(to_py(c.name)).cast<std::string>(); \
+  sep = ", ";
+  SDVG_CONFIG_FIELDS(SDVG_REPR_)
+#undef SDVG_REPR_
+  return s + ")";
+}
+
+py::dict counters_dict(const Counters& c) {
+  py::dict d;
+#define SDVG_COUNTER_ITEM_(type, name, doc) d[#name] = c.name;
+  SDVG_COUNTERS(SDVG_COUNTER_ITEM_)
+#undef SDVG_COUNTER_ITEM_
+  return d;
 }
 
 class PyScheduler {
  public:
-  PyScheduler(const py::dict& config, py::object stages, py::object drafter_cache, py::object target_cache,
+  PyScheduler(const SchedulerConfig& config, py::object stages, py::object drafter_cache, py::object target_cache,
               at::Device drafter_device, at::Device target_device)
-      : executor_(std::move(stages), std::move(drafter_cache), std::move(target_cache), drafter_device,
+      : executor_(config.mode, std::move(stages), std::move(drafter_cache), std::move(target_cache), drafter_device,
                   target_device),
-        scheduler_(config_from_dict(config), executor_) {}
+        scheduler_(config, executor_) {}
 
   void run() {
     py::gil_scoped_release nogil;  // stage calls take the GIL back for themselves
     scheduler_.run();
   }
   void cancel() { scheduler_.cancel(); }
-  py::dict counters() const {
-    const Counters& c = scheduler_.counters();
-    py::dict d;
-    d["target_forwards"] = c.target_forwards;
-    d["drafter_forwards"] = c.drafter_forwards;
-    d["skipped_drafter_forwards"] = c.skipped_drafter_forwards;
-    d["skipped_target_commits"] = c.skipped_target_commits;
-    d["skipped_drafter_commits"] = c.skipped_drafter_commits;
-    d["redrafts"] = c.redrafts;
-    d["speculative_drafts"] = c.speculative_drafts;
-    d["scheduler_wall_s"] = c.wall_s;
-    d["stage_call_s"] = c.stage_call_s;
-    d["main_stage_s"] = c.main_stage_s;
-    return d;
-  }
+  Counters counters() const { return scheduler_.counters(); }
   py::list trace() const {
     py::list out;
     for (const auto& sp : scheduler_.trace()) {
@@ -330,14 +437,46 @@ class PyScheduler {
 }  // namespace
 
 void register_scheduler(py::module_& m) {
+  m.attr("STAGE_NAMES") = names_tuple(kStageNames);
+  m.attr("DECISION_NAMES") = names_tuple(kDecisionNames);
+  m.attr("COUNTER_NAMES") = names_tuple(kCounterNames);
+
+  py::class_<SchedulerConfig> config(m, "SchedulerConfig",
+                                     "The native scheduler's configuration: every field is a required keyword");
+  config.def(py::init(&config_from_kwargs),
+             "SchedulerConfig(**fields): every name of FIELDS, none other; mode and router by name");
+  config.attr("FIELDS") = names_tuple(kConfigFieldNames);
+#define SDVG_CONFIG_PROPERTY_(type, name, doc) \
+  config.def_property_readonly(#name, [](const SchedulerConfig& c) { return to_py(c.name); }, doc);
+  SDVG_CONFIG_FIELDS(SDVG_CONFIG_PROPERTY_)
+#undef SDVG_CONFIG_PROPERTY_
+  config.def("__repr__", &config_repr);
+
+  py::class_<Counters> counters(m, "Counters", "What one run did (the fields of COUNTER_NAMES)");
+  counters.def(py::init<>());
+#define SDVG_COUNTER_PROPERTY_(type, name, doc) counters.def_readwrite(#name, &Counters::name, doc);
+  SDVG_COUNTERS(SDVG_COUNTER_PROPERTY_)
+#undef SDVG_COUNTER_PROPERTY_
+  counters.def("as_dict", &counters_dict, "The fields as a dict, in COUNTER_NAMES order");
+  counters.def("__repr__", [](const Counters& c) {
+    std::string s = "Counters(";
+    const char* sep = "";
+    for (auto item : counters_dict(c)) {
+      s += sep + py::str(item.first).cast<std::string>() + "=" + py::repr(item.second).cast<std::string>();
+      sep = ", ";
+    }
+    return s + ")";
+  });
+
   py::class_<PyScheduler>(m, "Scheduler")
-      .def(py::init<const py::dict&, py::object, py::object, py::object, at::Device, at::Device>(),
+      .def(py::init<const SchedulerConfig&, py::object, py::object, py::object, at::Device, at::Device>(),
            py::arg("config"), py::arg("stages"), py::arg("drafter_cache"), py::arg("target_cache"),
            py::arg("drafter_device"), py::arg("target_device"))
       .def("run", &PyScheduler::run, "Run the whole video (releases the GIL; stages re-enter Python)")
       .def("cancel", &PyScheduler::cancel, "Stop after the stage in flight (thread-safe)")
-      .def("counters", &PyScheduler::counters)
-      .def("block_times", &PyScheduler::block_times)
+      .def("counters", &PyScheduler::counters, "What the last run did (a Counters)")
+      .def("block_times", &PyScheduler::block_times,
+           "Each block's final seconds per stage (STAGE_NAMES), after the run")
       .def("trace", &PyScheduler::trace,
            "Every stage call of the last run: block, stage, thread (main|drafter), start_s, end_s (from the run's start)");
 }

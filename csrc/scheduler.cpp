@@ -10,42 +10,45 @@ namespace {
 struct Cancelled : std::runtime_error {
   Cancelled() : std::runtime_error("sdvg scheduler cancelled") {}
 };
+
+template <class E, size_t N>
+const char* name_in(E e, const char* const (&names)[N]) {
+  const auto i = static_cast<size_t>(e);
+  return i < N ? names[i] : "?";
+}
+
+template <class E, size_t N>
+E parse_in(const std::string& name, const char* const (&names)[N], const char* what) {
+  for (size_t i = 0; i < N; ++i)
+    if (name == names[i]) return static_cast<E>(i);
+  std::ostringstream os;
+  os << "unknown " << what << " '" << name << "'; choose ";
+  for (size_t i = 0; i < N; ++i) os << (i == 0 ? "" : i + 1 == N ? " or " : ", ") << names[i];
+  throw std::invalid_argument(os.str());
+}
 }  // namespace
 
-const char* decision_name(Decision d) {
-  switch (d) {
-    case Decision::Forced: return "forced";
-    case Decision::Accepted: return "accepted";
-    case Decision::Rejected: return "rejected";
-    case Decision::Target: return "target";
-    case Decision::Draft: return "draft";
-  }
-  return "?";
-}
-
-const char* stage_name(Stage s) {
-  switch (s) {
-    case Stage::Draft: return "draft";
-    case Stage::Decode: return "decode";
-    case Stage::Score: return "score";
-    case Stage::Target: return "target";
-    case Stage::DrafterCommit: return "drafter_commit";
-    case Stage::TargetCommit: return "target_commit";
-    default: return "?";
-  }
-}
+const char* mode_name(Mode m) { return name_in(m, kModeNames); }
+const char* router_name(RouterKind r) { return name_in(r, kRouterNames); }
+const char* decision_name(Decision d) { return name_in(d, kDecisionNames); }
+const char* stage_name(Stage s) { return name_in(s, kStageNames); }
+Mode parse_mode(const std::string& name) { return parse_in<Mode>(name, kModeNames, "mode"); }
+RouterKind parse_router(const std::string& name) { return parse_in<RouterKind>(name, kRouterNames, "router"); }
 
 void SchedulerConfig::validate() const {
   std::ostringstream os;
   if (num_blocks < 1) os << "num_blocks " << num_blocks << " must be >= 1; ";
-  if (frames_per_block < 1) os << "frames_per_block must be >= 1; ";
-  if (num_steps < 1) os << "num_steps must be >= 1; ";
+  if (frames_per_block < 1) os << "frames_per_block " << frames_per_block << " must be >= 1; ";
+  if (num_steps < 1) os << "num_steps " << num_steps << " must be >= 1; ";
   if (router == RouterKind::Random && static_cast<int>(uniforms.size()) < num_blocks)
-    os << "random router needs one uniform draw per block; ";
+    os << "random router needs one uniform draw per block (" << num_blocks << "), got " << uniforms.size() << "; ";
   if (router == RouterKind::Pattern && pattern.empty()) os << "pattern router needs a pattern; ";
   if (tau != tau) os << "tau is NaN; ";
-  const std::string msg = os.str();
-  if (!msg.empty()) throw std::invalid_argument("invalid scheduler config: " + msg);
+  if (accept_prob != accept_prob) os << "accept_prob is NaN; ";
+  std::string msg = os.str();
+  if (msg.empty()) return;
+  msg.resize(msg.size() - 2);  // the last "; "
+  throw std::invalid_argument("invalid scheduler config: " + msg);
 }
 
 Scheduler::Scheduler(SchedulerConfig config, Executor& executor) : cfg_(std::move(config)), ex_(executor) {
@@ -135,7 +138,7 @@ void Scheduler::run() {
     cancel();
   }
   if (drafter_thread_.joinable()) drafter_thread_.join();
-  counters_.wall_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  counters_.scheduler_wall_s = std::chrono::duration<double>(Clock::now() - t0).count();
   if (drafter_error_) std::rethrow_exception(drafter_error_);
   if (main_error) std::rethrow_exception(main_error);
 }

@@ -19,6 +19,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -27,38 +28,77 @@
 
 namespace sdvg {
 
-enum class Mode { Sdvg = 0, Target = 1, Draft = 2 };
-enum class RouterKind { Reward = 0, Random = 1, Pattern = 2 };
-enum class Decision { Forced = 0, Accepted = 1, Rejected = 2, Target = 3, Draft = 4 };
-enum class Stage { Draft = 0, Decode, Score, Target, DrafterCommit, TargetCommit, Count };
+// Every name Python sees is spelled once, in the lists below: the enums, the structs, the name
+// tuples of sdvg._C and the bindings are all generated from them, so none can drift from another.
+// X(enumerator, "name")
+#define SDVG_MODES(X) X(Sdvg, "sdvg") X(Target, "target") X(Draft, "draft")
+#define SDVG_ROUTERS(X) X(Reward, "reward") X(Random, "random") X(Pattern, "pattern")
+#define SDVG_DECISIONS(X) \
+  X(Forced, "forced") X(Accepted, "accepted") X(Rejected, "rejected") X(Target, "target") X(Draft, "draft")
+#define SDVG_STAGES(X)                                                                        \
+  X(Draft, "draft") X(Decode, "decode") X(Score, "score") X(Target, "target")                 \
+  X(DrafterCommit, "drafter_commit") X(TargetCommit, "target_commit")
+
+#define SDVG_ENUMERATOR_(id, name) id,
+enum class Mode { SDVG_MODES(SDVG_ENUMERATOR_) };
+enum class RouterKind { SDVG_ROUTERS(SDVG_ENUMERATOR_) };
+enum class Decision { SDVG_DECISIONS(SDVG_ENUMERATOR_) };
+enum class Stage { SDVG_STAGES(SDVG_ENUMERATOR_) Count };
+#undef SDVG_ENUMERATOR_
 constexpr int kNumStages = static_cast<int>(Stage::Count);
 
+#define SDVG_NAME_(id, name) name,
+inline constexpr const char* kModeNames[] = {SDVG_MODES(SDVG_NAME_)};
+inline constexpr const char* kRouterNames[] = {SDVG_ROUTERS(SDVG_NAME_)};
+inline constexpr const char* kDecisionNames[] = {SDVG_DECISIONS(SDVG_NAME_)};
+inline constexpr const char* kStageNames[] = {SDVG_STAGES(SDVG_NAME_)};
+#undef SDVG_NAME_
+static_assert(std::size(kStageNames) == static_cast<size_t>(kNumStages));
+
+const char* mode_name(Mode m);
+const char* router_name(RouterKind r);
 const char* decision_name(Decision d);
 const char* stage_name(Stage s);
+// Parse a name of the lists above; an unknown name is a std::invalid_argument listing the choices.
+Mode parse_mode(const std::string& name);
+RouterKind parse_router(const std::string& name);
+
+// The scheduler's configuration. No field has a generation default here (those live in the Python
+// configuration): every field is zero / false / empty until set, and a config left so fails
+// validate(). X(type, name, doc)
+#define SDVG_CONFIG_FIELDS(X)                                                                              \
+  X(Mode, mode, "sdvg | target | draft")                                                                  \
+  X(int, num_blocks, "blocks in the video (>= 1)")                                                         \
+  X(int, frames_per_block, "latent frames per block (>= 1)")                                               \
+  X(int, num_steps, "denoising steps per block (>= 1)")                                                    \
+  X(RouterKind, router, "reward | random | pattern")                                                      \
+  X(double, tau, "reward router: a draft is accepted when its block score >= tau")                         \
+  X(double, accept_prob, "random router: a draft is accepted when its block's uniform draw < accept_prob")  \
+  X(std::vector<double>, uniforms, "random router: one U(0,1) draw per block")                             \
+  X(std::vector<bool>, pattern, "pattern router: the decision per block (cycled)")                         \
+  X(bool, force_first_reject, "block 0 always goes to the target")                                         \
+  X(bool, own_context, "drafter context: its own drafts (true) or the emitted blocks (false)")             \
+  X(bool, skip_first_draft, "no draft for a forced block 0 when the drafter reads the emitted blocks")      \
+  X(bool, lazy_target_commit, "commit accepted blocks into the target only when it next runs")             \
+  X(bool, score_emitted, "also score the target's frames of rejected blocks")                              \
+  X(bool, run_ahead, "a drafter thread drafts block b+1 while block b is decoded, scored and committed")
 
 struct SchedulerConfig {
-  Mode mode = Mode::Sdvg;
-  int num_blocks = 9;
-  int frames_per_block = 3;
-  int num_steps = 4;
-  RouterKind router = RouterKind::Reward;
-  double tau = -0.7;
-  double accept_prob = 0.731;
-  std::vector<double> uniforms;  // random router: one U(0,1) draw per block
-  std::vector<bool> pattern;     // pattern router: decision per block (cycled)
-  bool force_first_reject = true;
-  bool own_context = false;  // drafter context policy: own drafts (true) or the emitted blocks
-  bool skip_first_draft = true;
-  bool lazy_target_commit = true;
-  bool score_emitted = false;
-  bool run_ahead = false;
+#define SDVG_CONFIG_MEMBER_(type, name, doc) type name{};
+  SDVG_CONFIG_FIELDS(SDVG_CONFIG_MEMBER_)
+#undef SDVG_CONFIG_MEMBER_
 
+  // Throws std::invalid_argument naming every field out of range.
   void validate() const;
   bool skips_first_draft() const {
     return mode == Mode::Sdvg && skip_first_draft && force_first_reject && !own_context;
   }
   bool forced(int b) const { return mode == Mode::Sdvg && b == 0 && force_first_reject; }
 };
+
+#define SDVG_FIELD_NAME_(type, name, doc) #name,
+inline constexpr const char* kConfigFieldNames[] = {SDVG_CONFIG_FIELDS(SDVG_FIELD_NAME_)};
+#undef SDVG_FIELD_NAME_
 
 struct Value {
   virtual ~Value() = default;
@@ -95,18 +135,28 @@ struct Span {
   double end_s = 0.0;
 };
 
+// What one run did. X(type, name, doc)
+#define SDVG_COUNTERS(X)                                                                                   \
+  X(int64_t, target_forwards, "target forwards (denoising steps and commit forwards)")                    \
+  X(int64_t, drafter_forwards, "drafter forwards (denoising steps and commit forwards)")                  \
+  X(int64_t, skipped_drafter_forwards, "drafter steps not run (block 0's draft under the emitted context)") \
+  X(int64_t, skipped_target_commits, "target commits not run (the last block, accepted blocks left pending)") \
+  X(int64_t, skipped_drafter_commits, "drafter commits not run (the last block)")                         \
+  X(int64_t, redrafts, "run-ahead drafts thrown away after a rejection")                                   \
+  X(int64_t, speculative_drafts, "run-ahead drafts made before the previous block's decision")             \
+  X(double, scheduler_wall_s, "seconds from the start to the end of run()")                                \
+  X(double, stage_call_s, "seconds inside stage calls (all threads)")                                      \
+  X(double, main_stage_s, "seconds inside stage calls on the main thread")
+
 struct Counters {
-  int64_t target_forwards = 0;
-  int64_t drafter_forwards = 0;
-  int64_t skipped_drafter_forwards = 0;
-  int64_t skipped_target_commits = 0;
-  int64_t skipped_drafter_commits = 0;
-  int64_t redrafts = 0;           // run-ahead drafts thrown away after a rejection
-  int64_t speculative_drafts = 0;  // run-ahead drafts made before the previous decision
-  double wall_s = 0.0;
-  double stage_call_s = 0.0;  // time inside stage calls (all threads)
-  double main_stage_s = 0.0;  // time inside stage calls on the main thread
+#define SDVG_COUNTER_MEMBER_(type, name, doc) type name = 0;
+  SDVG_COUNTERS(SDVG_COUNTER_MEMBER_)
+#undef SDVG_COUNTER_MEMBER_
 };
+
+#define SDVG_COUNTER_NAME_(type, name, doc) #name,
+inline constexpr const char* kCounterNames[] = {SDVG_COUNTERS(SDVG_COUNTER_NAME_)};
+#undef SDVG_COUNTER_NAME_
 
 // One executor per generation; stages may be called from two threads (main and drafter) when
 // run_ahead is on, never the same stage concurrently.

@@ -1,10 +1,41 @@
-"""sdvg: speculative decoding for block-autoregressive video diffusion."""
+"""sdvg: speculative decoding for block-autoregressive video diffusion.
+
+The public names are imported lazily, so `import sdvg` (and `sdvg --help`) does not import torch:
+
+    from sdvg import SpeculativeVideoPipeline, GenerationOptions
+"""
 import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from sdvg.config import PRESETS, ConfigError, Preset, get_preset
-from sdvg.pipeline import PipelineOutput, SpeculativeVideoPipeline
-
-__all__ = ["SpeculativeVideoPipeline", "PipelineOutput", "PRESETS", "Preset", "get_preset", "ConfigError"]
 __version__ = "0.1.0"
+
+_LAZY = {
+    "SpeculativeVideoPipeline": "sdvg.pipeline",
+    "PipelineOutput": "sdvg.pipeline",
+    "BlockStream": "sdvg.pipeline",
+    "GenerationOptions": "sdvg.options",
+    "OptionError": "sdvg.options",
+    "PRESETS": "sdvg.config",
+    "Preset": "sdvg.config",
+    "get_preset": "sdvg.config",
+    "ConfigError": "sdvg.config",
+    "BlockRecord": "sdvg.generation.types",
+    "RunStats": "sdvg.generation.types",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'sdvg' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

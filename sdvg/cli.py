@@ -1,4 +1,7 @@
-"""Command line: `sdvg generate`, `sdvg memory`."""
+"""Command line: `sdvg generate`, `sdvg memory`, `sdvg sweep`, `sdvg calibrate`.
+
+The generation flags are derived from `sdvg.options.GenerationOptions` (one declaration); this
+module imports no torch until a command runs, so `sdvg --help` is fast."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +10,10 @@ import math
 import sys
 from pathlib import Path
 
-from sdvg.config import AGGREGATIONS, DRAFTER_CONTEXTS, MODES, PRESETS, ROUTERS
+from sdvg.config import PRESETS
+from sdvg.options import BACKENDS, add_option_flags, options_from_args
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "MovieGenVideoBench.txt"
 
 
 def _tau(text: str) -> float:
@@ -30,6 +36,16 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _nonnegative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 0")
+    return v
+
+
 def read_prompts(path: str | Path) -> list[str]:
     """One prompt per line, UTF-8; blank lines are an error (they would shift prompt indices)."""
     raw = Path(path).read_bytes()
@@ -48,7 +64,8 @@ def read_prompts(path: str | Path) -> list[str]:
     return [line.rstrip("\r") for line in lines]
 
 
-def add_generation_args(p: argparse.ArgumentParser) -> None:
+def add_generation_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """Model and placement flags, then one flag per generation option (minus `exclude`)."""
     p.add_argument("--preset", default="tiny", help=f"random-weight preset: {sorted(PRESETS)}")
     p.add_argument("--drafter", help="drafter checkpoint (Self-Forcing .pt, .safetensors or diffusers folder)")
     p.add_argument("--target", help="target checkpoint (Krea .safetensors, original Wan or diffusers folder)")
@@ -56,23 +73,11 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reward", help="ImageReward.pt")
     p.add_argument("--reward-tokenizer", help="bert-base-uncased tokenizer folder")
     p.add_argument("--text-encoder", help="umT5 encoder folder (or a diffusers Wan folder)")
-    p.add_argument("--tau", type=_tau, default=-0.7)
-    p.add_argument("--num-blocks", type=_positive_int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--router", choices=ROUTERS, default="reward")
-    p.add_argument("--accept-prob", type=float, default=0.731, help="random router acceptance probability")
-    p.add_argument("--aggregation", choices=AGGREGATIONS, default="min")
-    p.add_argument("--drafter-context", choices=DRAFTER_CONTEXTS, default="committed")
-    p.add_argument("--no-force-first-reject", action="store_true", help="let the router decide block 0 too")
-    p.add_argument("--scheduler", choices=("cpp", "reference"), default="cpp",
-                   help="cpp: the native scheduler; reference: the plain Python loop (the oracle)")
-    p.add_argument("--backend", choices=("eager", "compile", "tensorrt"), default="eager",
-                   help="how stages run: eager PyTorch, torch.compile'd static stages, or TensorRT engines")
     p.add_argument("--engines", help="engine folder built by `python -m build_engines` (backend tensorrt)")
-    p.add_argument("--run-ahead", action="store_true", help="draft block b+1 while block b is settled (cpp)")
     p.add_argument("--device", "--drafter-device", dest="device", default="cpu",
                    help="drafter, VAE and reward device")
     p.add_argument("--target-device", default=None, help="target device (default: --device)")
+    add_option_flags(p, exclude=exclude)
 
 
 def build_pipeline(args):
@@ -85,17 +90,11 @@ def build_pipeline(args):
         return SpeculativeVideoPipeline.from_pretrained(
             args.drafter, args.target, args.vae, args.reward, args.text_encoder, preset="wan2.1",
             reward_tokenizer=args.reward_tokenizer, drafter_device=args.device, target_device=args.target_device,
-            backend=args.backend, engines=args.engines)
+            backend=args.backend or BACKENDS[0], engines=args.engines)
     if args.preset not in PRESETS:
         raise SystemExit(f"error: unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
     return SpeculativeVideoPipeline.from_preset(args.preset, device=args.device, target_device=args.target_device,
-                                                backend=args.backend, engines=args.engines)
-
-
-def generation_kwargs(args, mode: str) -> dict:
-    return dict(mode=mode, tau=args.tau, num_blocks=args.num_blocks, seed=args.seed, router=args.router,
-                accept_prob=args.accept_prob, aggregation=args.aggregation, drafter_context=args.drafter_context,
-                force_first_reject=not args.no_force_first_reject, scheduler=args.scheduler, run_ahead=args.run_ahead)
+                                                backend=args.backend or BACKENDS[0], engines=args.engines)
 
 
 def _video_path(out: Path, index: int, many: bool) -> Path:
@@ -115,39 +114,35 @@ def _done_prompts(stats_path: Path) -> set[int]:
     return done
 
 
-def run_one(pipe, prompt: str, kwargs: dict, video: Path, progress: bool = True) -> dict:
-    """Generate one video, writing the MP4 as blocks arrive. On Ctrl-C the MP4 of the blocks emitted so far
-    is closed (playable) and the stats are marked interrupted."""
+def run_one(pipe, prompt: str, opts, video: Path, progress: bool = True):
+    """Generate one video, writing the MP4 as blocks arrive; returns its `RunStats`. On Ctrl-C the MP4
+    of the blocks emitted so far is closed (playable) and the stats (same fields) are marked interrupted."""
     from tqdm import tqdm
 
-    from sdvg.video_writer import IncrementalMP4Writer
+    from sdvg.io.video_writer import IncrementalMP4Writer
 
-    stats: dict = {}
-    collector_blocks = []
-    n = kwargs.get("num_blocks") or pipe.preset.video.num_blocks
-    bar = tqdm(total=n, desc=video.name, unit="block", disable=not progress, file=sys.stderr)
-    acc = rej = 0
+    opts = pipe.resolve(opts)
+    bar = tqdm(total=opts.num_blocks, desc=video.name, unit="block", disable=not progress, file=sys.stderr)
+    counts = {"forced": 0, "accepted": 0, "rejected": 0}
     interrupted = False
-    blocks = pipe.stream(prompt, stats=stats, **kwargs)
+    stream = pipe.run(prompt, opts)
     with IncrementalMP4Writer(video) as writer:
         try:
-            for block in blocks:
+            for block in stream:
                 writer.write(block.frames)
-                collector_blocks.append(block.stats())
-                acc += block.decision == "accepted"
-                rej += block.decision in ("rejected", "forced")
-                bar.set_postfix(accepted=acc, rejected=rej)
+                if block.decision in counts:
+                    counts[block.decision] += 1
+                    bar.set_postfix(counts)
                 bar.update(1)
         except KeyboardInterrupt:
             interrupted = True
         finally:
             bar.close()
-            if hasattr(blocks, "close"):
-                blocks.close()  # stops the scheduler thread of an unfinished video
+            stream.close()  # stops the scheduler thread of an unfinished video
+    stats = stream.stats
     if interrupted:
-        stats = {"prompt": prompt, "blocks": collector_blocks, "frames": sum(b["frames"] for b in collector_blocks),
-                 "interrupted": True, "mode": kwargs["mode"]}
-    stats["video"] = str(video)
+        stats.finish(None, interrupted=True)
+    stats.extra["video"] = str(video)
     return stats
 
 
@@ -156,42 +151,51 @@ def cmd_generate(args) -> int:
         raise SystemExit("error: give --prompt TEXT or --prompts-file FILE")
     if args.prompt is not None and not args.prompt.strip():
         raise SystemExit("error: --prompt is empty; give a non-empty prompt")
-    prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts_file)
+    if args.prompt is not None:
+        prompts, first = [args.prompt], 0
+    else:
+        every = read_prompts(args.prompts_file)
+        first = args.offset
+        prompts = every[first:first + args.limit] if args.limit else every[first:]
+        if not prompts:
+            raise SystemExit(f"error: --offset {args.offset} leaves no prompt of the {len(every)} in "
+                             f"{args.prompts_file}")
     out = Path(args.out)
     stats_path = Path(args.stats) if args.stats else out.with_suffix(".json")
     many = len(prompts) > 1
+    opts = options_from_args(args)
     pipe = build_pipeline(args)
-    kwargs = generation_kwargs(args, args.mode)
     if not many:
-        stats = run_one(pipe, prompts[0], kwargs, out, progress=not args.quiet)
+        stats = run_one(pipe, prompts[0], opts, out, progress=not args.quiet)
         stats_path.parent.mkdir(parents=True, exist_ok=True)
-        stats_path.write_text(json.dumps(stats, indent=2))
+        stats_path.write_text(json.dumps(stats.as_dict(), indent=2))
         _timeline(args, stats, 0, many=False)
         _summary(stats, stats_path)
-        return 130 if stats.get("interrupted") else 0
+        return 130 if stats.interrupted else 0
     done = _done_prompts(stats_path) if args.resume else set()
     if not args.resume and stats_path.exists():
         stats_path.unlink()
     stats_path.parent.mkdir(parents=True, exist_ok=True)
-    for i, prompt in enumerate(prompts):
+    for i, prompt in enumerate(prompts, start=first):  # i: the prompt's line in the file (0-based)
         if i in done:
             continue
-        stats = run_one(pipe, prompt, kwargs, _video_path(out, i, True), progress=not args.quiet)
-        stats["prompt_index"] = i
+        stats = run_one(pipe, prompt, opts, _video_path(out, i, True), progress=not args.quiet)
+        stats.extra["prompt_index"] = i
         with stats_path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(stats) + "\n")
+            f.write(json.dumps(stats.as_dict()) + "\n")
         _timeline(args, stats, i, many=True)
-        if stats.get("interrupted"):
+        if stats.interrupted:
             print(f"interrupted at prompt {i}; rerun with --resume to continue", file=sys.stderr)
             return 130
-    print(f"wrote {len(prompts) - len(done)} video(s); stats in {stats_path}", file=sys.stderr)
+    written = sum(i not in done for i in range(first, first + len(prompts)))
+    print(f"wrote {written} video(s); stats in {stats_path}", file=sys.stderr)
     return 0
 
 
-def _timeline(args, stats: dict, index: int, many: bool) -> None:
+def _timeline(args, stats, index: int, many: bool) -> None:
     if not args.timeline or not stats.get("trace"):
         return  # an interrupted video keeps no trace
-    from sdvg.timeline import decisions_of, plot_timeline
+    from sdvg.evaluation.timeline import decisions_of, plot_timeline
 
     acc = stats.get("acceptance_rate")
     title = (f"{stats['mode']}, {stats.get('scheduler', '')}{' run-ahead' if stats.get('run_ahead') else ''}: "
@@ -200,7 +204,7 @@ def _timeline(args, stats: dict, index: int, many: bool) -> None:
                   _video_path(Path(args.timeline), index, many))
 
 
-def _summary(stats: dict, path: Path) -> None:
+def _summary(stats, path: Path) -> None:
     acc = stats.get("acceptance_rate")
     acc_s = "n/a" if acc is None else f"{acc:.1%}"
     print(f"{stats['video']}: {stats['frames']} frames, acceptance {acc_s}, "
@@ -211,15 +215,14 @@ def cmd_memory(args) -> int:
     import torch
 
     from sdvg.config import get_preset, torch_dtype
-    from sdvg.kv_cache import KVCacheSpec
+    from sdvg.models.kv_cache import KVCacheSpec
 
     preset = get_preset(args.preset)
     n = args.num_blocks or preset.video.num_blocks
     dtype = torch_dtype(preset.precision)
     report = {}
     for role, dit in (("drafter", preset.drafter), ("target", preset.target)):
-        tpf = preset.video.tokens_per_frame(preset.vae, dit)
-        spec = KVCacheSpec.for_dit(dit, tpf, n * preset.video.frames_per_block, preset.kv_window)
+        spec = KVCacheSpec.for_preset(preset, dit, n)
         params = dit.num_params()
         report[role] = {"params": params, "weights_gib": params * torch.empty((), dtype=dtype).element_size() / 2**30,
                         "kv_cache_gib": spec.nbytes(dtype) / 2**30}
@@ -232,9 +235,6 @@ def cmd_memory(args) -> int:
                       "window, fewer blocks or a GPU with more memory", file=sys.stderr)
                 return 2
     return 0
-
-
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "MovieGenVideoBench.txt"
 
 
 def _prompts_for_sweep(args) -> list[str]:
@@ -253,7 +253,7 @@ def _sweep_pipeline(args):
     """Under torchrun each process takes its own GPU pair (or GPU), unless devices are given."""
     import torch
 
-    from sdvg.sweep import dist_env
+    from sdvg.evaluation.sweep import dist_env
 
     rank, world, local = dist_env()
     if world > 1 and args.device == "cpu" and torch.cuda.is_available():
@@ -266,16 +266,15 @@ def _sweep_pipeline(args):
 
 
 def cmd_sweep(args) -> int:
-    from sdvg.evaluators import load_evaluator
-    from sdvg.sweep import plot, read_records, run_sweep, summarise
+    from sdvg.evaluation.evaluators import load_evaluator
+    from sdvg.evaluation.sweep import plot, read_records, run_sweep, summarise
 
     prompts = _prompts_for_sweep(args)
     out = Path(args.out)
     if not args.report_only:
         pipe, rank, world = _sweep_pipeline(args)
         evaluator = load_evaluator(args.evaluator, pipe)
-        run_sweep(pipe, prompts, _taus(args.taus), out, evaluator, num_blocks=args.num_blocks, seed=args.seed,
-                  rank=rank, world=world, scheduler=args.scheduler,
+        run_sweep(pipe, prompts, _taus(args.taus), out, evaluator, options_from_args(args), rank=rank, world=world,
                   progress=None if args.quiet else lambda r: print(
                       f"[{r['prompt_index']}] tau={r['tau']}: acceptance={r['acceptance_rate']}, "
                       f"{r['wall_s']:.2f} s, quality {r['quality']:.4f}", file=sys.stderr))
@@ -291,8 +290,8 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from sdvg.evaluators import load_evaluator
-    from sdvg.sweep import calibrate_acceptance, calibrate_retention, read_records, run_sweep, summarise
+    from sdvg.evaluation.evaluators import load_evaluator
+    from sdvg.evaluation.sweep import calibrate_acceptance, calibrate_retention, read_records, run_sweep, summarise
 
     if (args.acceptance is None) == (args.retention is None):
         raise SystemExit("error: give exactly one of --acceptance A or --retention R")
@@ -301,19 +300,24 @@ def cmd_calibrate(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     pipe, _, _ = _sweep_pipeline(args)
     if args.acceptance is not None:
+        opts = options_from_args(args, mode="sdvg")
         scores = []
-        for prompt in prompts:  # every draft scored: accept all (contexts are the drafts)
-            o = pipe(prompt, tau=-math.inf, num_blocks=args.num_blocks, seed=args.seed, scheduler=args.scheduler)
-            scores += [b["score"] for b in o.stats["blocks"][1:]]
+        for i, prompt in enumerate(prompts):  # every draft scored: accept all (contexts are the drafts)
+            _progress(args, f"calibrate: drafts of prompt {i + 1}/{len(prompts)}")
+            o = pipe.generate(prompt, opts.replace(tau=-math.inf))
+            scores += [b["score"] for b in o.stats.blocks[1:]]
         tau = calibrate_acceptance(scores, args.acceptance)
-        achieved = [pipe(p, tau=tau, num_blocks=args.num_blocks, seed=args.seed, scheduler=args.scheduler
-                         ).stats["acceptance_rate"] for p in prompts]
+        achieved = []
+        for i, prompt in enumerate(prompts):
+            _progress(args, f"calibrate: check tau={tau:.4f} on prompt {i + 1}/{len(prompts)}")
+            achieved.append(pipe.generate(prompt, opts.replace(tau=tau)).stats.acceptance_rate)
         result = {"goal": {"acceptance": args.acceptance}, "tau": tau, "draft_scores": len(scores),
                   "achieved_acceptance": sum(achieved) / len(achieved), "prompts": len(prompts)}
     else:
         evaluator = load_evaluator(args.evaluator, pipe)
-        run_sweep(pipe, prompts, _taus(args.taus), out, evaluator, num_blocks=args.num_blocks, seed=args.seed,
-                  scheduler=args.scheduler)
+        run_sweep(pipe, prompts, _taus(args.taus), out, evaluator, options_from_args(args, mode="sdvg"),
+                  progress=None if args.quiet else lambda r: _progress(
+                      args, f"calibrate: [{r['prompt_index']}] tau={r['tau']} done"))
         best = calibrate_retention(summarise(read_records(out)), args.retention)
         result = {"goal": {"retention": args.retention}, "tau": best["tau"], "achieved": best,
                   "prompts": len(prompts)}
@@ -322,14 +326,20 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def _progress(args, message: str) -> None:
+    if not args.quiet:
+        print(message, file=sys.stderr, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sdvg", description="speculative decoding for video diffusion")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate videos (MP4 written as blocks arrive)")
     add_generation_args(g)
-    g.add_argument("--mode", choices=MODES, default="sdvg")
     g.add_argument("--prompt")
-    g.add_argument("--prompts-file")
+    g.add_argument("--prompts-file", help="one prompt per line (e.g. sdvg/data/MovieGenVideoBench.txt)")
+    g.add_argument("--offset", type=_nonnegative_int, default=0, help="skip the first N prompts of --prompts-file")
+    g.add_argument("--limit", type=_nonnegative_int, default=0, help="at most N prompts (0 = all)")
     g.add_argument("--out", default="video.mp4")
     g.add_argument("--stats", help="JSON stats (JSONL with --prompts-file); default: next to --out")
     g.add_argument("--resume", action="store_true", help="skip prompts already in the stats JSONL")
@@ -345,7 +355,7 @@ def main(argv=None) -> int:
     for name, fn, helptext in (("sweep", cmd_sweep, "sweep tau over a prompt set; Pareto plot"),
                                ("calibrate", cmd_calibrate, "pick tau for an acceptance rate or quality retention")):
         sp = sub.add_parser(name, help=helptext)
-        add_generation_args(sp)
+        add_generation_args(sp, exclude=("mode", "tau"))  # the sweep sets both per run
         sp.add_argument("--prompts-file", help=f"default: {DEFAULT_PROMPTS}")
         sp.add_argument("--limit", type=int, default=8, help="first N prompts (0 = all)")
         sp.add_argument("--taus", default="-2.5,-1.5,-0.7,0.0,0.5")
@@ -358,7 +368,11 @@ def main(argv=None) -> int:
             sp.add_argument("--acceptance", type=float, help="wanted acceptance rate of blocks 1..B-1")
             sp.add_argument("--retention", type=float, help="wanted quality retention vs target-only")
         sp.set_defaults(func=fn)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:

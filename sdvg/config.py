@@ -1,4 +1,4 @@
-"""Frozen configuration dataclasses and the named presets.
+"""Frozen model configurations and the named presets (the generation options live in `sdvg.options`).
 
 Every size the engine allocates comes from here, so a config is validated before any
 heavy allocation (`Preset.validate`).
@@ -13,16 +13,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Precision = Literal["fp32", "bf16", "fp16"]
-Mode = Literal["sdvg", "target", "draft"]
-Aggregation = Literal["min", "mean", "trimmed_mean", "quantile"]
-RouterKind = Literal["reward", "random", "pattern"]
-DrafterContext = Literal["committed", "own"]
 
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
-MODES: tuple[str, ...] = ("sdvg", "target", "draft")
-AGGREGATIONS: tuple[str, ...] = ("min", "mean", "trimmed_mean", "quantile")
-ROUTERS: tuple[str, ...] = ("reward", "random", "pattern")
-DRAFTER_CONTEXTS: tuple[str, ...] = ("committed", "own")
 
 
 class ConfigError(ValueError):
@@ -198,7 +190,6 @@ class Preset:
     kv_window: KVWindow = field(default_factory=KVWindow)
     timesteps: tuple[float, ...] = (1000.0, 750.0, 500.0, 250.0)
     shift: float = 5.0
-    tiny_tokenizers: bool = False  # build small character tokenizers in memory (random-weight presets)
 
     def validate(self) -> None:
         if self.precision not in PRECISIONS:
@@ -220,9 +211,6 @@ class Preset:
 
     def replace(self, **changes) -> "Preset":
         return dataclasses.replace(self, **changes)
-
-    def with_video(self, **changes) -> "Preset":
-        return dataclasses.replace(self, video=dataclasses.replace(self.video, **changes))
 
 
 DRAFTER_1_3B = DiTConfig(dim=1536, ffn_dim=8960, num_heads=12, num_layers=30)
@@ -249,7 +237,6 @@ PRESETS: dict[str, Preset] = {
         ),
         video=VideoConfig(height=64, width=64, frames_per_block=3, num_blocks=3),
         precision="fp32",
-        tiny_tokenizers=True,
     ),
     # The real models (Self-Forcing 1.3B drafter, Wan2.1 14B target) at 832x480: load real weights.
     "wan2.1": Preset(
@@ -273,7 +260,6 @@ PRESETS: dict[str, Preset] = {
         reward=dataclasses.replace(IMAGE_REWARD, vocab_size=TINY_BERT_VOCAB),
         video=VideoConfig(),
         precision="bf16",
-        tiny_tokenizers=True,
     ),
     # CPU benchmark: drafter:target parameter ratio ~1:9 (1.3B:14B is ~1:10), head_dim 128 like the real
     # models, and a VAE small enough that the target's forwards dominate as they do on a GPU.
@@ -289,7 +275,6 @@ PRESETS: dict[str, Preset] = {
         ),
         video=VideoConfig(height=64, width=96, frames_per_block=3, num_blocks=9),
         precision="fp32",
-        tiny_tokenizers=True,
     ),
 }
 

@@ -4,69 +4,64 @@
     pipe = SpeculativeVideoPipeline.from_preset("tiny")
     out = pipe("a red fox in the snow", mode="sdvg", tau=-0.7, num_blocks=9, seed=42)
     out.frames  # uint8 [F, H, W, 3]
-    for block in pipe.stream("...", tau=-0.7): ...
+    stream = pipe.stream("...", tau=-0.7)
+    for block in stream: ...      # each block as soon as its frames are final
+    stream.stats                  # RunStats, complete once the stream is exhausted
+
+The keywords of `__call__` and `stream` are the generation options declared once in
+`sdvg.options.GenerationOptions` (their defaults are read from there).
 """
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
 from sdvg.config import Preset, get_preset
-
-SCHEDULERS = ("cpp", "reference")
-from sdvg.models import Components, build_random, load_pretrained
-from sdvg.reference import BlockResult, GenerationConfig, generate_blocks
-from sdvg.routers import Router
+from sdvg.generation.types import BlockRecord, LoopReport, RunStats
+from sdvg.models.components import Components, build_random, load_pretrained
+from sdvg.options import DEFAULTS as D
+from sdvg.options import OPTION_NAMES, GenerationOptions
 
 
 @dataclass
 class PipelineOutput:
     frames: torch.Tensor  # uint8 [F, H, W, 3]
     latents: torch.Tensor  # float32 [1, z, B*frames_per_block, h, w], the emitted latents
-    stats: dict
-    blocks: list[BlockResult]
+    stats: RunStats
+    blocks: list[BlockRecord]
 
 
-class StatsCollector:
-    """Builds the statistics dict (same in the API and the JSON file) while blocks arrive."""
+def _options(keywords: dict) -> GenerationOptions:
+    """The options given as `stream`/`__call__` keywords (their names are exactly OPTION_NAMES)."""
+    return GenerationOptions(**{name: keywords[name] for name in OPTION_NAMES})
 
-    def __init__(self, prompt: str, cfg: GenerationConfig, preset: Preset):
-        self.t0 = time.perf_counter()
-        self.stats = {
-            "prompt": prompt, "mode": cfg.mode, "preset": preset.name, "seed": cfg.seed,
-            "tau": cfg.router.tau, "router": cfg.router.kind, "aggregation": cfg.aggregation,
-            "drafter_context": cfg.drafter_context, "force_first_reject": cfg.force_first_reject,
-            "num_blocks": cfg.num_blocks, "blocks": [], "frames": 0, "interrupted": False,
-        }
 
-    def add(self, block: BlockResult) -> None:
-        self.stats["blocks"].append(block.stats())
-        self.stats["frames"] += int(block.frames.shape[0])
+class BlockStream:
+    """The blocks of one video as they are emitted (an iterator of `BlockRecord`).
 
-    def finish(self, counters: dict, interrupted: bool = False) -> dict:
-        s = self.stats
-        later = [b for b in s["blocks"] if b["index"] > 0]
-        accepted = sum(b["decision"] == "accepted" for b in later)
-        s["acceptance_rate"] = accepted / len(later) if later and s["mode"] == "sdvg" else None
-        s["accepted_blocks"] = accepted
-        s["blocks_done"] = len(s["blocks"])
-        for k in ("target_forwards", "drafter_forwards", "skipped_drafter_forwards", "skipped_target_commits",
-                  "skipped_drafter_commits", "redrafts", "speculative_drafts"):
-            s[k] = counters.get(k, 0)
-        for k in ("scheduler_wall_s", "stage_call_s", "main_stage_s"):
-            if k in counters:
-                s[k] = counters[k]
-        # every stage call on a timeline (seconds from the loop's start; thread main|drafter)
-        s["trace"] = list(counters.get("trace", []))
-        s["wall_s"] = time.perf_counter() - self.t0
-        s["stage_totals"] = {k: sum(b["times"].get(k, 0.0) for b in s["blocks"])
-                             for k in ("draft", "decode", "score", "target", "commit")}
-        s["interrupted"] = interrupted
-        return s
+    `stats` grows block by block and is complete (counters, trace, wall time) once the iterator is
+    exhausted; `close()` stops an unfinished video (the native scheduler's thread included)."""
+
+    def __init__(self, blocks: Iterator[BlockRecord], stats: RunStats, report: LoopReport):
+        self._blocks, self.stats, self._report = blocks, stats, report
+
+    def __iter__(self) -> "BlockStream":
+        return self
+
+    def __next__(self) -> BlockRecord:
+        try:
+            block = next(self._blocks)
+        except StopIteration:
+            self.stats.finish(self._report)
+            raise
+        self.stats.add(block)
+        return block
+
+    def close(self) -> None:
+        self._blocks.close()
 
 
 class SpeculativeVideoPipeline:
@@ -78,7 +73,7 @@ class SpeculativeVideoPipeline:
         self.engines = engines
 
     def runners(self, backend: str | None = None):
-        from sdvg.backends import StageRunners
+        from sdvg.generation.backends import StageRunners
 
         backend = backend or self.default_backend
         if backend not in self._runners:
@@ -101,57 +96,72 @@ class SpeculativeVideoPipeline:
     def from_pretrained(cls, drafter, target, vae, reward, text_encoder, preset: str | Preset = "wan2.1",
                         reward_tokenizer=None, drafter_device="cuda:0", target_device=None, backend: str = "eager",
                         engines=None) -> "SpeculativeVideoPipeline":
-        """Real weights from local paths or HF-cache folders (see sdvg.checkpoints for the formats)."""
+        """Real weights from local paths or HF-cache folders (see sdvg.models.checkpoints for the formats)."""
         preset = get_preset(preset) if isinstance(preset, str) else preset
         return cls(load_pretrained(preset, drafter, target, vae, reward, text_encoder, reward_tokenizer,
                                    drafter_device, target_device), backend, engines)
 
-    def make_config(self, mode="sdvg", tau=-0.7, num_blocks=None, seed=0, router="reward", accept_prob=0.731,
-                    pattern=(), aggregation="min", force_first_reject=True, drafter_context="committed",
-                    skip_first_draft=True, lazy_target_commit=True, score_emitted=False) -> GenerationConfig:
-        cfg = GenerationConfig(
-            mode=mode, num_blocks=self.preset.video.num_blocks if num_blocks is None else num_blocks, seed=seed,
-            router=Router(router, float(tau), accept_prob, tuple(bool(x) for x in pattern)),
-            aggregation=aggregation, force_first_reject=force_first_reject, drafter_context=drafter_context,
-            skip_first_draft=skip_first_draft, lazy_target_commit=lazy_target_commit, score_emitted=score_emitted)
-        cfg.validate()
-        return cfg
+    def resolve(self, options: GenerationOptions) -> GenerationOptions:
+        """The options with this pipeline's defaults filled in (num_blocks from the preset, backend)."""
+        options = options.resolved(self.preset.video.num_blocks)
+        return options if options.backend is not None else options.replace(backend=self.default_backend)
 
-    def stream(self, prompt: str, stats: dict | None = None, scheduler: str = "cpp", run_ahead: bool = False,
-               backend: str | None = None, _threaded: bool = True, **kwargs) -> Iterator[BlockResult]:
-        """Yield each block as soon as its frames are final; `stats` (if given) is filled at the end.
+    def run(self, prompt: str, options: GenerationOptions, threaded: bool = True) -> BlockStream:
+        """The blocks of one video for explicit options (what `stream` and `__call__` call)."""
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
+        opts = self.resolve(options)
+        runners = self.runners(opts.backend)
+        report = LoopReport()
+        if opts.scheduler == "cpp":
+            from sdvg.generation.native import generate_blocks_native
 
-        scheduler: "cpp" (the native scheduler, default) or "reference" (the plain Python loop; the
-        oracle). run_ahead (cpp only): the drafter drafts block b+1 while block b is decoded, scored
-        and committed; the output is identical. backend: how stages run, "eager" | "compile" |
-        "tensorrt" (default: the pipeline's)."""
-        if scheduler not in SCHEDULERS:
-            raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {SCHEDULERS}")
-        if run_ahead and scheduler != "cpp":
-            raise ValueError("run_ahead needs scheduler='cpp'")
-        cfg = self.make_config(**kwargs)
-        runners = self.runners(backend)
-        collector = StatsCollector(prompt, cfg, self.preset)
-        collector.stats.update(scheduler=scheduler, run_ahead=run_ahead, backend=runners.backend)
-        counters: dict = {}
-        if scheduler == "cpp":
-            from sdvg.cpp_backend import generate_blocks_cpp
-
-            blocks = generate_blocks_cpp(self.components, prompt, cfg, counters, run_ahead=run_ahead, runners=runners,
-                                         threaded=_threaded)
+            blocks = generate_blocks_native(self.components, prompt, opts, report, runners=runners,
+                                            threaded=threaded)
         else:
-            blocks = generate_blocks(self.components, prompt, cfg, counters, runners=runners)
-        for block in blocks:
-            collector.add(block)
-            yield block
-        if stats is not None:
-            stats.update(collector.finish(counters))
+            from sdvg.generation.reference import generate_blocks
 
-    def __call__(self, prompt: str, scheduler: str = "cpp", run_ahead: bool = False, backend: str | None = None,
-                 **kwargs) -> PipelineOutput:
-        stats: dict = {}
-        # the whole video is returned at once: run the scheduler on this thread (no streaming needed)
-        blocks = list(self.stream(prompt, stats=stats, scheduler=scheduler, run_ahead=run_ahead, backend=backend,
-                                  _threaded=False, **kwargs))
+            blocks = generate_blocks(self.components, prompt, opts, report, runners=runners)
+        return BlockStream(blocks, RunStats(prompt, self.preset.name, opts), report)
+
+    def stream(self, prompt: str, *, mode: str = D.mode, tau: float = D.tau, num_blocks: int | None = D.num_blocks,
+               seed: int = D.seed, router: str = D.router, accept_prob: float = D.accept_prob,
+               pattern=D.pattern, aggregation: str = D.aggregation, force_first_reject: bool = D.force_first_reject,
+               drafter_context: str = D.drafter_context, skip_first_draft: bool = D.skip_first_draft,
+               lazy_target_commit: bool = D.lazy_target_commit, score_emitted: bool = D.score_emitted,
+               scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead, backend: str | None = D.backend
+               ) -> BlockStream:
+        """Yield each block as soon as its frames are final; the returned stream's `.stats` is
+        complete once it is exhausted. The keywords are the generation options
+        (`sdvg.options.GenerationOptions`, whose field docs say what each does):
+
+        mode: sdvg | target | draft. tau: acceptance threshold on the draft's aggregated score.
+        num_blocks: blocks to generate (None: the preset's). seed: every noise draw.
+        router: reward | random | pattern (accept_prob for random; pattern, a 0/1 string or list of
+        bools, for pattern). aggregation: min | mean | trimmed_mean | quantile.
+        force_first_reject: block 0 from the target. drafter_context: committed | own.
+        skip_first_draft, lazy_target_commit, score_emitted: see GenerationOptions.
+        scheduler: cpp (native) | reference (the Python oracle; bitwise the same video).
+        run_ahead: draft block b+1 while block b is settled (cpp). backend: eager | compile | tensorrt
+        (None: the pipeline's)."""
+        options = _options(locals())
+        return self.run(prompt, options)
+
+    def __call__(self, prompt: str, *, mode: str = D.mode, tau: float = D.tau, num_blocks: int | None = D.num_blocks,
+                 seed: int = D.seed, router: str = D.router, accept_prob: float = D.accept_prob,
+                 pattern=D.pattern, aggregation: str = D.aggregation, force_first_reject: bool = D.force_first_reject,
+                 drafter_context: str = D.drafter_context, skip_first_draft: bool = D.skip_first_draft,
+                 lazy_target_commit: bool = D.lazy_target_commit, score_emitted: bool = D.score_emitted,
+                 scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead, backend: str | None = D.backend
+                 ) -> PipelineOutput:
+        """The whole video at once (keywords as for `stream`)."""
+        options = _options(locals())
+        return self.generate(prompt, options)
+
+    def generate(self, prompt: str, options: GenerationOptions) -> PipelineOutput:
+        """The whole video for explicit options. The scheduler runs on this thread (nothing to stream)."""
+        stream = self.run(prompt, options, threaded=False)
+        blocks = list(stream)
         return PipelineOutput(frames=torch.cat([b.frames for b in blocks]),
-                              latents=torch.cat([b.latents for b in blocks], dim=2), stats=stats, blocks=blocks)
+                              latents=torch.cat([b.latents for b in blocks], dim=2), stats=stream.stats,
+                              blocks=blocks)

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from sdvg.checkpoints import CheckpointError, load_dit, read_dit_checkpoint, save_dit
+from sdvg.models.checkpoints import CheckpointError, load_dit, read_dit_checkpoint, save_dit
 from sdvg.config import get_preset
-from sdvg.dit import CausalWanDiT
+from sdvg.models.dit import CausalWanDiT
 
 from conftest import randomize
 
@@ -31,7 +31,7 @@ def test_round_trip_gives_identical_outputs(tmp_path, source, fmt, name):
 
 
 def test_self_forcing_prefers_ema(tmp_path, source):
-    from sdvg.checkpoints import diffusers_to_original
+    from sdvg.models.checkpoints import diffusers_to_original
 
     orig = {"model." + k: v for k, v in diffusers_to_original(source.model.state_dict()).items()}
     zeros = {k: torch.zeros_like(v) for k, v in orig.items()}
@@ -86,7 +86,7 @@ def test_corrupt_and_pickled_objects_refused(tmp_path, source):
 def test_original_mapping_agrees_with_diffusers_converter(source):
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
-    from sdvg.checkpoints import diffusers_to_original, original_to_diffusers
+    from sdvg.models.checkpoints import diffusers_to_original, original_to_diffusers
 
     orig = diffusers_to_original(source.model.state_dict())
     theirs = convert_wan_transformer_to_diffusers(dict(orig))
@@ -96,8 +96,8 @@ def test_original_mapping_agrees_with_diffusers_converter(source):
 def test_text_encoder_round_trip_from_a_folder(tmp_path):
     """A transformers UMT5 folder (and a diffusers-style text_encoder/ + tokenizer/ layout) loads offline."""
     from sdvg.config import get_preset
-    from sdvg.text_encoder import TextEncoder
-    from sdvg.tokenizers import tiny_umt5_tokenizer
+    from sdvg.models.text_encoder import TextEncoder
+    from sdvg.models.tokenizers import tiny_umt5_tokenizer
 
     cfg = get_preset("tiny").text_encoder
     enc = TextEncoder.random(cfg, tiny_umt5_tokenizer(), seed=1)
@@ -114,7 +114,7 @@ def test_text_encoder_round_trip_from_a_folder(tmp_path):
 
 def test_wrong_size_is_refused_before_any_model_is_allocated(tmp_path, source, monkeypatch):
     from sdvg import checkpoints
-    from sdvg.dit import CausalWanDiT as Dit
+    from sdvg.models.dit import CausalWanDiT as Dit
 
     save_dit(source, tmp_path / "d.safetensors", "krea")
     monkeypatch.setattr(Dit, "__init__", lambda *a, **k: pytest.fail("a model was allocated"))

@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from sdvg.config import DiTConfig, KVWindow, get_preset
-from sdvg.dit import CausalWanDiT, block_causal_mask
-from sdvg.kv_cache import KVCacheSpec
-from sdvg.rope import apply_rope, rope_angles, rope_cos_sin
+from sdvg.models.dit import CausalWanDiT, block_causal_mask
+from sdvg.models.kv_cache import KVCacheSpec
+from sdvg.models.rope import apply_rope, rope_angles, rope_cos_sin
 
 from conftest import randomize
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from build_engines.cache import (CorruptEngineError, EngineCache, EngineKey, MissingEngineError, StaleEngineError,
+from sdvg.engines.cache import (CorruptEngineError, EngineCache, EngineKey, MissingEngineError, StaleEngineError,
                                  weights_fingerprint)
 
 CMD = "python -m build_engines --preset tiny"

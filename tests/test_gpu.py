@@ -21,7 +21,7 @@ def gpu_pipe():
 
 def test_native_cache_on_cuda():
     from sdvg._native import _C
-    from sdvg.kv_cache import KVCacheSpec
+    from sdvg.models.kv_cache import KVCacheSpec
 
     cache = KVCacheSpec(2, 2, 8, 4, 9).allocate(torch.bfloat16, "cuda:0")
     cache.begin_write(3)
@@ -29,7 +29,7 @@ def test_native_cache_on_cuda():
     cache.write(0, k, -k)
     kv, vv = cache.visible(0)
     assert kv.is_cuda and torch.equal(kv, k) and torch.equal(vv, -k)
-    assert "cuda" in _C.build_info()
+    assert _C.build_info()["cuda"] is True  # the CUDA build, not a CPU build that happens to run here
 
 
 def test_tau_inf_equals_target_only_on_cuda(gpu_pipe):
@@ -48,8 +48,8 @@ def test_cuda_matches_cpu_reference(gpu_pipe, tiny_pipe):
 
 def test_bf16_cache_path_matches_masked_full_forward_on_cuda():
     from sdvg.config import get_preset
-    from sdvg.dit import CausalWanDiT, block_causal_mask
-    from sdvg.kv_cache import KVCacheSpec
+    from sdvg.models.dit import CausalWanDiT, block_causal_mask
+    from sdvg.models.kv_cache import KVCacheSpec
 
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -76,66 +76,25 @@ def test_cpp_scheduler_matches_reference_on_cuda(gpu_pipe):
         assert torch.equal(ref.latents, got.latents) and torch.equal(ref.frames, got.frames)
 
 
-class _SpinStages:
-    """Stages that keep the GPU busy on the current (role) stream, then wait for that stream only."""
-
-    def __init__(self, cycles):
-        self.cycles = cycles
-        self.streams = {}
-
-    def _spin(self, name):
-        s = torch.cuda.current_stream()
-        self.streams.setdefault(name, s.cuda_stream)
-        torch.cuda._sleep(self.cycles)
-        s.synchronize()
-        return torch.zeros(1, device="cuda")
-
-    def draft(self, b):
-        return self._spin("drafter")
-
-    def drafter_commit(self, b, x):
-        self._spin("drafter")
-
-    def target(self, b):
-        return self._spin("target")
-
-    def target_commit(self, b, x):
-        self._spin("target")
-
-    def decode(self, x):
-        return self._spin("vae")
-
-    def score(self, frames):
-        return 1.0, [1.0]
-
-    def vae_snapshot(self):
-        return None
-
-    def vae_restore(self, s):
-        pass
-
-    def emit(self, rec):
-        pass
-
-
 def test_role_streams_overlap_on_one_gpu():
-    from sdvg._native import _C
+    from sdvg.generation.fake_stages import FakeStages, fake_scheduler
+    from sdvg.options import GenerationOptions
 
-    stages = _SpinStages(cycles=20_000_000)  # ~10 ms per stage on a modern GPU
-    cfg = dict(mode="sdvg", num_blocks=6, frames_per_block=3, num_steps=4, router="pattern",
-               pattern=[False, True, True, False, True, True], run_ahead=True)
-    dev = torch.device("cuda:0")
-    sched = _C.Scheduler(cfg, stages, None, None, dev, dev)
+    stages = FakeStages(spin_cycles=20_000_000, device="cuda:0")  # ~10 ms per stage on a modern GPU
+    opts = GenerationOptions(router="pattern", pattern="011011", num_blocks=6, run_ahead=True)
+    sched = fake_scheduler(stages, opts, device="cuda:0")
     sched.run()
-    c = sched.counters()
     assert len(set(stages.streams.values())) == 3, stages.streams  # one stream per role
     assert torch.cuda.current_stream().cuda_stream not in stages.streams.values()
-    # Time inside stages exceeds the wall time only when drafter work ran beside target/VAE work.
-    assert c["stage_call_s"] > 1.1 * c["scheduler_wall_s"], c
+    # drafter work ran on the drafter thread beside the main thread's target / VAE work
+    trace = sched.trace()
+    drafter = [x for x in trace if x["thread"] == "drafter"]
+    main = [x for x in trace if x["thread"] == "main"]
+    assert drafter and any(d["start_s"] < m["end_s"] and m["start_s"] < d["end_s"] for d in drafter for m in main)
 
 
 def test_latent_transfer_prefetch_between_devices():
-    from sdvg.transfer import LatentTransfer
+    from sdvg.generation.transfer import LatentTransfer
 
     n = torch.cuda.device_count()
     dest = torch.device(f"cuda:{1 if n > 1 else 0}")

@@ -3,7 +3,7 @@ import torch
 
 from sdvg._native import _C
 from sdvg.config import KVWindow, get_preset
-from sdvg.kv_cache import KVCacheSpec, MemoryBudgetError
+from sdvg.models.kv_cache import KVCacheSpec, MemoryBudgetError
 
 TPF, H, D, L = 4, 2, 3, 2
 

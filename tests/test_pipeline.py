@@ -6,8 +6,11 @@ import sys
 import pytest
 import torch
 
-from sdvg.reference import _Model, generate_blocks
-from sdvg.routers import acceptance_pattern
+from sdvg.generation.prepare import RoleModel, allocate_cache
+from sdvg.generation.reference import generate_blocks
+from sdvg.generation.types import LoopReport
+from sdvg.options import GenerationOptions
+from sdvg.generation.routers import acceptance_pattern
 
 PROMPT = "a red fox running through fresh snow"
 NB = 4
@@ -37,13 +40,13 @@ def test_tau_minus_inf_gives_target_block0_then_drafts(tiny_pipe):
 
 def test_rejected_block_starts_from_the_draft_noise(tiny_pipe, monkeypatch):
     seen = []
-    orig = _Model.denoise
+    orig = RoleModel.denoise
 
     def spy(self, noise, block, frame0, seed):
         seen.append((self.role, block, noise.clone()))
         return orig(self, noise, block, frame0, seed)
 
-    monkeypatch.setattr(_Model, "denoise", spy)
+    monkeypatch.setattr(RoleModel, "denoise", spy)
     out = tiny_pipe(PROMPT, router="pattern", pattern=(False, False, True, False), num_blocks=NB, seed=5,
                     skip_first_draft=False)
     decisions = [b["decision"] for b in out.stats["blocks"]]
@@ -57,16 +60,13 @@ def test_rejected_block_starts_from_the_draft_noise(tiny_pipe, monkeypatch):
 @pytest.mark.parametrize("policy", ["committed", "own"])
 def test_drafter_cache_holds_what_the_policy_says(tiny_pipe, policy):
     comps = tiny_pipe.components
-    cfg = tiny_pipe.make_config(router="pattern", pattern=(False, False, True), num_blocks=3, seed=7,
-                                drafter_context=policy)
-    counters = {}
-    blocks = list(generate_blocks(comps, PROMPT, cfg, counters))
+    opts = GenerationOptions(router="pattern", pattern="001", num_blocks=3, seed=7, drafter_context=policy)
+    report = LoopReport()
+    blocks = list(generate_blocks(comps, PROMPT, opts, report))
     assert [b.decision for b in blocks] == ["forced", "rejected", "accepted"]
-    cache = counters["drafter_cache"]
+    cache = report.drafter_cache
     # Rebuild the expected drafter context by committing the latents the policy names.
-    from sdvg.reference import _allocate
-
-    expected = _allocate(comps, comps.drafter, comps.drafter_device, 3)
+    expected = allocate_cache(comps, comps.drafter, comps.drafter_device, 3)
     text = comps.drafter.encode_text(comps.text_encoder.encode(PROMPT))
     pick = (lambda blk: blk.latents) if policy == "committed" else (lambda blk: blk.draft_latents)
     assert not torch.equal(blocks[1].latents, blocks[1].draft_latents)
@@ -83,7 +83,7 @@ def test_frames_total_and_emitted_equal_streaming_decode(tiny_pipe):
     out = tiny_pipe(PROMPT, tau=0.0, num_blocks=NB, seed=2)
     assert out.frames.shape == (9 + 12 * (NB - 1), 64, 64, 3)
     assert out.stats["frames"] == out.frames.shape[0]
-    from sdvg.vae import to_uint8_frames
+    from sdvg.models.vae import to_uint8_frames
 
     dec = tiny_pipe.components.vae
     assert torch.equal(to_uint8_frames(dec.decode_video(out.latents)), out.frames)
@@ -102,13 +102,13 @@ def test_stats_schema(tiny_pipe):
     assert all(len(b["frame_scores"]) == 12 for b in s["blocks"][1:])
     later = s["blocks"][1:]
     assert s["acceptance_rate"] == sum(b["decision"] == "accepted" for b in later) / (NB - 1)
-    json.dumps(s)
+    json.dumps(s.as_dict(), allow_nan=False)
 
 
 def test_random_router_hits_requested_rate(tiny_pipe):
-    from sdvg.routers import Router
+    from sdvg.generation.routers import Router
 
-    r = Router("random", accept_prob=0.7)
+    r = Router.from_options(GenerationOptions(router="random", accept_prob=0.7))
     n = 4000
     rate = sum(r.accept(b, None, seed=11) for b in range(n)) / n
     assert abs(rate - 0.7) < 4 * math.sqrt(0.7 * 0.3 / n)
@@ -142,7 +142,13 @@ def test_draft_mode_uses_only_the_drafter(tiny_pipe):
     (dict(router="oracle"), "unknown router"),
     (dict(aggregation="median"), "unknown aggregation"),
     (dict(num_blocks=0), "num_blocks"),
-    (dict(drafter_context="mine"), "drafter context"),
+    (dict(drafter_context="mine"), "unknown drafter_context"),
+    (dict(router="pattern"), "needs a decision pattern"),
+    (dict(pattern="0120"), "only 0 and 1"),
+    (dict(seed=1.5), "seed must be an integer"),
+    (dict(num_blocks=True), "num_blocks must be an integer"),
+    (dict(tau=None), "tau must be a number"),
+    (dict(scheduler="reference", run_ahead=True), "run_ahead needs scheduler 'cpp'"),
 ])
 def test_bad_generation_arguments(tiny_pipe, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -179,7 +185,7 @@ def _cli(*args, timeout=300):
 
 
 def test_cli_generate_writes_mp4_and_stats(tmp_path):
-    from sdvg.video_writer import read_mp4_frames
+    from sdvg.io.video_writer import read_mp4_frames
 
     r = _cli("generate", "--preset", "tiny", "--prompt", PROMPT, "--num-blocks", "2", "--tau", "-0.1",
              "--out", str(tmp_path / "v.mp4"), "--stats", str(tmp_path / "s.json"), "--quiet",
@@ -219,20 +225,30 @@ def test_cli_prompts_file_resume_and_bad_files(tmp_path):
 
 def test_interrupt_leaves_playable_mp4_and_marked_stats(tmp_path, tiny_pipe, monkeypatch):
     from sdvg import cli
-    from sdvg.video_writer import read_mp4_frames
+    from sdvg.io.video_writer import read_mp4_frames
 
-    orig_stream = tiny_pipe.stream
+    opts = GenerationOptions(tau=-0.1, num_blocks=4, seed=0)
+    complete = cli.run_one(tiny_pipe, PROMPT, opts, tmp_path / "c.mp4", progress=False)
+    orig_run = tiny_pipe.run
 
-    def interrupted_stream(prompt, stats=None, **kw):
-        for i, block in enumerate(orig_stream(prompt, stats=stats, **kw)):
-            if i == 2:
-                raise KeyboardInterrupt
-            yield block
+    def interrupted_run(prompt, options, threaded=True):
+        stream = orig_run(prompt, options, threaded)
+        inner = stream._blocks
 
-    monkeypatch.setattr(tiny_pipe, "stream", interrupted_stream)
-    stats = cli.run_one(tiny_pipe, PROMPT, dict(mode="sdvg", tau=-0.1, num_blocks=4, seed=0), tmp_path / "i.mp4",
-                        progress=False)
-    assert stats["interrupted"] is True and len(stats["blocks"]) == 2
+        def blocks():
+            for i, block in enumerate(inner):
+                if i == 2:
+                    inner.close()
+                    raise KeyboardInterrupt
+                yield block
+
+        stream._blocks = blocks()
+        return stream
+
+    monkeypatch.setattr(tiny_pipe, "run", interrupted_run)
+    stats = cli.run_one(tiny_pipe, PROMPT, opts, tmp_path / "i.mp4", progress=False)
+    assert stats["interrupted"] is True and len(stats["blocks"]) == 2 and stats["frames"] == 9 + 12
+    assert set(stats) == set(complete)  # an interrupted run's stats have the same fields
     assert read_mp4_frames(tmp_path / "i.mp4").shape[0] == 9 + 12
 
 
@@ -258,8 +274,8 @@ def test_bf16_pipeline_runs_and_keeps_fp32_parts():
 def test_from_pretrained_with_real_formats_equals_the_source(tmp_path, tiny_pipe, tiny_preset):
     """Every component written in its real on-disk format and loaded back gives the same video."""
     from sdvg import SpeculativeVideoPipeline
-    from sdvg.checkpoints import save_dit
-    from sdvg.tokenizers import tiny_bert_tokenizer
+    from sdvg.models.checkpoints import save_dit
+    from sdvg.models.tokenizers import tiny_bert_tokenizer
 
     c = tiny_pipe.components
     save_dit(c.drafter, tmp_path / "self_forcing.pt", "self-forcing")
@@ -280,7 +296,7 @@ def test_from_pretrained_with_real_formats_equals_the_source(tmp_path, tiny_pipe
 
 
 def test_timeline_refuses_stats_without_trace(tmp_path):
-    from sdvg.timeline import plot_timeline
+    from sdvg.evaluation.timeline import plot_timeline
 
     with pytest.raises(ValueError, match="no stage trace"):
         plot_timeline([{"title": "old stats", "trace": []}], tmp_path / "t.png")

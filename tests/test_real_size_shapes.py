@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from sdvg.config import get_preset
-from sdvg.dit import CausalWanDiT
-from sdvg.kv_cache import KVCacheSpec
-from sdvg.vae import StreamingVAEDecoder, build_vae
+from sdvg.models.dit import CausalWanDiT
+from sdvg.models.kv_cache import KVCacheSpec
+from sdvg.models.vae import StreamingVAEDecoder, build_vae
 
 PRESET = get_preset("real-size")
 LATENT_HW = (PRESET.video.height // 8, PRESET.video.width // 8)  # (60, 104)

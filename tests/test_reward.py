@@ -4,10 +4,11 @@ import torch
 from PIL import Image
 
 from sdvg.config import get_preset
-from sdvg.models import _randomize_reward_head
-from sdvg.reward import (Aggregator, RewardScorer, build_image_reward, load_image_reward_weights,
+from sdvg.models.components import _randomize_reward_head
+from sdvg.models.reward import (Aggregator, RewardScorer, build_image_reward, load_image_reward_weights,
                          reward_tokenizer)
-from sdvg.routers import Router
+from sdvg.generation.routers import Router
+from sdvg.options import GenerationOptions
 
 # Batched tensor path vs the package's per-image PIL path on the same uint8 frames. The only
 # difference is the resize (torch antialiased bicubic vs PIL bicubic); measured max |diff| about
@@ -61,8 +62,9 @@ def test_worst_frame_rule_rejects_where_mean_accepts(scorer):
     controlled = torch.tensor([0.5, 0.6, 0.55, -2.0])
     q_min, q_mean = Aggregator("min")(controlled), Aggregator("mean")(controlled)
     tau = -0.5
-    assert not Router("reward", tau).accept(1, q_min, 0)
-    assert Router("reward", tau).accept(1, q_mean, 0)
+    router = Router.from_options(GenerationOptions(tau=tau))
+    assert not router.accept(1, q_min, 0)
+    assert router.accept(1, q_mean, 0)
     assert Aggregator("trimmed_mean", trim=0.25)(controlled) == pytest.approx(0.525)
     assert Aggregator("quantile", q=0.0)(controlled) == pytest.approx(-2.0)
 
@@ -83,7 +85,7 @@ def test_bad_frames_are_clear_errors(scorer):
 
 
 def test_tokenizer_vocab_size_checked(tmp_path):
-    from sdvg.tokenizers import check_vocab_size, load_bert_tokenizer
+    from sdvg.models.tokenizers import check_vocab_size, load_bert_tokenizer
 
     cfg = get_preset("wan2.1").reward
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -101,7 +103,7 @@ def test_tokenizer_vocab_size_checked(tmp_path):
 def test_reward_checkpoint_strict(tmp_path, scorer):
     from safetensors.torch import save_file
 
-    from sdvg.checkpoints import CheckpointError
+    from sdvg.models.checkpoints import CheckpointError
 
     state = {k: v.contiguous() for k, v in scorer.model.state_dict().items()}
     torch.save(state, tmp_path / "ImageReward.pt")

@@ -1,7 +1,7 @@
 import torch
 
-from sdvg.noise import block_noise, derive_seed, gaussian
-from sdvg.schedule import FlowSchedule, warp_timestep
+from sdvg.generation.noise import block_noise, derive_seed, gaussian
+from sdvg.generation.schedule import FlowSchedule, warp_timestep
 
 
 def test_warped_timesteps():

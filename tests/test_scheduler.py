@@ -1,14 +1,14 @@
 """The native scheduler (scheduler="cpp") against the reference loop, bitwise."""
 import math
 import threading
-import time
 
 import pytest
 import torch
 
-from sdvg._native import _C
-from sdvg.cpp_backend import generate_blocks_cpp
-from sdvg.reference import generate_blocks
+from sdvg.generation.native import generate_blocks_native
+from sdvg.generation.reference import generate_blocks
+from sdvg.generation.types import BLOCK_TIME_KEYS, LoopReport
+from sdvg.options import GenerationOptions
 
 PROMPT = "a red fox running through fresh snow"
 NB = 4
@@ -19,16 +19,32 @@ CASES = {
     "tau=mixed": dict(tau=None),  # set from the reference scores below
     "pattern": dict(router="pattern", pattern=(False, True, False, True)),
     "random": dict(router="random", accept_prob=0.5),
+    "eager target commits": dict(tau=None, lazy_target_commit=False),
+    "score emitted": dict(tau=None, score_emitted=True),
 }
 
 
+def _run_both(pipe, opts: GenerationOptions, run_ahead: bool = False):
+    """The reference loop and the native scheduler on the same resolved options, with their reports."""
+    opts = pipe.resolve(opts)
+    ref_report, cpp_report = LoopReport(), LoopReport()
+    ref = list(generate_blocks(pipe.components, PROMPT, opts, ref_report))
+    got = list(generate_blocks_native(pipe.components, PROMPT, opts.replace(run_ahead=run_ahead), cpp_report))
+    return ref, got, ref_report, cpp_report
+
+
 def _same(ref, got):
+    """Every field of every block record: bitwise for tensors and scores; stage times by key and sign
+    (their values are wall-clock)."""
     assert len(ref) == len(got)
     for a, b in zip(ref, got):
         assert a.index == b.index and a.decision == b.decision
         assert torch.equal(a.latents, b.latents)
         assert torch.equal(a.frames, b.frames)
         assert a.score == b.score and a.frame_scores == b.frame_scores
+        assert a.emitted_scores == b.emitted_scores
+        assert tuple(a.times) == tuple(b.times) == BLOCK_TIME_KEYS
+        assert all(v >= 0 for v in (*a.times.values(), *b.times.values()))
         assert (a.draft_latents is None) == (b.draft_latents is None)
         if a.draft_latents is not None:
             assert torch.equal(a.draft_latents, b.draft_latents)
@@ -47,28 +63,37 @@ def test_cpp_equals_reference(tiny_pipe, case, policy, run_ahead):
     kw = dict(CASES[case])
     if kw.get("tau", 0) is None:
         kw["tau"] = _mixed_tau(tiny_pipe)
-    cfg = tiny_pipe.make_config(num_blocks=NB, seed=3, drafter_context=policy, **kw)
-    ref_counts, cpp_counts = {}, {}
-    ref = list(generate_blocks(tiny_pipe.components, PROMPT, cfg, ref_counts))
-    got = list(generate_blocks_cpp(tiny_pipe.components, PROMPT, cfg, cpp_counts, run_ahead=run_ahead))
+    opts = GenerationOptions(num_blocks=NB, seed=3, drafter_context=policy, **kw)
+    ref, got, ref_report, cpp_report = _run_both(tiny_pipe, opts, run_ahead)
     _same(ref, got)
-    if case == "tau=mixed":
+    if kw.get("tau") is not None and math.isfinite(kw["tau"]):
         assert {b.decision for b in ref[1:]} == {"accepted", "rejected"}
-    for k in ("target_forwards", "skipped_target_commits", "skipped_drafter_forwards"):
-        assert ref_counts[k] == cpp_counts[k], k
+    if opts.score_emitted:
+        assert all(b.emitted_scores for b in ref)
+    rc, cc = ref_report.counters, cpp_report.counters
+    for k in ("target_forwards", "skipped_target_commits", "skipped_drafter_forwards", "skipped_drafter_commits"):
+        assert getattr(rc, k) == getattr(cc, k), k
     if not run_ahead:
-        assert ref_counts["drafter_forwards"] == cpp_counts["drafter_forwards"]
+        assert rc.drafter_forwards == cc.drafter_forwards
     # the drafter's cache holds the same context at the end
     n = (NB - 1) * 3 * 16
-    assert torch.equal(ref_counts["drafter_cache"].buffer[..., :n, :], cpp_counts["drafter_cache"].buffer[..., :n, :])
+    assert torch.equal(ref_report.drafter_cache.buffer[..., :n, :], cpp_report.drafter_cache.buffer[..., :n, :])
+
+
+def test_eager_target_commits_cost_more_target_forwards(tiny_pipe):
+    tau = _mixed_tau(tiny_pipe)
+    lazy = _run_both(tiny_pipe, GenerationOptions(num_blocks=NB, seed=3, tau=tau))[2].counters
+    eager = _run_both(tiny_pipe, GenerationOptions(num_blocks=NB, seed=3, tau=tau, lazy_target_commit=False))[2]
+    # the same decisions; only a trailing run of accepted blocks differs: eager commits them, lazy skips them
+    assert eager.counters.target_forwards >= lazy.target_forwards
+    assert eager.counters.skipped_target_commits <= lazy.skipped_target_commits
 
 
 @pytest.mark.parametrize("mode", ["target", "draft"])
 @pytest.mark.parametrize("run_ahead", [False, True])
 def test_single_model_modes(tiny_pipe, mode, run_ahead):
-    cfg = tiny_pipe.make_config(mode=mode, num_blocks=3, seed=1)
-    _same(list(generate_blocks(tiny_pipe.components, PROMPT, cfg)),
-          list(generate_blocks_cpp(tiny_pipe.components, PROMPT, cfg, run_ahead=run_ahead)))
+    ref, got, _, _ = _run_both(tiny_pipe, GenerationOptions(mode=mode, num_blocks=3, seed=1), run_ahead)
+    _same(ref, got)
 
 
 def test_run_ahead_with_local_window_rolls_back_exactly():
@@ -79,11 +104,10 @@ def test_run_ahead_with_local_window_rolls_back_exactly():
 
     preset = dataclasses.replace(get_preset("tiny"), kv_window=KVWindow(window_frames=6, sink_frames=3))
     pipe = SpeculativeVideoPipeline.from_preset(preset)
-    cfg = pipe.make_config(router="pattern", pattern=(False, True, False, True, False, True), num_blocks=6, seed=2)
-    counts = {}
-    got = list(generate_blocks_cpp(pipe.components, PROMPT, cfg, counts, run_ahead=True))
-    _same(list(generate_blocks(pipe.components, PROMPT, cfg)), got)
-    assert counts["redrafts"] >= 2
+    opts = GenerationOptions(router="pattern", pattern="010101", num_blocks=6, seed=2)
+    ref, got, _, report = _run_both(pipe, opts, run_ahead=True)
+    _same(ref, got)
+    assert report.counters.redrafts >= 2
 
 
 def test_pipeline_switch_and_stats(tiny_pipe):
@@ -91,7 +115,7 @@ def test_pipeline_switch_and_stats(tiny_pipe):
     b = tiny_pipe(PROMPT, tau=-0.1, num_blocks=3, seed=0, scheduler="reference")
     assert torch.equal(a.frames, b.frames)
     assert a.stats["scheduler"] == "cpp" and a.stats["run_ahead"] is True and a.stats["backend"] == "eager"
-    assert set(a.stats) >= {"redrafts", "speculative_drafts", "scheduler_wall_s", "stage_call_s"}
+    assert set(a.stats) >= {"redrafts", "speculative_drafts", "stage_call_s", "main_stage_s"}
     with pytest.raises(ValueError, match="unknown scheduler"):
         tiny_pipe(PROMPT, scheduler="rust")
     with pytest.raises(ValueError, match="unknown backend"):
@@ -154,79 +178,40 @@ def test_consumer_leaving_early_stops_the_scheduler(tiny_pipe):
     assert not any(t.name == "sdvg-scheduler" and t.is_alive() for t in threading.enumerate())
 
 
-class _SleepStages:
-    """Stages that only sleep (releasing the GIL), with a stage that may fail."""
+def _fake_run(stages, run_ahead: bool, **kw):
+    from sdvg.generation.fake_stages import fake_scheduler
 
-    def __init__(self, d=0.02, fail_at=None):
-        self.d, self.fail_at, self.emitted, self.calls = d, fail_at, [], []
-
-    def _work(self, name, b=None):
-        self.calls.append((name, b))
-        time.sleep(self.d)
-
-    def draft(self, b):
-        if b == self.fail_at:
-            raise RuntimeError(f"draft of block {b} failed")
-        self._work("draft", b)
-        return torch.tensor([float(b)])
-
-    def drafter_commit(self, b, x):
-        self._work("drafter_commit", b)
-
-    def target(self, b):
-        self._work("target", b)
-        return torch.tensor([-float(b)])
-
-    def target_commit(self, b, x):
-        self._work("target_commit", b)
-
-    def decode(self, x):
-        self._work("decode")
-        return x * 2
-
-    def score(self, frames):
-        return 1.0, [1.0, 2.0]
-
-    def vae_snapshot(self):
-        return 0
-
-    def vae_restore(self, s):
-        pass
-
-    def emit(self, rec):
-        self.emitted.append(rec)
-
-
-def _sched(stages, **cfg):
-    base = dict(mode="sdvg", num_blocks=6, frames_per_block=3, num_steps=4, router="reward", tau=0.0)
-    base.update(cfg)
-    cpu = torch.device("cpu")
-    return _C.Scheduler(base, stages, None, None, cpu, cpu)
-
-
-def test_run_ahead_overlaps_drafter_with_main_stages():
-    s = _SleepStages()
-    sched = _sched(s, run_ahead=True)
+    sched = fake_scheduler(stages, GenerationOptions(num_blocks=6, tau=0.0, run_ahead=run_ahead, **kw))
     sched.run()
-    c = sched.counters()
+    return sched
+
+
+def test_run_ahead_drafts_on_the_drafter_thread():
+    from sdvg.generation.fake_stages import FakeStages
+
+    s = FakeStages(costs=0.002)
+    sched = _fake_run(s, run_ahead=True)
     assert [r["decision"] for r in s.emitted] == ["forced"] + ["accepted"] * 5
-    # Time inside stage calls exceeds the wall time only if two stages ran at once.
-    assert c["stage_call_s"] > c["scheduler_wall_s"] * 1.1
-    seq = _SleepStages()
-    sched = _sched(seq, run_ahead=False)
-    sched.run()
-    assert sched.counters()["stage_call_s"] <= sched.counters()["scheduler_wall_s"]
+    c, trace = sched.counters(), sched.trace()
+    assert c.speculative_drafts >= 1 and c.redrafts == 0
+    assert {x["stage"] for x in trace if x["thread"] == "drafter"} == {"draft", "drafter_commit"}
+    assert {x["stage"] for x in trace if x["thread"] == "main"} >= {"target", "decode", "score"}
+    seq = FakeStages(costs=0.002)
+    sched = _fake_run(seq, run_ahead=False)
+    assert sched.counters().speculative_drafts == 0 and {x["thread"] for x in sched.trace()} == {"main"}
+    assert [r["decision"] for r in seq.emitted] == [r["decision"] for r in s.emitted]
 
 
 def test_stage_exception_surfaces_with_its_message():
-    s = _SleepStages(d=0.0, fail_at=3)
+    from sdvg.generation.fake_stages import FakeStages
+
     for run_ahead in (False, True):
         with pytest.raises(RuntimeError, match="draft of block 3 failed"):
-            _sched(s, run_ahead=run_ahead).run()
+            _fake_run(FakeStages(fail_at=3), run_ahead=run_ahead)
 
 
-def test_bad_scheduler_config():
-    with pytest.raises(ValueError, match="num_blocks"):
-        _sched(_SleepStages(), num_blocks=0)
-    with pytest.raises(ValueError, match="unknown router"):
-        _sched(_SleepStages(), router="oracle")
+def test_fake_stages_refuse_unknown_stage_costs():
+    from sdvg.generation.fake_stages import FakeStages
+
+    with pytest.raises(ValueError, match="unknown stages"):
+        FakeStages(costs={"drafter": 1.0})

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from sdvg.kv_cache import KVCacheSpec
-from sdvg.stages import (DiTStep, RewardStep, VAEDecodeStep, dit_forward_static, vae_cache_is_steady,
+from sdvg.models.kv_cache import KVCacheSpec
+from sdvg.engines.stages import (DiTStep, RewardStep, VAEDecodeStep, dit_forward_static, vae_cache_is_steady,
                          vae_decode_static)
 
 # fp32 tolerance for a reordered attention reduction (extra masked keys); values are O(1..10)
@@ -58,7 +58,8 @@ def test_reward_step_equals_scorer(tiny_pipe):
 
 @pytest.mark.slow
 def test_onnx_export_of_every_stage_matches_eager(tiny_pipe, tmp_path):
-    from build_engines.export import all_stages, export_onnx, verify_onnx
+    from build_engines.export import export_onnx, verify_onnx
+    from sdvg.engines.signatures import all_stages
 
     errors = {}
     for st in all_stages(tiny_pipe.components, 3):

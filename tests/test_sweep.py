@@ -4,7 +4,7 @@ import math
 import pytest
 
 from sdvg import cli
-from sdvg.sweep import calibrate_acceptance, calibrate_retention, pareto, shard
+from sdvg.evaluation.sweep import calibrate_acceptance, calibrate_retention, pareto, shard
 
 
 def _run(*args):
@@ -34,11 +34,12 @@ def test_sweep_resume_and_pareto(tmp_path, capsys):
 def test_calibrate_acceptance(tmp_path, capsys):
     pf = tmp_path / "p.txt"
     pf.write_text("a cat on a mat\na dog in the park\n")
+    # under the `own` drafter context the drafts do not depend on tau, so calibration is exact
     assert _run("calibrate", "--preset", "tiny", "--prompts-file", str(pf), "--acceptance", "0.5",
-                "--num-blocks", "3", "--out", str(tmp_path / "cal")) == 0
+                "--num-blocks", "3", "--drafter-context", "own", "--out", str(tmp_path / "cal")) == 0
     res = json.loads((tmp_path / "cal" / "calibration.json").read_text())
     assert res["draft_scores"] == 4 and math.isfinite(res["tau"])
-    assert 0.0 <= res["achieved_acceptance"] <= 1.0
+    assert res["achieved_acceptance"] == 0.5
 
 
 def test_calibration_math():

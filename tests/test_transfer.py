@@ -1,6 +1,6 @@
 import torch
 
-from sdvg.transfer import LatentTransfer
+from sdvg.generation.transfer import LatentTransfer
 
 
 def test_same_device_and_cpu_transfers_are_plain():

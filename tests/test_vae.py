@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from sdvg.config import get_preset
-from sdvg.vae import StreamingVAEDecoder, build_vae, to_uint8_frames, to_unit_frames
+from sdvg.models.vae import StreamingVAEDecoder, build_vae, to_uint8_frames, to_unit_frames
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +64,8 @@ def test_frame_conversions_and_bad_latents(dec):
 def test_vae_checkpoint_strict(tmp_path, dec):
     from safetensors.torch import save_file
 
-    from sdvg.checkpoints import CheckpointError
-    from sdvg.vae import load_vae_weights
+    from sdvg.models.checkpoints import CheckpointError
+    from sdvg.models.vae import load_vae_weights
 
     state = {k: v.contiguous() for k, v in dec.vae.state_dict().items()}
     save_file(state, str(tmp_path / "vae.safetensors"))

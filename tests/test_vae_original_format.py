@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sdvg.config import VAEConfig
-from sdvg.vae import StreamingVAEDecoder, build_vae, load_vae_weights
+from sdvg.models.vae import StreamingVAEDecoder, build_vae, load_vae_weights
 
 # The converter hard-codes the real Wan2.1 VAE layout (2 residual blocks per stage); keep it, small.
 REAL_LAYOUT_SMALL = VAEConfig(base_dim=8, num_res_blocks=2)
@@ -77,7 +77,7 @@ def test_original_wan_vae_keys_load(tmp_path):
 
     original.pop(next(k for k in original if k.startswith("decoder.")))
     torch.save(original, tmp_path / "partial.pth")
-    from sdvg.checkpoints import CheckpointError
+    from sdvg.models.checkpoints import CheckpointError
 
     with pytest.raises(CheckpointError, match="missing key"):
         load_vae_weights(build_vae(REAL_LAYOUT_SMALL), tmp_path / "partial.pth")

@@ -5,11 +5,14 @@
 // rollback, a commit of the wrong latent) changes every later value and is caught.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
-#include <thread>
 #include <cstdlib>
+#include <iterator>
 #include <mutex>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "check.h"
@@ -91,9 +94,26 @@ struct Fake : Executor {
   }
 };
 
-static SchedulerConfig pattern_cfg(std::vector<bool> pattern, bool run_ahead, bool own = false, int n = 6) {
+// The scheduler has no defaults of its own: every test states the configuration it relies on.
+static SchedulerConfig base_cfg(int n) {
   SchedulerConfig c;
+  c.mode = Mode::Sdvg;
   c.num_blocks = n;
+  c.frames_per_block = 3;
+  c.num_steps = 4;
+  c.router = RouterKind::Reward;
+  c.tau = 0.0;
+  c.force_first_reject = true;
+  c.own_context = false;
+  c.skip_first_draft = true;
+  c.lazy_target_commit = true;
+  c.score_emitted = false;
+  c.run_ahead = false;
+  return c;
+}
+
+static SchedulerConfig pattern_cfg(std::vector<bool> pattern, bool run_ahead, bool own = false, int n = 6) {
+  SchedulerConfig c = base_cfg(n);
   c.router = RouterKind::Pattern;
   c.pattern = std::move(pattern);
   c.run_ahead = run_ahead;
@@ -184,9 +204,7 @@ static void test_run_ahead_rolls_back_on_rejection() {
 
 static void test_reward_router_and_records() {
   Fake f;
-  SchedulerConfig c;
-  c.num_blocks = 4;
-  c.router = RouterKind::Reward;
+  SchedulerConfig c = base_cfg(4);
   c.tau = 0.5;
   Scheduler s(c, f);
   s.run();
@@ -237,7 +255,7 @@ static void test_trace_spans() {
     double overlap = 0.0;
     std::vector<Span> main_spans;
     for (auto& sp : tr) {
-      CHECK(sp.start_s >= 0.0 && sp.end_s >= sp.start_s && sp.end_s <= s.counters().wall_s + 1e-9);
+      CHECK(sp.start_s >= 0.0 && sp.end_s >= sp.start_s && sp.end_s <= s.counters().scheduler_wall_s + 1e-9);
       CHECK(sp.main_thread == (run_ahead ? sp.stage != Stage::Draft && sp.stage != Stage::DrafterCommit : true));
       if (sp.main_thread) main_spans.push_back(sp);
     }
@@ -260,17 +278,83 @@ static void test_trace_spans() {
   }
 }
 
-static void test_bad_config() {
+static std::string config_error(const SchedulerConfig& c) {
+  try {
+    c.validate();
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
+}
+
+static bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+// A config left as constructed has no blocks, frames or steps: validate() and the scheduler refuse it.
+static void test_zero_config_is_invalid() {
+  const SchedulerConfig zero;
+  CHECK(zero.num_blocks == 0 && zero.frames_per_block == 0 && zero.num_steps == 0);
+  CHECK(zero.tau == 0.0 && zero.accept_prob == 0.0 && zero.uniforms.empty() && zero.pattern.empty());
+  CHECK(!zero.force_first_reject && !zero.own_context && !zero.skip_first_draft && !zero.lazy_target_commit);
+  CHECK(!zero.score_emitted && !zero.run_ahead);
+  const std::string why = config_error(zero);
+  CHECK(contains(why, "num_blocks 0 must be >= 1"));
+  CHECK(contains(why, "frames_per_block 0 must be >= 1"));
+  CHECK(contains(why, "num_steps 0 must be >= 1"));
   Fake f;
-  SchedulerConfig c;
-  c.num_blocks = 0;
   bool threw = false;
   try {
-    Scheduler s(c, f);
+    Scheduler s(zero, f);
   } catch (const std::invalid_argument&) {
     threw = true;
   }
   CHECK(threw);
+  CHECK(config_error(base_cfg(1)).empty());
+}
+
+static void test_bad_config() {
+  SchedulerConfig c = base_cfg(3);
+  c.num_blocks = 0;
+  CHECK(contains(config_error(c), "num_blocks 0"));
+  c = base_cfg(3);
+  c.router = RouterKind::Random;
+  c.uniforms = {0.1, 0.2};
+  CHECK(contains(config_error(c), "one uniform draw per block"));
+  c.uniforms.push_back(0.3);
+  CHECK(config_error(c).empty());
+  c = base_cfg(3);
+  c.router = RouterKind::Pattern;
+  CHECK(contains(config_error(c), "pattern router needs a pattern"));
+  c = base_cfg(3);
+  c.tau = std::nan("");
+  CHECK(contains(config_error(c), "tau is NaN"));
+}
+
+// The name lists follow the enums; parsing refuses an unknown name and lists the choices.
+static void test_names() {
+  const std::vector<std::string> stages(std::begin(kStageNames), std::end(kStageNames));
+  CHECK((stages == std::vector<std::string>{"draft", "decode", "score", "target", "drafter_commit", "target_commit"}));
+  CHECK(std::string(stage_name(Stage::TargetCommit)) == "target_commit");
+  CHECK(std::string(decision_name(Decision::Rejected)) == "rejected");
+  CHECK(std::string(mode_name(Mode::Draft)) == "draft");
+  CHECK(std::string(router_name(RouterKind::Pattern)) == "pattern");
+  for (const char* m : kModeNames) CHECK(std::string(mode_name(parse_mode(m))) == m);
+  for (const char* r : kRouterNames) CHECK(std::string(router_name(parse_router(r))) == r);
+  std::string why;
+  try {
+    parse_mode("fast");
+  } catch (const std::invalid_argument& e) {
+    why = e.what();
+  }
+  CHECK(why == "unknown mode 'fast'; choose sdvg, target or draft");
+  why.clear();
+  try {
+    parse_router("oracle");
+  } catch (const std::invalid_argument& e) {
+    why = e.what();
+  }
+  CHECK(why == "unknown router 'oracle'; choose reward, random or pattern");
+  CHECK(std::size(kCounterNames) == 10 && std::string(kCounterNames[7]) == "scheduler_wall_s");
+  CHECK(std::size(kConfigFieldNames) == 15 && std::string(kConfigFieldNames[0]) == "mode");
 }
 
 int main() {
@@ -282,6 +366,8 @@ int main() {
   test_reward_router_and_records();
   test_stage_error_propagates_from_drafter_thread();
   test_trace_spans();
+  test_zero_config_is_invalid();
   test_bad_config();
+  test_names();
   return check_report("scheduler");
 }

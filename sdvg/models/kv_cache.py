@@ -1,7 +1,7 @@
 """KV-cache sizing and allocation. The buffers and the write pointer live in `sdvg._C.KVCache`."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -27,6 +27,16 @@ class KVCacheSpec:
     def for_dit(cls, dit: DiTConfig, tokens_per_frame: int, max_frames: int, window: KVWindow = KVWindow(),
                 batch: int = 1) -> "KVCacheSpec":
         return cls(dit.num_layers, dit.num_heads, dit.head_dim, tokens_per_frame, max_frames, window, batch)
+
+    @classmethod
+    def for_preset(cls, preset, dit: DiTConfig, num_blocks: int, slack_frames: int = 0) -> "KVCacheSpec":
+        """The cache one DiT of `preset` needs for `num_blocks` blocks: the one place KV sizes are derived.
+        `slack_frames` widens a windowed cache so that a rollback that deep stays exact (run-ahead)."""
+        tpf = preset.video.tokens_per_frame(preset.vae, dit)
+        window = preset.kv_window
+        if window.window_frames and slack_frames > window.slack_frames:
+            window = replace(window, slack_frames=slack_frames)
+        return cls.for_dit(dit, tpf, num_blocks * preset.video.frames_per_block, window)
 
     def layout(self):
         w = self.window

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sdvg.config import DiTConfig, Precision, torch_dtype
-from sdvg.rope import apply_rope, rope_angles, rope_cos_sin
+from sdvg.models.rope import apply_rope, rope_angles, rope_cos_sin
 
 # Modules diffusers keeps in fp32 when the rest of the Wan DiT runs in bf16/fp16.
 _FP32_PARTS = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")

@@ -6,31 +6,30 @@
 Block 0 is forced to the target when `force_first_reject` is on, whatever the router."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from sdvg.config import ROUTERS, RouterKind
-from sdvg.noise import generator
+from sdvg.generation.noise import generator
+from sdvg.options import GenerationOptions
 
 
 @dataclass(frozen=True)
 class Router:
-    kind: RouterKind = "reward"
-    tau: float = -0.7
-    accept_prob: float = 0.731
-    pattern: tuple[bool, ...] = ()
+    """The routing rule of a run; built from its (validated) options, it declares no defaults."""
 
-    def __post_init__(self):
-        if self.kind not in ROUTERS:
-            raise ValueError(f"unknown router {self.kind!r}; choose one of {ROUTERS}")
-        if isinstance(self.tau, float) and math.isnan(self.tau):
-            raise ValueError("tau is NaN; give a number (or +inf / -inf)")
-        if not 0.0 <= self.accept_prob <= 1.0:
-            raise ValueError(f"accept_prob {self.accept_prob} must lie in [0, 1]")
-        if self.kind == "pattern" and not self.pattern:
-            raise ValueError("router 'pattern' needs a non-empty decision pattern")
+    kind: str
+    tau: float
+    accept_prob: float
+    pattern: tuple[bool, ...]
+
+    @classmethod
+    def from_options(cls, opts: GenerationOptions) -> "Router":
+        return cls(opts.router, opts.tau, opts.accept_prob, opts.pattern)
+
+    def uniform(self, block: int, seed: int) -> float:
+        """The random router's U(0, 1) draw for a block (the native scheduler is handed the same draws)."""
+        return torch.rand((), generator=generator(seed, block, 0, "router")).item()
 
     def accept(self, block: int, score: float | None, seed: int) -> bool:
         if self.kind == "reward":
@@ -38,8 +37,7 @@ class Router:
                 raise ValueError("router 'reward' needs a block score")
             return score >= self.tau
         if self.kind == "random":
-            u = torch.rand((), generator=generator(seed, block, 0, "router")).item()
-            return u < self.accept_prob
+            return self.uniform(block, seed) < self.accept_prob
         return bool(self.pattern[block % len(self.pattern)])
 
 

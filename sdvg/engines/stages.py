@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from sdvg.dit import CausalWanDiT, TextKV
+from sdvg.models.dit import CausalWanDiT, TextKV
 
 
 class DiTStep(nn.Module):

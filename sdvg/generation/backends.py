@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from sdvg.stages import DiTStep, RewardStep, VAEDecodeStep, dit_forward_static, vae_cache_is_steady, \
+from sdvg.engines.stages import DiTStep, RewardStep, VAEDecodeStep, dit_forward_static, vae_cache_is_steady, \
     vae_decode_static
 
 STAGE_BACKENDS = ("eager", "compile", "tensorrt")
@@ -72,10 +72,9 @@ class StageRunners:
 
     # -------------------------------------------------------------- engines
     def _load_engines(self, folder: Path) -> None:
-        from build_engines.__main__ import stage_key
-        from build_engines.cache import EngineCache
-        from build_engines.export import dit_stage, reward_stage, vae_stage
-        from build_engines.trt import TRTStage, import_tensorrt
+        from sdvg.engines.cache import EngineCache
+        from sdvg.engines.signatures import dit_stage, reward_stage, stage_key, vae_stage
+        from sdvg.engines.tensorrt import TRTStage, import_tensorrt
 
         import_tensorrt()
         cache = EngineCache(folder)

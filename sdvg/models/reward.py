@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sdvg.checkpoints import CheckpointError, _read_file, _unwrap, load_strict
-from sdvg.config import AGGREGATIONS, Aggregation, RewardConfig
-from sdvg.tokenizers import (BERT_BASE_UNCASED_VOCAB, add_blip_tokens, check_vocab_size, load_bert_tokenizer,
+from sdvg.models.checkpoints import CheckpointError, _read_file, _unwrap, load_strict
+from sdvg.config import RewardConfig
+from sdvg.models.tokenizers import (BERT_BASE_UNCASED_VOCAB, add_blip_tokens, check_vocab_size, load_bert_tokenizer,
                              tiny_bert_tokenizer)
 
 REWARD_MEAN = 0.16717362830052426
@@ -89,13 +89,9 @@ def load_image_reward_weights(model, path: str | Path) -> None:
 class Aggregator:
     """Per-frame scores -> block score. `min` is the method's worst-frame rule."""
 
-    kind: Aggregation = "min"
+    kind: str  # one of sdvg.options.AGGREGATIONS (checked there, with the other options)
     trim: float = 0.2  # trimmed_mean: fraction cut from each end
     q: float = 0.1  # quantile: the low quantile
-
-    def __post_init__(self):
-        if self.kind not in AGGREGATIONS:
-            raise ValueError(f"unknown aggregation {self.kind!r}; choose one of {AGGREGATIONS}")
 
     def __call__(self, scores: torch.Tensor) -> float:
         s = scores.float().flatten()
@@ -107,9 +103,11 @@ class Aggregator:
             return float(s.mean())
         if self.kind == "quantile":
             return float(torch.quantile(s, self.q))
-        s, _ = torch.sort(s)
-        cut = int(self.trim * s.numel())
-        return float(s[cut:s.numel() - cut].mean() if s.numel() - 2 * cut > 0 else s.mean())
+        if self.kind == "trimmed_mean":
+            s, _ = torch.sort(s)
+            cut = int(self.trim * s.numel())
+            return float(s[cut:s.numel() - cut].mean() if s.numel() - 2 * cut > 0 else s.mean())
+        raise ValueError(f"unknown aggregation {self.kind!r}; see sdvg.options.AGGREGATIONS")
 
 
 # --------------------------------------------------------------------- router

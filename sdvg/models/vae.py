@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from sdvg.checkpoints import CheckpointError, _read_file, _unwrap, load_strict
+from sdvg.models.checkpoints import CheckpointError, _read_file, _unwrap, load_strict
 from sdvg.config import VAEConfig
 
 
@@ -35,9 +35,6 @@ class VAEDecodeCache:
     def restore(self, snap: VAECacheSnapshot) -> None:
         self.entries = list(snap.entries)
         self.frames_decoded = snap.frames_decoded
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [e for e in self.entries if isinstance(e, torch.Tensor)]
 
 
 def build_vae(config: VAEConfig):
@@ -79,7 +76,6 @@ class StreamingVAEDecoder:
         self._std = torch.tensor(cfg.latents_std, dtype=torch.float32).view(1, -1, 1, 1, 1)
         self.num_convs = vae._cached_conv_counts["decoder"] if hasattr(vae, "_cached_conv_counts") else sum(
             1 for m in vae.decoder.modules() if type(m).__name__ == "WanCausalConv3d")
-        self.temporal_stride = 2 ** sum(cfg.temperal_downsample)
 
     @property
     def device(self) -> torch.device:
@@ -91,9 +87,6 @@ class StreamingVAEDecoder:
 
     def new_cache(self) -> VAEDecodeCache:
         return VAEDecodeCache(self.num_convs)
-
-    def pixel_frames(self, latent_frames: int, frames_before: int) -> int:
-        return sum(1 if frames_before + i == 0 else self.temporal_stride for i in range(latent_frames))
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, cache: VAEDecodeCache) -> torch.Tensor:

@@ -7,11 +7,11 @@ from pathlib import Path
 import torch
 
 from sdvg.config import Preset, torch_dtype
-from sdvg.dit import CausalWanDiT
-from sdvg.reward import RewardScorer, build_image_reward, load_image_reward_weights, reward_tokenizer
-from sdvg.text_encoder import TextEncoder
-from sdvg.tokenizers import tiny_umt5_tokenizer
-from sdvg.vae import StreamingVAEDecoder, build_vae, load_vae_weights
+from sdvg.models.dit import CausalWanDiT
+from sdvg.models.reward import RewardScorer, build_image_reward, load_image_reward_weights, reward_tokenizer
+from sdvg.models.text_encoder import TextEncoder
+from sdvg.models.tokenizers import tiny_umt5_tokenizer
+from sdvg.models.vae import StreamingVAEDecoder, build_vae, load_vae_weights
 
 
 @dataclass
@@ -101,7 +101,7 @@ def load_pretrained(preset: Preset, drafter: str | Path, target: str | Path, vae
                     reward: str | Path | None, text_encoder: str | Path, reward_tokenizer_folder=None,
                     drafter_device="cuda:0", target_device=None) -> Components:
     """Real weights from local paths (files or diffusers / HF-cache folders)."""
-    from sdvg.checkpoints import check_dit_checkpoint, load_dit
+    from sdvg.models.checkpoints import check_dit_checkpoint, load_dit
 
     preset.validate()
     # both checkpoints are checked against the preset before either model is allocated

@@ -15,6 +15,8 @@ import os
 import statistics
 from pathlib import Path
 
+from sdvg.options import GenerationOptions
+
 TARGET_KEY = "target"
 
 
@@ -44,8 +46,9 @@ def read_records(folder: Path) -> list[dict]:
     return recs
 
 
-def run_sweep(pipe, prompts: list[str], taus: list[float], out: Path, evaluator, num_blocks: int | None = None,
-              seed: int = 0, rank: int = 0, world: int = 1, progress=None, **gen_kwargs) -> list[dict]:
+def run_sweep(pipe, prompts: list[str], taus: list[float], out: Path, evaluator, options: GenerationOptions,
+              rank: int = 0, world: int = 1, progress=None) -> list[dict]:
+    """Target-only and SDVG at each tau for every prompt of this rank, with every other option as given."""
     out.mkdir(parents=True, exist_ok=True)
     done = {_key(r) for r in read_records(out)}
     path = out / f"sweep.rank{rank}.jsonl"
@@ -56,11 +59,10 @@ def run_sweep(pipe, prompts: list[str], taus: list[float], out: Path, evaluator,
             if (i, tau) in done:
                 continue
             mode = "target" if tau == TARGET_KEY else "sdvg"
-            kw = dict(gen_kwargs, mode=mode, num_blocks=num_blocks, seed=seed)
-            if mode == "sdvg":
-                kw["tau"] = tau
-            out_ = pipe(prompt, **kw)
+            run_opts = options.replace(mode=mode) if mode == "target" else options.replace(mode=mode, tau=tau)
+            out_ = pipe.generate(prompt, run_opts)
             rec = {"prompt_index": i, "prompt": prompt, "tau": tau, "mode": mode,
+                   "options": out_.stats.options.as_dict(),
                    "acceptance_rate": out_.stats["acceptance_rate"], "wall_s": out_.stats["wall_s"],
                    "quality": evaluator(prompt, out_.frames),
                    "block_scores": [b["score"] for b in out_.stats["blocks"]],

@@ -1,0 +1,2 @@
+"""Evaluation: tau sweeps and calibration (`sweep`), quality evaluators (`evaluators`) and stage
+timeline plots (`timeline`)."""

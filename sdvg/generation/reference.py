@@ -1,0 +1,131 @@
+"""The reference SDVG loop in plain Python: the oracle for every faster path.
+
+Per block b (docs/method.md):
+  1. noise_b from (seed, b) -- shared by drafter and target;
+  2. the drafter denoises noise_b in 4 steps -> x_hat;
+  3. snapshot the VAE cache, decode x_hat;
+  4. ImageReward per frame, aggregated (default: the worst frame) -> q_b;
+  5. b == 0 (forced) or the router says no -> restore the VAE cache, the target denoises the same
+     noise_b -> x_b, decode; else x_b = x_hat and its frames are emitted as decoded;
+  6. commit x_b into the target's KV cache (t = 0 forward) and emit the frames.
+Modes `target` and `draft` run the same code with only one model.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import torch
+
+from sdvg.generation.noise import block_noise
+from sdvg.generation.prepare import prepare, sync
+from sdvg.generation.routers import Router
+from sdvg.generation.types import STAGE_NAMES, BlockRecord, Counters, LoopReport, block_times
+from sdvg.models.components import Components
+from sdvg.models.vae import to_uint8_frames, to_unit_frames
+from sdvg.options import GenerationOptions
+
+
+def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, report: LoopReport | None = None,
+                    runners=None) -> Iterator[BlockRecord]:
+    """Yields each block as soon as its frames are final; `report` is filled at the end.
+    `opts` are resolved options (num_blocks set)."""
+    counters = Counters()
+    router = Router.from_options(opts)
+    setup = prepare(comps, prompt, opts, counters, runners=runners)
+    run = setup.runners
+    schedule, agg, drafter, target = setup.schedule, setup.aggregator, setup.drafter, setup.target
+    vae_cache = setup.vae_cache
+    zf, shape = setup.frames_per_block, setup.block_shape
+    pending_target_commits: list[tuple[torch.Tensor, int]] = []  # accepted blocks not yet in the target
+
+    trace: list[dict] = []  # every stage call: the same spans as the native scheduler's trace()
+    t_start = time.perf_counter()
+
+    def timed(times, name, device, fn):
+        sync(device)
+        t0 = time.perf_counter()
+        out = fn()
+        sync(device)
+        t1 = time.perf_counter()
+        times[name] = times.get(name, 0.0) + t1 - t0
+        # b: the block the loop below is producing when this call is made
+        trace.append({"block": b, "stage": name, "thread": "main", "start_s": t0 - t_start,
+                      "end_s": t1 - t_start})
+        return out
+
+    def flush_target_commits(times):
+        while pending_target_commits:
+            lat, f0 = pending_target_commits.pop(0)
+            timed(times, "target_commit", target.device, lambda: target.commit(lat, f0))
+
+    for b in range(opts.num_blocks):
+        times = {k: 0.0 for k in STAGE_NAMES}
+        frame0 = b * zf
+        last = b == opts.num_blocks - 1
+        noise = block_noise(shape, opts.seed, b)
+        draft = None
+        score, frame_scores, emitted_scores = None, [], None
+
+        if opts.mode == "target":
+            flush_target_commits(times)
+            x_b = timed(times, "target", target.device, lambda: target.denoise(noise, b, frame0, opts.seed))
+            pixels = timed(times, "decode", comps.vae.device, lambda: run.decode(x_b, vae_cache))
+            decision = "target"
+        elif opts.mode == "draft":
+            x_b = timed(times, "draft", drafter.device, lambda: drafter.denoise(noise, b, frame0, opts.seed))
+            pixels = timed(times, "decode", comps.vae.device, lambda: run.decode(x_b, vae_cache))
+            decision = "draft"
+        else:
+            forced = b == 0 and opts.force_first_reject
+            pixels_hat = None
+            if forced and opts.skips_first_draft:
+                counters.skipped_drafter_forwards += schedule.num_steps
+            else:
+                draft = timed(times, "draft", drafter.device, lambda: drafter.denoise(noise, b, frame0, opts.seed))
+                snap = vae_cache.snapshot()
+                pixels_hat = timed(times, "decode", comps.vae.device, lambda: run.decode(draft, vae_cache))
+                if comps.scorer is not None:
+                    scores = timed(times, "score", comps.vae.device,
+                                   lambda: run.score(prompt, to_unit_frames(pixels_hat)))
+                    frame_scores = [float(s) for s in scores.cpu()]
+                    score = agg(scores)
+            accepted = (not forced) and router.accept(b, score, opts.seed)
+            if accepted:
+                decision, x_b, pixels = "accepted", draft, pixels_hat
+            else:
+                decision = "forced" if forced else "rejected"
+                if pixels_hat is not None:
+                    vae_cache.restore(snap)
+                flush_target_commits(times)
+                x_b = timed(times, "target", target.device, lambda: target.denoise(noise, b, frame0, opts.seed))
+                pixels = timed(times, "decode", comps.vae.device, lambda: run.decode(x_b, vae_cache))
+                if opts.score_emitted and comps.scorer is not None:
+                    s = timed(times, "score", comps.vae.device,
+                              lambda: run.score(prompt, to_unit_frames(pixels)))
+                    emitted_scores = [float(v) for v in s.cpu()]
+            if accepted and opts.score_emitted:
+                emitted_scores = list(frame_scores)
+
+        # Commit the emitted block into the caches that will read it.
+        if not last:
+            if drafter is not None:
+                ctx = draft if (opts.drafter_context == "own" and draft is not None) else x_b
+                timed(times, "drafter_commit", drafter.device, lambda: drafter.commit(ctx, frame0))
+            if target is not None:
+                pending_target_commits.append((x_b, frame0))
+                if not (opts.lazy_target_commit and decision == "accepted"):
+                    flush_target_commits(times)
+        else:
+            counters.skipped_target_commits += (target is not None) + len(pending_target_commits)
+            counters.skipped_drafter_commits += drafter is not None
+            pending_target_commits.clear()
+        yield BlockRecord(b, decision, x_b.float().cpu(), to_uint8_frames(pixels), score, frame_scores,
+                          block_times(times), draft_latents=None if draft is None else draft.float().cpu(),
+                          emitted_scores=emitted_scores)
+    counters.scheduler_wall_s = time.perf_counter() - t_start
+    if report is not None:
+        report.counters = counters
+        report.trace = trace
+        report.drafter_cache = drafter.cache if drafter else None
+        report.target_cache = target.cache if target else None

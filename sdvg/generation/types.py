@@ -1,0 +1,166 @@
+"""The run types both schedulers share: stage and counter names (exported once by the native core),
+the stage protocol the native scheduler calls, one block record, and one run-statistics type.
+
+The reference loop (`reference.py`) and the native driver (`native.py`) both import this module and
+neither imports the other; the API, the CLI, the JSON statistics and the benchmarks read the same
+`BlockRecord` and `RunStats`.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Protocol
+
+import torch
+
+from sdvg._native import _C
+from sdvg.options import GenerationOptions
+
+STAGE_NAMES: tuple[str, ...] = tuple(_C.STAGE_NAMES)  # draft, decode, score, target, drafter_commit, target_commit
+COUNTER_NAMES: tuple[str, ...] = tuple(_C.COUNTER_NAMES)
+DECISIONS: tuple[str, ...] = tuple(_C.DECISION_NAMES)  # forced, accepted, rejected, target, draft
+# Per-block stage times: the native stages plus `commit` (drafter_commit + target_commit).
+BLOCK_TIME_KEYS: tuple[str, ...] = STAGE_NAMES + ("commit",)
+# The stage totals of a run (commit covers both roles' commits).
+TOTAL_KEYS: tuple[str, ...] = ("draft", "decode", "score", "target", "commit")
+
+Counters = _C.Counters  # the native counters struct; the reference loop counts into the same type
+
+
+def block_times(stage_seconds: Mapping[str, float]) -> dict[str, float]:
+    """Per-block stage times with the derived `commit` entry."""
+    times = {k: float(stage_seconds.get(k, 0.0)) for k in STAGE_NAMES}
+    times["commit"] = times["drafter_commit"] + times["target_commit"]
+    return times
+
+
+class StageCalls(Protocol):
+    """The stage calls the native scheduler makes (`sdvg._C.Scheduler`); each runs on the calling
+    thread's current stream. Implemented by `native._Stages` and by the shared fake
+    (`sdvg.generation.fake_stages.FakeStages`) that tests and the scheduler benchmark use."""
+
+    def draft(self, block: int) -> Any: ...  # the drafter's x0 of block b (K/V into its pending slot)
+
+    def drafter_commit(self, block: int, latents: Any) -> None: ...  # t = 0 forward, pointer unchanged
+
+    def target(self, block: int) -> Any: ...
+
+    def target_commit(self, block: int, latents: Any) -> None: ...
+
+    def decode(self, latents: Any) -> Any: ...  # advances the VAE cache
+
+    def score(self, frames: Any) -> tuple[float, list[float]] | None: ...  # None: no reward model
+
+    def vae_snapshot(self) -> Any: ...
+
+    def vae_restore(self, snapshot: Any) -> None: ...
+
+    def emit(self, record: dict) -> None: ...  # index, decision, latents, frames, draft_latents, score, ...
+
+
+@dataclass
+class BlockRecord:
+    """One emitted block."""
+
+    index: int
+    decision: str  # forced | accepted | rejected | target | draft
+    latents: torch.Tensor  # float32 [1, z, frames_per_block, h, w], the emitted block
+    frames: torch.Tensor  # uint8 [T, H, W, 3]
+    score: float | None  # the aggregated score of the draft (None: not scored)
+    frame_scores: list[float]
+    times: dict[str, float]  # seconds per BLOCK_TIME_KEYS (those known when the block was emitted)
+    draft_latents: torch.Tensor | None = None  # the drafter's proposal (sdvg mode)
+    emitted_scores: list[float] | None = None  # the emitted frames' scores (score_emitted)
+
+    def stats(self) -> dict:
+        """The block's entry in the statistics (JSON-ready)."""
+        out = {"index": self.index, "decision": self.decision, "score": self.score,
+               "frame_scores": list(self.frame_scores), "times": dict(self.times),
+               "frames": int(self.frames.shape[0])}
+        if self.emitted_scores is not None:
+            out["emitted_scores"] = list(self.emitted_scores)
+        return out
+
+
+@dataclass
+class LoopReport:
+    """What a scheduler knows only when the video is done; filled by either loop at its end."""
+
+    counters: Any = None  # _C.Counters
+    trace: list[dict] = field(default_factory=list)  # every stage call: block, stage, thread, start_s, end_s
+    final_times: list[dict[str, float]] | None = None  # per-block stage times once every call has ended
+    drafter_cache: Any = None
+    target_cache: Any = None
+
+
+@dataclass
+class RunStats(Mapping):
+    """The statistics of one video: what `out.stats` is and what `--stats` writes (`as_dict()`).
+
+    Read it like a dict (`stats["acceptance_rate"]`); the keys are those of `as_dict()`."""
+
+    prompt: str
+    preset: str
+    options: GenerationOptions  # resolved (num_blocks filled in)
+    blocks: list[dict] = field(default_factory=list)  # BlockRecord.stats() per emitted block
+    interrupted: bool = False
+    counters: dict[str, float] = field(default_factory=dict)  # COUNTER_NAMES
+    trace: list[dict] = field(default_factory=list)
+    wall_s: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # set by the caller (video path, prompt index)
+    _t0: float = field(default_factory=time.perf_counter, repr=False)
+
+    def add(self, block: BlockRecord) -> None:
+        self.blocks.append(block.stats())
+
+    def finish(self, report: LoopReport | None, interrupted: bool = False) -> "RunStats":
+        if report is not None:
+            if report.counters is not None:
+                self.counters = report.counters.as_dict()
+            self.trace = list(report.trace)
+            if report.final_times is not None:  # run-ahead: a drafter commit may end after its block is emitted
+                for b, final in zip(self.blocks, report.final_times):
+                    b["times"] = block_times(final)
+        self.wall_s = time.perf_counter() - self._t0
+        self.interrupted = interrupted
+        return self
+
+    # ----------------------------------------------------------------- derived
+    @property
+    def frames(self) -> int:
+        return sum(b["frames"] for b in self.blocks)
+
+    @property
+    def accepted_blocks(self) -> int:
+        return sum(b["decision"] == "accepted" for b in self.blocks if b["index"] > 0)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted share of blocks 1..B-1 (block 0 is forced to the target); None outside sdvg mode."""
+        later = [b for b in self.blocks if b["index"] > 0]
+        return self.accepted_blocks / len(later) if later and self.options.mode == "sdvg" else None
+
+    def stage_totals(self) -> dict[str, float]:
+        return {k: sum(b["times"].get(k, 0.0) for b in self.blocks) for k in TOTAL_KEYS}
+
+    def as_dict(self) -> dict:
+        d: dict[str, Any] = {"prompt": self.prompt, "preset": self.preset}
+        d.update(self.options.as_dict())
+        d.update(blocks=self.blocks, frames=self.frames, interrupted=self.interrupted,
+                 acceptance_rate=self.acceptance_rate, accepted_blocks=self.accepted_blocks,
+                 blocks_done=len(self.blocks))
+        d.update({k: self.counters.get(k, 0) for k in COUNTER_NAMES})
+        d.update(trace=self.trace, wall_s=self.wall_s, stage_totals=self.stage_totals())
+        d.update(self.extra)
+        return d
+
+    # Mapping over as_dict()
+    def __getitem__(self, key: str):
+        return self.as_dict()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.as_dict())
+
+    def __len__(self) -> int:
+        return len(self.as_dict())

@@ -1,0 +1,1 @@
+"""Output files: the incremental MP4 writer."""

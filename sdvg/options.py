@@ -1,0 +1,235 @@
+"""The generation options: declared once, here.
+
+`GenerationOptions` is the single declaration of every option that shapes one generation run and
+of its default. Everything else derives from it:
+
+- the API keywords of `SpeculativeVideoPipeline.__call__` / `.stream` (written out by hand for
+  readable signatures, defaults read from `DEFAULTS`; `tests/test_options.py` checks they match);
+- the CLI flags, their choices, defaults and help (`add_option_flags`, `options_from_args`);
+- the option fields of the statistics (`GenerationOptions.as_dict`);
+- the native scheduler's config (`sdvg.generation.native`, every field passed by name; the C++
+  side declares no defaults and refuses unknown or missing fields).
+
+Every rule on an option's value lives in `GenerationOptions.__post_init__`. This module imports
+no torch, so `sdvg --help` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass, field
+
+MODES: tuple[str, ...] = ("sdvg", "target", "draft")
+ROUTERS: tuple[str, ...] = ("reward", "random", "pattern")
+AGGREGATIONS: tuple[str, ...] = ("min", "mean", "trimmed_mean", "quantile")
+DRAFTER_CONTEXTS: tuple[str, ...] = ("committed", "own")
+SCHEDULERS: tuple[str, ...] = ("cpp", "reference")
+BACKENDS: tuple[str, ...] = ("eager", "compile", "tensorrt")
+
+SEED_MAX = 2**63 - 1
+
+
+class OptionError(ValueError):
+    """A generation option has a value it cannot take; the message names the option and the fix."""
+
+
+def _opt(default, help: str, choices: tuple[str, ...] | None = None, metavar: str | None = None, **extra):
+    return field(default=default, metadata={"help": help, "choices": choices, "metavar": metavar, **extra})
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """One generation run's options (frozen; validated on construction)."""
+
+    mode: str = _opt("sdvg", "sdvg: speculative (drafter proposes, target regenerates rejected blocks); "
+                             "target: target-only; draft: drafter-only", MODES)
+    tau: float = _opt(-0.7, "acceptance threshold on the aggregated ImageReward score of a draft "
+                            "(inf: never accept, -inf: always accept)", metavar="TAU")
+    num_blocks: int | None = _opt(None, "blocks to generate (default: the preset's)", metavar="N")
+    seed: int = _opt(0, "seed of every noise draw (the same seed gives the same video)", metavar="SEED")
+    router: str = _opt("reward", "who decides: reward (score >= tau), random (accept with --accept-prob), "
+                                 "pattern (a fixed decision list, --pattern)", ROUTERS)
+    accept_prob: float = _opt(0.731, "acceptance probability of the random router (0.731: the paper's "
+                                     "acceptance at tau = -0.7)", metavar="P")
+    pattern: tuple[bool, ...] = _opt((), "decisions of the pattern router: a string of 0/1 per block, cycled "
+                                         "(e.g. 0110)", metavar="BITS")
+    aggregation: str = _opt("min", "per-frame scores to one block score: min is the worst frame (the paper)",
+                            AGGREGATIONS)
+    force_first_reject: bool = _opt(True, "block 0 always comes from the target (the paper's rule)")
+    drafter_context: str = _opt("committed", "what the drafter's KV cache holds: committed (the emitted block) "
+                                             "or own (its own draft, whatever the decision)", DRAFTER_CONTEXTS)
+    skip_first_draft: bool = _opt(True, "under committed context and a forced block 0, do not draft block 0 "
+                                        "(its draft is never used)")
+    lazy_target_commit: bool = _opt(True, "commit accepted blocks into the target's cache only when the target "
+                                          "next runs (a trailing run of accepted blocks costs the target nothing)")
+    score_emitted: bool = _opt(False, "also score the target's frames of rejected blocks (a quality proxy)")
+    scheduler: str = _opt("cpp", "cpp: the native scheduler; reference: the plain Python loop (the oracle; "
+                                 "bitwise the same video)", SCHEDULERS)
+    run_ahead: bool = _opt(False, "draft block b+1 while block b is decoded, scored and committed "
+                                  "(scheduler cpp; same output)")
+    backend: str | None = _opt(None, "how stages run: eager, compile (torch.compile'd static stages) or "
+                                     "tensorrt (engines; needs --engines); default: the pipeline's", BACKENDS)
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (normalised values)
+        for f in dataclasses.fields(self):
+            choices = f.metadata["choices"]
+            value = getattr(self, f.name)
+            if choices is not None and not (value is None and f.default is None) and value not in choices:
+                raise OptionError(f"unknown {f.name} {value!r}; choose one of {', '.join(choices)}")
+        set_("tau", _number("tau", self.tau, allow_inf=True))
+        if self.num_blocks is not None:
+            set_("num_blocks", _integer("num_blocks", self.num_blocks, low=1))
+        set_("seed", _integer("seed", self.seed, low=0, high=SEED_MAX))
+        prob = _number("accept_prob", self.accept_prob)
+        if not 0.0 <= prob <= 1.0:
+            raise OptionError(f"accept_prob {prob} must lie in [0, 1]")
+        set_("accept_prob", prob)
+        set_("pattern", parse_pattern(self.pattern))
+        if self.router == "pattern" and not self.pattern:
+            raise OptionError("router 'pattern' needs a decision pattern: pass pattern='0110' (API) or "
+                              "--pattern 0110 (CLI)")
+        for f in dataclasses.fields(self):
+            if isinstance(f.default, bool) and not isinstance(getattr(self, f.name), bool):
+                raise OptionError(f"{f.name} must be True or False, got {getattr(self, f.name)!r}")
+        if self.run_ahead and self.scheduler != "cpp":
+            raise OptionError("run_ahead needs scheduler 'cpp' (the reference loop is sequential)")
+
+    # ------------------------------------------------------------------ derived
+    def replace(self, **changes) -> "GenerationOptions":
+        return dataclasses.replace(self, **changes)
+
+    def resolved(self, preset_num_blocks: int) -> "GenerationOptions":
+        """The options with the preset's defaults filled in (num_blocks)."""
+        return self if self.num_blocks is not None else self.replace(num_blocks=preset_num_blocks)
+
+    @property
+    def skips_first_draft(self) -> bool:
+        return (self.mode == "sdvg" and self.skip_first_draft and self.force_first_reject
+                and self.drafter_context == "committed")
+
+    def as_dict(self) -> dict:
+        """JSON-ready: the option fields of the statistics (the pattern as a 0/1 string)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["pattern"] = "".join("1" if x else "0" for x in self.pattern)
+        return d
+
+
+
+
+def _number(name: str, value, allow_inf: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise OptionError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if math.isnan(value):
+        raise OptionError(f"{name} is NaN; give a number" + (" (or inf / -inf)" if allow_inf else ""))
+    if math.isinf(value) and not allow_inf:
+        raise OptionError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _integer(name: str, value, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise OptionError(f"{name} must be an integer, got {value!r}")
+    value = int(value.__index__())
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise OptionError(f"{name} {value} must be an integer {bound}")
+    return value
+
+
+def parse_pattern(value) -> tuple[bool, ...]:
+    """A decision pattern from a string of 0/1 ('0110') or a sequence of bools (or 0/1 ints)."""
+    if isinstance(value, str):
+        bad = sorted(set(value) - {"0", "1"})
+        if bad:
+            raise OptionError(f"pattern {value!r} may hold only 0 and 1 (found {''.join(bad)!r}); e.g. '0110'")
+        return tuple(c == "1" for c in value)
+    try:
+        items = tuple(value)
+    except TypeError:
+        raise OptionError(f"pattern must be a string of 0/1 or a list of bools, got {value!r}") from None
+    out = []
+    for x in items:
+        if isinstance(x, bool):
+            out.append(x)
+        elif isinstance(x, int) and x in (0, 1):
+            out.append(bool(x))
+        else:
+            raise OptionError(f"pattern entries must be bools (or 0/1), got {x!r}")
+    return tuple(out)
+
+
+OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(GenerationOptions))
+DEFAULTS = GenerationOptions()
+
+
+# ---------------------------------------------------------------------------- command line
+def flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _parse_tau(text: str) -> float:
+    try:
+        return _number("tau", float(text), allow_inf=True)
+    except ValueError as exc:
+        msg = str(exc) if isinstance(exc, OptionError) else f"tau {text!r} is not a number (e.g. -0.7, inf, -inf)"
+        raise argparse.ArgumentTypeError(msg) from None
+
+
+def _cli_type(name: str):
+    def parse(text: str):
+        try:
+            if name == "tau":
+                return _parse_tau(text)
+            if name == "pattern":
+                return parse_pattern(text)
+            if name in ("num_blocks", "seed"):
+                try:
+                    v = int(text)
+                except ValueError:
+                    raise OptionError(f"{name} {text!r} is not an integer") from None
+                return _integer(name, v, low=1 if name == "num_blocks" else 0,
+                                high=None if name == "num_blocks" else SEED_MAX)
+            if name == "accept_prob":
+                try:
+                    return _number(name, float(text))
+                except ValueError as exc:
+                    if isinstance(exc, OptionError):
+                        raise
+                    raise OptionError(f"{name} {text!r} is not a number") from None
+            return text
+        except OptionError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = name
+    return parse
+
+
+def add_option_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """One flag per option, derived from the declaration: --name-with-dashes; booleans get
+    --flag / --no-flag; choices and defaults as declared."""
+    group = parser.add_argument_group("generation options")
+    for f in dataclasses.fields(GenerationOptions):
+        if f.name in exclude:
+            continue
+        meta = f.metadata
+        shown = "" if f.default in (None, ()) else f" (default: {f.default})"  # None / (): the help says it
+        help_ = f"{meta['help']}{shown}".replace("%", "%%")
+        if isinstance(f.default, bool):
+            group.add_argument(flag_of(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=f.default, help=help_)
+        elif meta["choices"] is not None:
+            group.add_argument(flag_of(f.name), dest=f.name, choices=meta["choices"], default=f.default, help=help_)
+        else:
+            group.add_argument(flag_of(f.name), dest=f.name, type=_cli_type(f.name), default=f.default,
+                               metavar=meta["metavar"], help=help_)
+
+
+def options_from_args(args: argparse.Namespace, **overrides) -> GenerationOptions:
+    """The options a parsed command line gives (flags added by `add_option_flags`)."""
+    values = {name: getattr(args, name) for name in OPTION_NAMES if hasattr(args, name)}
+    values.update(overrides)
+    return GenerationOptions(**values)

@@ -1,0 +1,132 @@
+"""The one declaration of the generation options, and everything derived from it: the API keywords,
+the CLI flags, the statistics fields and the native scheduler's config."""
+import argparse
+import dataclasses
+import inspect
+import math
+
+import pytest
+
+from sdvg.options import (DEFAULTS, OPTION_NAMES, GenerationOptions, OptionError, add_option_flags, flag_of,
+                          options_from_args, parse_pattern)
+
+# a value other than the default for every option (all valid together)
+CHANGED = dict(mode="target", tau=-1.5, num_blocks=2, seed=7, router="pattern", accept_prob=0.25, pattern=(True, False),
+               aggregation="mean", force_first_reject=False, drafter_context="own", skip_first_draft=False,
+               lazy_target_commit=False, score_emitted=True, scheduler="cpp", run_ahead=True, backend="compile")
+CLI_TEXT = dict(mode="target", tau="-1.5", num_blocks="2", seed="7", router="pattern", accept_prob="0.25",
+                pattern="10", aggregation="mean", drafter_context="own", scheduler="cpp", backend="compile")
+
+
+def test_changed_covers_every_option():
+    assert set(CHANGED) == set(OPTION_NAMES)
+    for name, value in CHANGED.items():
+        if name != "scheduler":  # cpp is both the default and the only scheduler with run-ahead
+            assert getattr(DEFAULTS, name) != value, name
+
+
+@pytest.mark.parametrize("method", ["__call__", "stream"])
+def test_api_keywords_match_the_declaration(method):
+    from sdvg.pipeline import SpeculativeVideoPipeline
+
+    params = list(inspect.signature(getattr(SpeculativeVideoPipeline, method)).parameters.values())
+    assert [p.name for p in params[:2]] == ["self", "prompt"]
+    keywords = params[2:]
+    assert [p.name for p in keywords] == list(OPTION_NAMES)
+    for p in keywords:
+        assert p.kind is inspect.Parameter.KEYWORD_ONLY, p.name
+        assert p.default == getattr(DEFAULTS, p.name), p.name
+    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _parser(exclude=()):
+    ap = argparse.ArgumentParser()
+    add_option_flags(ap, exclude=exclude)
+    return ap
+
+
+def test_cli_defaults_are_the_declaration():
+    assert options_from_args(_parser().parse_args([])) == DEFAULTS
+
+
+def test_every_cli_flag_reaches_its_option():
+    argv = []
+    for name in OPTION_NAMES:
+        default = getattr(DEFAULTS, name)
+        if isinstance(default, bool):
+            argv.append(flag_of(name) if CHANGED[name] else "--no-" + flag_of(name)[2:])
+        else:
+            argv += [flag_of(name), CLI_TEXT[name]]
+    assert options_from_args(_parser().parse_args(argv)) == GenerationOptions(**CHANGED)
+
+
+def test_generate_sweep_and_calibrate_derive_their_flags():
+    from sdvg.cli import build_parser
+
+    sub = {a.dest: a for a in build_parser()._subparsers._group_actions}["command"].choices
+    for command, missing in (("generate", set()), ("sweep", {"mode", "tau"}), ("calibrate", {"mode", "tau"})):
+        dests = {a.dest for a in sub[command]._actions}
+        assert set(OPTION_NAMES) - dests == missing, command
+
+
+def test_stats_carry_every_option(tiny_pipe):
+    out = tiny_pipe("a cat", num_blocks=2, router="pattern", pattern="01", accept_prob=0.5)
+    stats = out.stats.as_dict()
+    for name in OPTION_NAMES:
+        assert name in stats, name
+    assert stats["pattern"] == "01" and stats["num_blocks"] == 2 and stats["backend"] == "eager"
+
+
+def test_native_config_gets_every_field_by_name():
+    from sdvg._native import _C
+    from sdvg.generation.native import scheduler_config
+
+    cfg = scheduler_config(GenerationOptions(**CHANGED).replace(router="random"), 3, 4)
+    assert cfg.num_blocks == 2 and cfg.tau == -1.5 and cfg.own_context and cfg.run_ahead and not cfg.lazy_target_commit
+    assert len(cfg.uniforms) == 2 and set(_C.SchedulerConfig.FIELDS) >= {"mode", "tau", "pattern", "run_ahead"}
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(tau=float("nan")), "NaN"),
+    (dict(tau="0.5"), "tau must be a number"),
+    (dict(tau=None), "tau must be a number"),
+    (dict(seed=-1), "seed -1 must be an integer in"),
+    (dict(seed=2**64), "must be an integer in"),
+    (dict(seed="abc"), "seed must be an integer"),
+    (dict(seed=None), "seed must be an integer"),
+    (dict(num_blocks=True), "num_blocks must be an integer"),
+    (dict(num_blocks=0), "num_blocks 0 must be an integer >= 1"),
+    (dict(accept_prob=1.5), r"accept_prob 1.5 must lie in \[0, 1\]"),
+    (dict(accept_prob=float("inf")), "accept_prob must be finite"),
+    (dict(pattern="01x"), "only 0 and 1"),
+    (dict(pattern=[1, 2]), "pattern entries must be bools"),
+    (dict(pattern=5), "pattern must be a string"),
+    (dict(router="pattern"), "needs a decision pattern"),
+    (dict(mode="fast"), "unknown mode 'fast'; choose one of sdvg, target, draft"),
+    (dict(backend="rust"), "unknown backend"),
+    (dict(force_first_reject="yes"), "force_first_reject must be True or False"),
+    (dict(scheduler="reference", run_ahead=True), "run_ahead needs scheduler 'cpp'"),
+])
+def test_bad_values_are_refused_by_name(changes, match):
+    with pytest.raises(OptionError, match=match):
+        GenerationOptions(**changes)
+
+
+def test_pattern_forms_and_infinite_tau():
+    assert parse_pattern("0110") == parse_pattern([False, True, True, False]) == parse_pattern((0, 1, 1, 0))
+    assert GenerationOptions(pattern="0101").pattern == (False, True, False, True)  # "0" is not accepted
+    assert GenerationOptions(tau=-math.inf).tau == -math.inf
+    opts = GenerationOptions()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.tau = 1.0
+
+
+def test_cli_refuses_bad_values_with_exit_2(capsys):
+    from sdvg import cli
+
+    for argv, match in ((["--tau", "abc"], "not a number"), (["--pattern", "012"], "only 0 and 1"),
+                        (["--seed", "1.5"], "not an integer"), (["--num-blocks", "0"], ">= 1")):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["generate", "--prompt", "x", *argv])
+        assert exc.value.code == 2
+        assert match in capsys.readouterr().err
