@@ -103,5 +103,6 @@ def test_latent_transfer_prefetch_between_devices():
     t.prefetch(x, dest)
     y = t.get(x, dest)
     assert y.device == dest and torch.equal(y.cpu(), x.cpu())
+    assert t.in_flight() == (1 if dest != x.device else 0)
     t.release(x)
-    assert not t._copies
+    assert t.in_flight() == 0

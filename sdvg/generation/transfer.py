@@ -54,6 +54,11 @@ class LatentTransfer:
         y.record_stream(current)
         return y
 
+    def in_flight(self) -> int:
+        """Copies prefetched and not yet released."""
+        with self._lock:
+            return len(self._copies)
+
     def release(self, x) -> None:
         if x is None:
             return
