@@ -255,7 +255,7 @@ std::string type_name(py::handle v) { return py::str(py::type::handle_of(v).attr
 
 bool is_number(py::handle v) { return !PyBool_Check(v.ptr()) && (PyFloat_Check(v.ptr()) || PyIndex_Check(v.ptr())); }
 
-// One converter per field type: strict (a bool is not an int, an int is not a bool, None is nothing).
+// One converter per field type, strict: a bool is not an int, an int is not a bool, None is neither.
 template <class T>
 T from_py(const char* field, py::handle v);
 
@@ -376,7 +376,7 @@ SchedulerConfig config_from_kwargs(const py::kwargs& kw) {
 std::string config_repr(const SchedulerConfig& c) {
   std::string s = "SchedulerConfig(";
   const char* sep = "";
-#define SDVG_REPR_(type, name, doc)                                               \
+#define SDVG_REPR_(type, name, doc)                                                   \
   s += sep + std::string(#name) + "=" + py::repr(to_py(c.name)).cast<std::string>(); \
   sep = ", ";
   SDVG_CONFIG_FIELDS(SDVG_REPR_)

@@ -35,8 +35,8 @@ namespace sdvg {
 #define SDVG_ROUTERS(X) X(Reward, "reward") X(Random, "random") X(Pattern, "pattern")
 #define SDVG_DECISIONS(X) \
   X(Forced, "forced") X(Accepted, "accepted") X(Rejected, "rejected") X(Target, "target") X(Draft, "draft")
-#define SDVG_STAGES(X)                                                                        \
-  X(Draft, "draft") X(Decode, "decode") X(Score, "score") X(Target, "target")                 \
+#define SDVG_STAGES(X)                                                        \
+  X(Draft, "draft") X(Decode, "decode") X(Score, "score") X(Target, "target") \
   X(DrafterCommit, "drafter_commit") X(TargetCommit, "target_commit")
 
 #define SDVG_ENUMERATOR_(id, name) id,
@@ -64,21 +64,21 @@ Mode parse_mode(const std::string& name);
 RouterKind parse_router(const std::string& name);
 
 // The scheduler's configuration. No field has a generation default here (those live in the Python
-// configuration): every field is zero / false / empty until set, and a config left so fails
-// validate(). X(type, name, doc)
+// configuration): every field is zero / false / empty (an enum: its first name) until set, and a
+// config left so fails validate(). X(type, name, doc)
 #define SDVG_CONFIG_FIELDS(X)                                                                              \
-  X(Mode, mode, "sdvg | target | draft")                                                                  \
+  X(Mode, mode, "sdvg | target | draft")                                                                   \
   X(int, num_blocks, "blocks in the video (>= 1)")                                                         \
   X(int, frames_per_block, "latent frames per block (>= 1)")                                               \
   X(int, num_steps, "denoising steps per block (>= 1)")                                                    \
-  X(RouterKind, router, "reward | random | pattern")                                                      \
+  X(RouterKind, router, "reward | random | pattern")                                                       \
   X(double, tau, "reward router: a draft is accepted when its block score >= tau")                         \
-  X(double, accept_prob, "random router: a draft is accepted when its block's uniform draw < accept_prob")  \
+  X(double, accept_prob, "random router: a draft is accepted when its block's uniform draw < accept_prob") \
   X(std::vector<double>, uniforms, "random router: one U(0,1) draw per block")                             \
   X(std::vector<bool>, pattern, "pattern router: the decision per block (cycled)")                         \
   X(bool, force_first_reject, "block 0 always goes to the target")                                         \
   X(bool, own_context, "drafter context: its own drafts (true) or the emitted blocks (false)")             \
-  X(bool, skip_first_draft, "no draft for a forced block 0 when the drafter reads the emitted blocks")      \
+  X(bool, skip_first_draft, "no draft for a forced block 0 when the drafter reads the emitted blocks")     \
   X(bool, lazy_target_commit, "commit accepted blocks into the target only when it next runs")             \
   X(bool, score_emitted, "also score the target's frames of rejected blocks")                              \
   X(bool, run_ahead, "a drafter thread drafts block b+1 while block b is decoded, scored and committed")
@@ -136,16 +136,16 @@ struct Span {
 };
 
 // What one run did. X(type, name, doc)
-#define SDVG_COUNTERS(X)                                                                                   \
-  X(int64_t, target_forwards, "target forwards (denoising steps and commit forwards)")                    \
-  X(int64_t, drafter_forwards, "drafter forwards (denoising steps and commit forwards)")                  \
-  X(int64_t, skipped_drafter_forwards, "drafter steps not run (block 0's draft under the emitted context)") \
+#define SDVG_COUNTERS(X)                                                                                      \
+  X(int64_t, target_forwards, "target forwards (denoising steps and commit forwards)")                        \
+  X(int64_t, drafter_forwards, "drafter forwards (denoising steps and commit forwards)")                      \
+  X(int64_t, skipped_drafter_forwards, "drafter steps not run (block 0's draft under the emitted context)")   \
   X(int64_t, skipped_target_commits, "target commits not run (the last block, accepted blocks left pending)") \
-  X(int64_t, skipped_drafter_commits, "drafter commits not run (the last block)")                         \
-  X(int64_t, redrafts, "run-ahead drafts thrown away after a rejection")                                   \
-  X(int64_t, speculative_drafts, "run-ahead drafts made before the previous block's decision")             \
-  X(double, scheduler_wall_s, "seconds from the start to the end of run()")                                \
-  X(double, stage_call_s, "seconds inside stage calls (all threads)")                                      \
+  X(int64_t, skipped_drafter_commits, "drafter commits not run (the last block)")                             \
+  X(int64_t, redrafts, "run-ahead drafts thrown away after a rejection")                                      \
+  X(int64_t, speculative_drafts, "run-ahead drafts made before the previous block's decision")                \
+  X(double, scheduler_wall_s, "seconds from the start to the end of run()")                                   \
+  X(double, stage_call_s, "seconds inside stage calls (all threads)")                                         \
   X(double, main_stage_s, "seconds inside stage calls on the main thread")
 
 struct Counters {

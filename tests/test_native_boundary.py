@@ -1,0 +1,213 @@
+"""The typed boundary of sdvg._C: SchedulerConfig (every field a required keyword), the name
+tuples exported once from C++, and the Counters both schedulers count into."""
+import math
+
+import pytest
+import torch
+
+from sdvg._native import _C
+
+FIELDS = dict(mode="sdvg", num_blocks=5, frames_per_block=3, num_steps=4, router="random", tau=-0.25,
+              accept_prob=0.5, uniforms=[0.125, 0.75, 0.5, 0.25, 1.0], pattern=[False, True, True],
+              force_first_reject=True, own_context=False, skip_first_draft=True, lazy_target_commit=False,
+              score_emitted=True, run_ahead=True)
+
+
+def _config(**changes):
+    return _C.SchedulerConfig(**{**FIELDS, **changes})
+
+
+def test_fields_are_the_keyword_set():
+    assert isinstance(_C.SchedulerConfig.FIELDS, tuple)
+    assert set(_C.SchedulerConfig.FIELDS) == set(FIELDS)
+    assert len(_C.SchedulerConfig.FIELDS) == len(FIELDS)
+    assert _C.SchedulerConfig.FIELDS[0] == "mode"
+
+
+def test_every_field_round_trips():
+    c = _config()
+    for name, value in FIELDS.items():
+        got = getattr(c, name)
+        assert got == value and type(got) is type(value), name
+    for mode in ("sdvg", "target", "draft"):
+        assert _config(mode=mode).mode == mode
+    for router in ("reward", "random", "pattern"):
+        assert _config(router=router).router == router
+    assert _config(tau=-math.inf).tau == -math.inf and _config(tau=math.inf).tau == math.inf
+    assert _config(tau=2).tau == 2.0  # an int is a number
+
+
+def test_fields_are_read_only():
+    c = _config()
+    for name in FIELDS:
+        with pytest.raises(AttributeError):
+            setattr(c, name, getattr(c, name))
+
+
+def test_repr_names_every_field():
+    r = repr(_config())
+    assert r.startswith("SchedulerConfig(mode='sdvg', num_blocks=5,")
+    for name in FIELDS:
+        assert f"{name}=" in r
+    assert "router='random'" in r and "pattern=[False, True, True]" in r
+
+
+def test_unknown_key_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"unknown field 'temperature'; the fields are mode, num_blocks, .*run_ahead"):
+        _config(temperature=1.0)
+    with pytest.raises(ValueError, match=r"unknown fields 'a', 'b'"):
+        _config(a=1, b=2)
+
+
+def test_missing_key_is_refused_by_name():
+    kw = dict(FIELDS)
+    del kw["tau"]
+    with pytest.raises(ValueError, match=r"missing field 'tau'; every field is required"):
+        _C.SchedulerConfig(**kw)
+    with pytest.raises(ValueError, match=r"missing fields 'mode', 'num_blocks'"):
+        _C.SchedulerConfig()
+    with pytest.raises(TypeError):
+        _C.SchedulerConfig("sdvg")  # keywords only
+
+
+def test_bad_names_are_refused():
+    with pytest.raises(ValueError, match=r"unknown mode 'fast'; choose sdvg, target or draft"):
+        _config(mode="fast")
+    with pytest.raises(ValueError, match=r"unknown router 'oracle'; choose reward, random or pattern"):
+        _config(router="oracle")
+
+
+@pytest.mark.parametrize("field,value,want", [
+    ("mode", 0, "a str"),
+    ("router", None, "a str"),
+    ("num_blocks", 2.0, "an int"),
+    ("num_blocks", True, "an int"),
+    ("frames_per_block", "3", "an int"),
+    ("tau", "high", "a number"),
+    ("accept_prob", False, "a number"),
+    ("uniforms", "0.5", "a list of numbers"),
+    ("uniforms", [0.5, "x", 0.5, 0.5, 0.5], "a list of numbers"),
+    ("pattern", [1, 0], "a list of bools"),
+    ("force_first_reject", 1, "a bool"),
+    ("run_ahead", None, "a bool"),
+])
+def test_wrong_types_are_refused_by_field(field, value, want):
+    with pytest.raises(TypeError, match=f"field '{field}' must be {want}"):
+        _config(**{field: value})
+
+
+def test_out_of_range_values_are_refused_at_construction():
+    with pytest.raises(ValueError, match=r"num_blocks 0 must be >= 1"):
+        _config(num_blocks=0)
+    with pytest.raises(ValueError, match=r"num_steps -1 must be >= 1"):
+        _config(num_steps=-1)
+    with pytest.raises(ValueError, match=r"field 'num_blocks' = \d+ is out of range"):
+        _config(num_blocks=2**40)
+    with pytest.raises(ValueError, match=r"one uniform draw per block"):
+        _config(uniforms=[0.5])
+    with pytest.raises(ValueError, match=r"pattern router needs a pattern"):
+        _config(router="pattern", pattern=[])
+    with pytest.raises(ValueError, match=r"tau is NaN"):
+        _config(tau=math.nan)
+
+
+def test_names_tuples():
+    assert _C.STAGE_NAMES == ("draft", "decode", "score", "target", "drafter_commit", "target_commit")
+    assert _C.DECISION_NAMES == ("forced", "accepted", "rejected", "target", "draft")
+    assert _C.COUNTER_NAMES == ("target_forwards", "drafter_forwards", "skipped_drafter_forwards",
+                                "skipped_target_commits", "skipped_drafter_commits", "redrafts",
+                                "speculative_drafts", "scheduler_wall_s", "stage_call_s", "main_stage_s")
+
+
+def test_counters_attributes_equal_counter_names():
+    c = _C.Counters()
+    public = tuple(n for n in dir(c) if not n.startswith("_") and not callable(getattr(c, n)))
+    assert set(public) == set(_C.COUNTER_NAMES)
+    assert tuple(c.as_dict()) == _C.COUNTER_NAMES  # in struct order
+    assert all(v == 0 for v in c.as_dict().values())
+    c.redrafts += 2
+    c.stage_call_s = 1.5
+    assert c.as_dict()["redrafts"] == 2 and c.stage_call_s == 1.5
+    assert repr(c).startswith("Counters(target_forwards=0,") and "redrafts=2" in repr(c)
+    with pytest.raises(TypeError):
+        c.redrafts = "two"
+
+
+def test_reference_counts_into_the_native_counters():
+    from sdvg import reference
+
+    assert reference.STAGES == (*_C.STAGE_NAMES, "commit")
+    assert set(reference.COUNTED) <= set(_C.COUNTER_NAMES)
+
+
+class _Stages:
+    """Instant stages; a commit forward claims its block's slots, as a DiT's forward does."""
+
+    def __init__(self, drafter_cache, target_cache):
+        self.drafter_cache, self.target_cache, self.emitted = drafter_cache, target_cache, []
+
+    def draft(self, b):
+        return torch.tensor([float(b)])
+
+    def drafter_commit(self, b, x):
+        self.drafter_cache.begin_write(3)
+
+    def target(self, b):
+        return torch.tensor([-float(b)])
+
+    def target_commit(self, b, x):
+        self.target_cache.begin_write(3)
+
+    def decode(self, x):
+        return x
+
+    def score(self, frames):
+        return None
+
+    def vae_snapshot(self):
+        return None
+
+    def vae_restore(self, s):
+        pass
+
+    def emit(self, rec):
+        self.emitted.append(rec)
+
+
+def _cache(frames=15):
+    return _C.KVCache(1, 1, 1, 1, 1, _C.SlotLayout(frames), torch.float32, torch.device("cpu"))
+
+
+def test_scheduler_takes_the_struct_and_returns_counters():
+    cpu = torch.device("cpu")
+    d, t = _cache(), _cache()
+    s = _C.Scheduler(_config(run_ahead=False), _Stages(d, t), d, t, cpu, cpu)
+    s.run()
+    c = s.counters()
+    assert isinstance(c, _C.Counters)
+    assert tuple(c.as_dict()) == _C.COUNTER_NAMES
+    assert c.scheduler_wall_s > 0 and c.skipped_drafter_forwards == 4
+    assert [tuple(b) for b in s.block_times()] == [_C.STAGE_NAMES] * 5
+    assert {x["stage"] for x in s.trace()} <= set(_C.STAGE_NAMES)
+    assert d.committed_frames == 12  # every block but the last
+    with pytest.raises(TypeError):
+        _C.Scheduler(dict(FIELDS), _Stages(d, t), d, t, cpu, cpu)  # a dict is no config
+
+
+def test_missing_cache_is_refused_by_role():
+    cpu = torch.device("cpu")
+    d, t = _cache(), _cache()
+    with pytest.raises(RuntimeError, match=r"mode 'sdvg' runs the drafter, but drafter_cache is None"):
+        _C.Scheduler(_config(), _Stages(d, t), None, t, cpu, cpu)
+    with pytest.raises(RuntimeError, match=r"mode 'target' runs the target, but target_cache is None"):
+        _C.Scheduler(_config(mode="target"), _Stages(d, t), d, None, cpu, cpu)
+    with pytest.raises(TypeError, match=r"drafter_cache must be an sdvg._C.KVCache or None, got dict"):
+        _C.Scheduler(_config(), _Stages(d, t), {}, t, cpu, cpu)
+    for mode, caches in (("target", (None, _cache())), ("draft", (_cache(), None))):
+        stages = _Stages(*caches)
+        _C.Scheduler(_config(mode=mode), stages, *caches, cpu, cpu).run()  # the unused role needs no cache
+        assert [r["decision"] for r in stages.emitted] == [mode] * 5
+
+
+def test_kv_cache_has_no_discard_or_reset():
+    assert not hasattr(_C.KVCache, "discard") and not hasattr(_C.KVCache, "reset")
