@@ -11,38 +11,31 @@ import sys
 from pathlib import Path
 
 from sdvg.config import PRESETS
-from sdvg.options import BACKENDS, add_option_flags, options_from_args
+from sdvg.options import BACKENDS, add_option_flags, option_type, options_from_args
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "MovieGenVideoBench.txt"
 
 
-def _tau(text: str) -> float:
+def _count(low: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"{v} must be >= {low}")
+        return v
+
+    return parse
+
+
+def _fraction(text: str) -> float:
     try:
         v = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"tau {text!r} is not a number (use e.g. -0.7, inf, -inf)")
-    if math.isnan(v):
-        raise argparse.ArgumentTypeError("tau is NaN; give a number (or inf / -inf)")
-    return v
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
-    return v
-
-
-def _nonnegative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{v} must be >= 0")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= v <= 1.0:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"{text} must lie in [0, 1]")
     return v
 
 
@@ -124,7 +117,6 @@ def run_one(pipe, prompt: str, opts, video: Path, progress: bool = True):
     opts = pipe.resolve(opts)
     bar = tqdm(total=opts.num_blocks, desc=video.name, unit="block", disable=not progress, file=sys.stderr)
     counts = {"forced": 0, "accepted": 0, "rejected": 0}
-    interrupted = False
     stream = pipe.run(prompt, opts)
     with IncrementalMP4Writer(video) as writer:
         try:
@@ -135,20 +127,18 @@ def run_one(pipe, prompt: str, opts, video: Path, progress: bool = True):
                     bar.set_postfix(counts)
                 bar.update(1)
         except KeyboardInterrupt:
-            interrupted = True
+            pass  # the stream is closed below: its stats are marked interrupted
         finally:
             bar.close()
             stream.close()  # stops the scheduler thread of an unfinished video
-    stats = stream.stats
-    if interrupted:
-        stats.finish(None, interrupted=True)
+    stats = stream.stats  # final: complete, or marked interrupted by close()
     stats.extra["video"] = str(video)
     return stats
 
 
 def cmd_generate(args) -> int:
-    if args.prompt is None and args.prompts_file is None:
-        raise SystemExit("error: give --prompt TEXT or --prompts-file FILE")
+    if (args.prompt is None) == (args.prompts_file is None):
+        raise SystemExit("error: give either --prompt TEXT or --prompts-file FILE")
     if args.prompt is not None and not args.prompt.strip():
         raise SystemExit("error: --prompt is empty; give a non-empty prompt")
     if args.prompt is not None:
@@ -161,14 +151,14 @@ def cmd_generate(args) -> int:
             raise SystemExit(f"error: --offset {args.offset} leaves no prompt of the {len(every)} in "
                              f"{args.prompts_file}")
     out = Path(args.out)
-    stats_path = Path(args.stats) if args.stats else out.with_suffix(".json")
-    many = len(prompts) > 1
+    many = args.prompts_file is not None  # a prompts file: one video per line, <out>_<line>.mp4, JSON Lines stats
+    stats_path = Path(args.stats) if args.stats else out.with_suffix(".jsonl" if many else ".json")
     opts = options_from_args(args)
     pipe = build_pipeline(args)
     if not many:
         stats = run_one(pipe, prompts[0], opts, out, progress=not args.quiet)
         stats_path.parent.mkdir(parents=True, exist_ok=True)
-        stats_path.write_text(json.dumps(stats.as_dict(), indent=2))
+        stats_path.write_text(stats.to_json(indent=2))
         _timeline(args, stats, 0, many=False)
         _summary(stats, stats_path)
         return 130 if stats.interrupted else 0
@@ -182,7 +172,7 @@ def cmd_generate(args) -> int:
         stats = run_one(pipe, prompt, opts, _video_path(out, i, True), progress=not args.quiet)
         stats.extra["prompt_index"] = i
         with stats_path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(stats.as_dict()) + "\n")
+            f.write(stats.to_json() + "\n")
         _timeline(args, stats, i, many=True)
         if stats.interrupted:
             print(f"interrupted at prompt {i}; rerun with --resume to continue", file=sys.stderr)
@@ -246,7 +236,8 @@ def _prompts_for_sweep(args) -> list[str]:
 
 
 def _taus(text: str) -> list[float]:
-    return [_tau(t) for t in text.split(",") if t.strip()]
+    parse = option_type("tau")
+    return [parse(t) for t in text.split(",") if t.strip()]
 
 
 def _sweep_pipeline(args):
@@ -267,7 +258,7 @@ def _sweep_pipeline(args):
 
 def cmd_sweep(args) -> int:
     from sdvg.evaluation.evaluators import load_evaluator
-    from sdvg.evaluation.sweep import plot, read_records, run_sweep, summarise
+    from sdvg.evaluation.sweep import plot, read_records, run_sweep, summarise, summary_json
 
     prompts = _prompts_for_sweep(args)
     out = Path(args.out)
@@ -281,16 +272,18 @@ def cmd_sweep(args) -> int:
         if world > 1 and rank != 0:
             return 0
     summary = summarise(read_records(out))
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "summary.json").write_text(summary_json(summary))
     plot(summary, out / "pareto.png")
     for r in summary["taus"]:
-        print(f"tau {r['tau']:g}: acceptance {r['acceptance']:.1%}, speed-up {r['speedup']:.2f}x, "
+        acc = "n/a" if r["acceptance"] is None else f"{r['acceptance']:.1%}"
+        print(f"tau {r['tau']:g}: acceptance {acc}, speed-up {r['speedup']:.2f}x, "
               f"quality retention {r['retention']:.1%}")
     return 0
 
 
 def cmd_calibrate(args) -> int:
     from sdvg.evaluation.evaluators import load_evaluator
+    from sdvg.generation.types import strict_json
     from sdvg.evaluation.sweep import calibrate_acceptance, calibrate_retention, read_records, run_sweep, summarise
 
     if (args.acceptance is None) == (args.retention is None):
@@ -321,8 +314,8 @@ def cmd_calibrate(args) -> int:
         best = calibrate_retention(summarise(read_records(out)), args.retention)
         result = {"goal": {"retention": args.retention}, "tau": best["tau"], "achieved": best,
                   "prompts": len(prompts)}
-    (out / "calibration.json").write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
+    (out / "calibration.json").write_text(strict_json(result, indent=2))
+    print(strict_json(result, indent=2))
     return 0
 
 
@@ -336,20 +329,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate videos (MP4 written as blocks arrive)")
     add_generation_args(g)
-    g.add_argument("--prompt")
+    g.add_argument("--prompt", help="one text prompt (or --prompts-file)")
     g.add_argument("--prompts-file", help="one prompt per line (e.g. sdvg/data/MovieGenVideoBench.txt)")
-    g.add_argument("--offset", type=_nonnegative_int, default=0, help="skip the first N prompts of --prompts-file")
-    g.add_argument("--limit", type=_nonnegative_int, default=0, help="at most N prompts (0 = all)")
-    g.add_argument("--out", default="video.mp4")
-    g.add_argument("--stats", help="JSON stats (JSONL with --prompts-file); default: next to --out")
+    g.add_argument("--offset", type=_count(0), default=0, help="skip the first N prompts of --prompts-file")
+    g.add_argument("--limit", type=_count(0), default=0, help="at most N prompts (0 = all)")
+    g.add_argument("--out", default="video.mp4", help="the MP4 (with --prompts-file: <stem>_<line>.mp4 per prompt)")
+    g.add_argument("--stats", help="statistics (docs/stats.md): JSON, or JSON Lines with --prompts-file; "
+                                   "default: --out with .json / .jsonl")
     g.add_argument("--resume", action="store_true", help="skip prompts already in the stats JSONL")
     g.add_argument("--timeline", help="PNG of every stage call on the drafter / VAE+reward / target lanes "
                                       "(one per prompt with --prompts-file)")
-    g.add_argument("--quiet", action="store_true")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=cmd_generate)
     m = sub.add_parser("memory", help="weights and KV-cache memory of a preset, before allocating")
     m.add_argument("--preset", default="wan2.1")
-    m.add_argument("--num-blocks", type=_positive_int)
+    m.add_argument("--num-blocks", type=_count(1), help="blocks (default: the preset's)")
     m.add_argument("--budget-gib", type=float)
     m.set_defaults(func=cmd_memory)
     for name, fn, helptext in (("sweep", cmd_sweep, "sweep tau over a prompt set; Pareto plot"),
@@ -357,16 +351,18 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=helptext)
         add_generation_args(sp, exclude=("mode", "tau"))  # the sweep sets both per run
         sp.add_argument("--prompts-file", help=f"default: {DEFAULT_PROMPTS}")
-        sp.add_argument("--limit", type=int, default=8, help="first N prompts (0 = all)")
-        sp.add_argument("--taus", default="-2.5,-1.5,-0.7,0.0,0.5")
+        sp.add_argument("--limit", type=_count(0), default=8, help="first N prompts (0 = all)")
+        sp.add_argument("--taus", default="-2.5,-1.5,-0.7,0.0,0.5",
+                        help="comma list of tau values; write --taus=-0.7,... (with '=') for negative values"
+                             + ("" if name == "sweep" else "; used with --retention"))
         sp.add_argument("--evaluator", default="imagereward", help="imagereward | python:<module>:<function>")
         sp.add_argument("--out", default=f"results/{name}")
-        sp.add_argument("--quiet", action="store_true")
+        sp.add_argument("--quiet", action="store_true", help="no per-run progress lines")
         if name == "sweep":
             sp.add_argument("--report-only", action="store_true", help="merge shards and plot only")
         else:
-            sp.add_argument("--acceptance", type=float, help="wanted acceptance rate of blocks 1..B-1")
-            sp.add_argument("--retention", type=float, help="wanted quality retention vs target-only")
+            sp.add_argument("--acceptance", type=_fraction, help="wanted acceptance rate of blocks 1..B-1, in [0, 1]")
+            sp.add_argument("--retention", type=_fraction, help="wanted quality retention vs target-only, in [0, 1]")
         sp.set_defaults(func=fn)
     return parser
 

@@ -179,7 +179,8 @@ def _parse_tau(text: str) -> float:
         raise argparse.ArgumentTypeError(msg) from None
 
 
-def _cli_type(name: str):
+def option_type(name: str):
+    """The argparse `type` that parses option `name` from text, with the declaration's rules."""
     def parse(text: str):
         try:
             if name == "tau":
@@ -224,7 +225,7 @@ def add_option_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] =
         elif meta["choices"] is not None:
             group.add_argument(flag_of(f.name), dest=f.name, choices=meta["choices"], default=f.default, help=help_)
         else:
-            group.add_argument(flag_of(f.name), dest=f.name, type=_cli_type(f.name), default=f.default,
+            group.add_argument(flag_of(f.name), dest=f.name, type=option_type(f.name), default=f.default,
                                metavar=meta["metavar"], help=help_)
 
 

@@ -3,35 +3,80 @@
     from sdvg import SpeculativeVideoPipeline
     pipe = SpeculativeVideoPipeline.from_preset("tiny")
     out = pipe("a red fox in the snow", mode="sdvg", tau=-0.7, num_blocks=9, seed=42)
-    out.frames  # uint8 [F, H, W, 3]
+    out.frames  # float32 numpy [F, H, W, 3] in [0, 1] (output_type="np", diffusers' convention)
     stream = pipe.stream("...", tau=-0.7)
     for block in stream: ...      # each block as soon as its frames are final
     stream.stats                  # RunStats, complete once the stream is exhausted
 
-The keywords of `__call__` and `stream` are the generation options declared once in
-`sdvg.options.GenerationOptions` (their defaults are read from there).
+The generation keywords of `__call__` and `stream` are the options declared once in
+`sdvg.options.GenerationOptions` (their defaults are read from there); `__call__` adds the
+diffusers call surface: a list of prompts, `generator`, `output_type`, `return_dict` and
+`callback_on_block_end`.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 
-from sdvg.config import Preset, get_preset
+from sdvg.config import Preset, config_hash, get_preset
 from sdvg.generation.types import BlockRecord, LoopReport, RunStats
 from sdvg.models.components import Components, build_random, load_pretrained
+from sdvg.models.fingerprint import file_fingerprint, random_fingerprint
 from sdvg.options import DEFAULTS as D
-from sdvg.options import OPTION_NAMES, GenerationOptions
+from sdvg.options import OPTION_NAMES, SEED_MAX, GenerationOptions
+
+
+COMPONENT_ROLES = ("drafter", "target", "vae", "reward", "text_encoder")
+OUTPUT_TYPES = ("np", "pt", "pil", "uint8", "latent")
+API_KEYWORDS = ("generator", "output_type", "return_dict", "callback_on_block_end")  # __call__ only, not options
+PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @dataclass
 class PipelineOutput:
-    frames: torch.Tensor  # uint8 [F, H, W, 3]
-    latents: torch.Tensor  # float32 [1, z, B*frames_per_block, h, w], the emitted latents
-    stats: RunStats
-    blocks: list[BlockRecord]
+    """One prompt: `frames` is one video, frames first; a list of prompts: a list of them (and of
+    `latents`, `stats`, `blocks`), in prompt order.
+
+    frames by output_type: np float32 [F, H, W, 3] in [0, 1] | pt float32 tensor [F, 3, H, W] in [0, 1] |
+    pil a list of F PIL images | uint8 tensor [F, H, W, 3] | latent None (see `latents`)."""
+
+    frames: Any
+    latents: Any  # float32 [1, z, B*frames_per_block, h, w], the emitted latents
+    stats: Any  # RunStats
+    blocks: Any  # list[BlockRecord]
+
+
+def convert_frames(frames: torch.Tensor, output_type: str):
+    """uint8 [F, H, W, 3] -> the frames of `output_type` (the uint8 values k become k / 255 exactly, so
+    `(x * 255).astype(uint8)`, as diffusers' export_to_video does, gives k back)."""
+    if output_type == "uint8":
+        return frames
+    if output_type == "latent":
+        return None
+    if output_type == "np":
+        return frames.numpy().astype(np.float32) / np.float32(255)
+    if output_type == "pt":
+        return frames.permute(0, 3, 1, 2).float() / 255
+    if output_type == "pil":
+        from PIL import Image
+
+        return [Image.fromarray(f) for f in frames.numpy()]
+    raise ValueError(f"unknown output_type {output_type!r}; choose one of {', '.join(OUTPUT_TYPES)}")
+
+
+def device_name(device: torch.device) -> str:
+    return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
+
+
+def precision_of(torch_dtype) -> str:
+    if torch_dtype not in PRECISION_OF_DTYPE:
+        raise ValueError(f"torch_dtype {torch_dtype} is not supported; use torch.float32, torch.bfloat16 or "
+                         "torch.float16")
+    return PRECISION_OF_DTYPE[torch_dtype]
 
 
 def _options(keywords: dict) -> GenerationOptions:
@@ -47,30 +92,44 @@ class BlockStream:
 
     def __init__(self, blocks: Iterator[BlockRecord], stats: RunStats, report: LoopReport):
         self._blocks, self.stats, self._report = blocks, stats, report
+        self.finished = False  # the stats are final (the video ended, or the stream was closed early)
 
     def __iter__(self) -> "BlockStream":
         return self
 
     def __next__(self) -> BlockRecord:
+        if self.finished:
+            raise StopIteration
         try:
             block = next(self._blocks)
         except StopIteration:
+            self.finished = True
             self.stats.finish(self._report)
+            raise
+        except BaseException:  # a stage failed or the consumer was interrupted: what was emitted stays
+            self.close()
             raise
         self.stats.add(block)
         return block
 
     def close(self) -> None:
+        """Stop an unfinished video (its scheduler thread included); its stats are then final and
+        marked interrupted, with the blocks emitted so far."""
         self._blocks.close()
+        if not self.finished:
+            self.finished = True
+            self.stats.finish(None, interrupted=True)
 
 
 class SpeculativeVideoPipeline:
-    def __init__(self, components: Components, backend: str = "eager", engines=None):
+    def __init__(self, components: Components, backend: str = "eager", engines=None,
+                 sources: dict[str, str] | None = None):
         self.components = components
         self.preset = components.preset
         self._runners: dict = {}  # stage backend -> StageRunners (compiled modules / engines), built on first use
         self.default_backend = backend
         self.engines = engines
+        self.sources = dict(sources or {})  # component -> checkpoint fingerprint (or random:preset:seed)
 
     def runners(self, backend: str | None = None):
         from sdvg.generation.backends import StageRunners
@@ -82,24 +141,72 @@ class SpeculativeVideoPipeline:
 
     @classmethod
     def from_preset(cls, name: str | Preset = "tiny", seed: int = 0, device: str = "cpu",
-                    target_device: str | None = None, backend: str = "eager", engines=None,
+                    target_device: str | None = None, backend: str = "eager", engines=None, torch_dtype=None,
                     **preset_changes) -> "SpeculativeVideoPipeline":
-        """A pipeline with random weights of a named preset (`tiny`, `cpu-bench`, `real-size`)."""
+        """A pipeline with random weights of a named preset (`tiny`, `cpu-bench`, `real-size`).
+        torch_dtype (torch.float32 / bfloat16 / float16) overrides the preset's precision."""
         preset = get_preset(name) if isinstance(name, str) else name
+        if torch_dtype is not None:
+            preset_changes["precision"] = precision_of(torch_dtype)
         if preset_changes:
             preset = dataclasses.replace(preset, **preset_changes)
         preset.validate()
+        sources = {role: random_fingerprint(preset.name, seed) for role in COMPONENT_ROLES}
         return cls(build_random(preset, seed=seed, drafter_device=device, target_device=target_device), backend,
-                   engines)
+                   engines, sources)
 
     @classmethod
     def from_pretrained(cls, drafter, target, vae, reward, text_encoder, preset: str | Preset = "wan2.1",
                         reward_tokenizer=None, drafter_device="cuda:0", target_device=None, backend: str = "eager",
-                        engines=None) -> "SpeculativeVideoPipeline":
-        """Real weights from local paths or HF-cache folders (see sdvg.models.checkpoints for the formats)."""
+                        engines=None, torch_dtype=None) -> "SpeculativeVideoPipeline":
+        """Real weights from local paths or HF-cache folders (see docs/checkpoints.md for the formats).
+        torch_dtype overrides the preset's precision."""
         preset = get_preset(preset) if isinstance(preset, str) else preset
+        if torch_dtype is not None:
+            preset = preset.replace(precision=precision_of(torch_dtype))
+        paths = dict(drafter=drafter, target=target, vae=vae, reward=reward, text_encoder=text_encoder)
+        sources = {role: file_fingerprint(path) for role, path in paths.items() if path is not None}
         return cls(load_pretrained(preset, drafter, target, vae, reward, text_encoder, reward_tokenizer,
-                                   drafter_device, target_device), backend, engines)
+                                   drafter_device, target_device), backend, engines, sources)
+
+    # ------------------------------------------------------------------ placement
+    def to(self, device) -> "SpeculativeVideoPipeline":
+        """Every component onto one device (dtypes kept). For two devices, build with
+        `drafter_device=` / `target_device=`."""
+        c = self.components
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device {dev} requested but CUDA is not available")
+        for dit in (c.drafter, c.target):
+            if dit is not None:
+                dit.to(dev)
+        if c.text_encoder.offload_device is None:
+            c.text_encoder.model.to(dev)
+        else:
+            c.text_encoder.execution_device = dev
+        c.text_encoder.cache.clear()
+        c.vae.vae.to(dev)
+        if c.scorer is not None:
+            c.scorer.to(dev, c.scorer.dtype)
+        c.drafter_device = c.target_device = dev
+        self._runners.clear()  # compiled modules and engines belong to the old placement
+        return self
+
+    def enable_model_cpu_offload(self, device=None) -> "SpeculativeVideoPipeline":
+        """Keep the text encoder (umT5-XXL, ~11 GB) in CPU memory; it visits `device` (default: the
+        drafter's) only to encode a new prompt, and leaves right after."""
+        self.components.text_encoder.enable_offload(device or self.components.drafter_device, "cpu")
+        return self
+
+    def provenance(self) -> dict:
+        """What produced a video: versions, devices, the preset's and checkpoints' fingerprints."""
+        import sdvg
+
+        c = self.components
+        return {"sdvg_version": sdvg.__version__, "torch_version": torch.__version__,
+                "devices": {"drafter": device_name(c.drafter_device), "target": device_name(c.target_device),
+                            "vae": device_name(c.vae.device)},
+                "preset_fingerprint": config_hash(self.preset), "checkpoints": dict(self.sources)}
 
     def resolve(self, options: GenerationOptions) -> GenerationOptions:
         """The options with this pipeline's defaults filled in (num_blocks from the preset, backend)."""
@@ -110,6 +217,9 @@ class SpeculativeVideoPipeline:
         """The blocks of one video for explicit options (what `stream` and `__call__` call)."""
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
+        if not isinstance(options, GenerationOptions):
+            raise TypeError(f"options must be a sdvg.GenerationOptions, got {type(options).__name__}; "
+                            "e.g. GenerationOptions(tau=-0.7, num_blocks=9)")
         opts = self.resolve(options)
         runners = self.runners(opts.backend)
         report = LoopReport()
@@ -122,7 +232,7 @@ class SpeculativeVideoPipeline:
             from sdvg.generation.reference import generate_blocks
 
             blocks = generate_blocks(self.components, prompt, opts, report, runners=runners)
-        return BlockStream(blocks, RunStats(prompt, self.preset.name, opts), report)
+        return BlockStream(blocks, RunStats(prompt, self.preset.name, opts, self.provenance()), report)
 
     def stream(self, prompt: str, *, mode: str = D.mode, tau: float = D.tau, num_blocks: int | None = D.num_blocks,
                seed: int = D.seed, router: str = D.router, accept_prob: float = D.accept_prob,
@@ -147,21 +257,68 @@ class SpeculativeVideoPipeline:
         options = _options(locals())
         return self.run(prompt, options)
 
-    def __call__(self, prompt: str, *, mode: str = D.mode, tau: float = D.tau, num_blocks: int | None = D.num_blocks,
-                 seed: int = D.seed, router: str = D.router, accept_prob: float = D.accept_prob,
-                 pattern=D.pattern, aggregation: str = D.aggregation, force_first_reject: bool = D.force_first_reject,
-                 drafter_context: str = D.drafter_context, skip_first_draft: bool = D.skip_first_draft,
-                 lazy_target_commit: bool = D.lazy_target_commit, score_emitted: bool = D.score_emitted,
-                 scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead, backend: str | None = D.backend
-                 ) -> PipelineOutput:
-        """The whole video at once (keywords as for `stream`)."""
-        options = _options(locals())
-        return self.generate(prompt, options)
+    def __call__(self, prompt: str | list[str], *, mode: str = D.mode, tau: float = D.tau,
+                 num_blocks: int | None = D.num_blocks, seed: int = D.seed, router: str = D.router,
+                 accept_prob: float = D.accept_prob, pattern=D.pattern, aggregation: str = D.aggregation,
+                 force_first_reject: bool = D.force_first_reject, drafter_context: str = D.drafter_context,
+                 skip_first_draft: bool = D.skip_first_draft, lazy_target_commit: bool = D.lazy_target_commit,
+                 score_emitted: bool = D.score_emitted, scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead,
+                 backend: str | None = D.backend, generator: torch.Generator | None = None, output_type: str = "np",
+                 return_dict: bool = True,
+                 callback_on_block_end: Callable[["SpeculativeVideoPipeline", BlockRecord], None] | None = None):
+        """Whole videos at once. The generation keywords are those of `stream`; besides them:
 
-    def generate(self, prompt: str, options: GenerationOptions) -> PipelineOutput:
-        """The whole video for explicit options. The scheduler runs on this thread (nothing to stream)."""
+        prompt: a string (one video) or a list of strings (one video each, in order; each equals the
+        video of that prompt run alone with the same seed).
+        generator: a torch.Generator; when given, the seed is drawn from it (one 63-bit draw per call,
+        the same seed for every prompt of a list) and `seed` is ignored; the stats record the seed used.
+        output_type: np (float32 [F, H, W, 3] in [0, 1], the default, as diffusers) | pt | pil | uint8 |
+        latent (see PipelineOutput). return_dict: False returns `(frames,)`.
+        callback_on_block_end(pipe, block): called with every BlockRecord as soon as it is final."""
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"unknown output_type {output_type!r}; choose one of {', '.join(OUTPUT_TYPES)}")
+        prompts = _prompt_list(prompt)
+        if generator is not None:
+            if not isinstance(generator, torch.Generator):
+                raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+            seed = int(torch.randint(0, SEED_MAX, (), generator=generator))
+        options = _options(locals())
+        outs = [self.generate(p, options, output_type, callback_on_block_end) for p in prompts]
+        if isinstance(prompt, str):
+            out = outs[0]
+        else:
+            out = PipelineOutput(frames=[o.frames for o in outs], latents=[o.latents for o in outs],
+                                 stats=[o.stats for o in outs], blocks=[o.blocks for o in outs])
+        return out if return_dict else (out.frames,)
+
+    def generate(self, prompt: str, options: GenerationOptions, output_type: str = "uint8",
+                 callback_on_block_end: Callable | None = None) -> PipelineOutput:
+        """One whole video for explicit options (frames as uint8 [F, H, W, 3] unless `output_type` says
+        otherwise). The scheduler runs on this thread (nothing to stream)."""
         stream = self.run(prompt, options, threaded=False)
-        blocks = list(stream)
-        return PipelineOutput(frames=torch.cat([b.frames for b in blocks]),
+        blocks = []
+        for block in stream:
+            blocks.append(block)
+            if callback_on_block_end is not None:
+                callback_on_block_end(self, block)
+        frames = torch.cat([b.frames for b in blocks])
+        return PipelineOutput(frames=convert_frames(frames, output_type),
                               latents=torch.cat([b.latents for b in blocks], dim=2), stats=stream.stats,
                               blocks=blocks)
+
+
+def _prompt_list(prompt) -> list[str]:
+    """A prompt or a list of prompts, each a non-empty string (named by its position when not)."""
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif isinstance(prompt, (list, tuple)) and prompt:
+        items = list(prompt)
+    else:
+        raise TypeError(f"prompt must be a string or a non-empty list of strings, got {prompt!r:.80}")
+    for i, p in enumerate(items):
+        where = "prompt" if isinstance(prompt, str) else f"prompt[{i}]"
+        if not isinstance(p, str):
+            raise TypeError(f"{where} must be a string, got {type(p).__name__}")
+        if not p.strip():
+            raise ValueError(f"{where} is empty; give a non-empty text prompt")
+    return items

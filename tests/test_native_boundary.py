@@ -133,45 +133,20 @@ def test_counters_attributes_equal_counter_names():
         c.redrafts = "two"
 
 
-def test_reference_counts_into_the_native_counters():
-    from sdvg import reference
+def test_both_loops_use_the_native_names():
+    from sdvg.generation import types
 
-    assert reference.STAGES == (*_C.STAGE_NAMES, "commit")
-    assert set(reference.COUNTED) <= set(_C.COUNTER_NAMES)
+    assert types.STAGE_NAMES == _C.STAGE_NAMES and types.COUNTER_NAMES == _C.COUNTER_NAMES
+    assert types.BLOCK_TIME_KEYS == (*_C.STAGE_NAMES, "commit") and types.Counters is _C.Counters
 
 
-class _Stages:
-    """Instant stages; a commit forward claims its block's slots, as a DiT's forward does."""
+def _stages(drafter_cache, target_cache):
+    """The shared fake, writing into the given caches as a DiT forward does."""
+    from sdvg.generation.fake_stages import FakeStages
 
-    def __init__(self, drafter_cache, target_cache):
-        self.drafter_cache, self.target_cache, self.emitted = drafter_cache, target_cache, []
-
-    def draft(self, b):
-        return torch.tensor([float(b)])
-
-    def drafter_commit(self, b, x):
-        self.drafter_cache.begin_write(3)
-
-    def target(self, b):
-        return torch.tensor([-float(b)])
-
-    def target_commit(self, b, x):
-        self.target_cache.begin_write(3)
-
-    def decode(self, x):
-        return x
-
-    def score(self, frames):
-        return None
-
-    def vae_snapshot(self):
-        return None
-
-    def vae_restore(self, s):
-        pass
-
-    def emit(self, rec):
-        self.emitted.append(rec)
+    stages = FakeStages(score=None)
+    stages.caches = {"drafter": drafter_cache, "target": target_cache}
+    return stages
 
 
 def _cache(frames=15):
@@ -181,7 +156,7 @@ def _cache(frames=15):
 def test_scheduler_takes_the_struct_and_returns_counters():
     cpu = torch.device("cpu")
     d, t = _cache(), _cache()
-    s = _C.Scheduler(_config(run_ahead=False), _Stages(d, t), d, t, cpu, cpu)
+    s = _C.Scheduler(_config(run_ahead=False), _stages(d, t), d, t, cpu, cpu)
     s.run()
     c = s.counters()
     assert isinstance(c, _C.Counters)
@@ -191,20 +166,20 @@ def test_scheduler_takes_the_struct_and_returns_counters():
     assert {x["stage"] for x in s.trace()} <= set(_C.STAGE_NAMES)
     assert d.committed_frames == 12  # every block but the last
     with pytest.raises(TypeError):
-        _C.Scheduler(dict(FIELDS), _Stages(d, t), d, t, cpu, cpu)  # a dict is no config
+        _C.Scheduler(dict(FIELDS), _stages(d, t), d, t, cpu, cpu)  # a dict is no config
 
 
 def test_missing_cache_is_refused_by_role():
     cpu = torch.device("cpu")
     d, t = _cache(), _cache()
     with pytest.raises(RuntimeError, match=r"mode 'sdvg' runs the drafter, but drafter_cache is None"):
-        _C.Scheduler(_config(), _Stages(d, t), None, t, cpu, cpu)
+        _C.Scheduler(_config(), _stages(d, t), None, t, cpu, cpu)
     with pytest.raises(RuntimeError, match=r"mode 'target' runs the target, but target_cache is None"):
-        _C.Scheduler(_config(mode="target"), _Stages(d, t), d, None, cpu, cpu)
+        _C.Scheduler(_config(mode="target"), _stages(d, t), d, None, cpu, cpu)
     with pytest.raises(TypeError, match=r"drafter_cache must be an sdvg._C.KVCache or None, got dict"):
-        _C.Scheduler(_config(), _Stages(d, t), {}, t, cpu, cpu)
+        _C.Scheduler(_config(), _stages(d, t), {}, t, cpu, cpu)
     for mode, caches in (("target", (None, _cache())), ("draft", (_cache(), None))):
-        stages = _Stages(*caches)
+        stages = _stages(*caches)
         _C.Scheduler(_config(mode=mode), stages, *caches, cpu, cpu).run()  # the unused role needs no cache
         assert [r["decision"] for r in stages.emitted] == [mode] * 5
 

@@ -27,12 +27,14 @@ def test_changed_covers_every_option():
 
 @pytest.mark.parametrize("method", ["__call__", "stream"])
 def test_api_keywords_match_the_declaration(method):
-    from sdvg.pipeline import SpeculativeVideoPipeline
+    from sdvg.pipeline import API_KEYWORDS, SpeculativeVideoPipeline
 
     params = list(inspect.signature(getattr(SpeculativeVideoPipeline, method)).parameters.values())
     assert [p.name for p in params[:2]] == ["self", "prompt"]
     keywords = params[2:]
-    assert [p.name for p in keywords] == list(OPTION_NAMES)
+    extra = list(API_KEYWORDS) if method == "__call__" else []  # the diffusers call surface, not options
+    assert [p.name for p in keywords] == list(OPTION_NAMES) + extra
+    keywords = keywords[:len(OPTION_NAMES)]
     for p in keywords:
         assert p.kind is inspect.Parameter.KEYWORD_ONLY, p.name
         assert p.default == getattr(DEFAULTS, p.name), p.name

@@ -3,6 +3,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,7 +22,7 @@ def test_tau_plus_inf_is_exactly_target_only(tiny_pipe):
     tgt = tiny_pipe(PROMPT, mode="target", num_blocks=NB, seed=3)
     assert [b["decision"] for b in sd.stats["blocks"]] == ["forced"] + ["rejected"] * (NB - 1)
     assert torch.equal(sd.latents, tgt.latents)
-    assert torch.equal(sd.frames, tgt.frames)
+    assert np.array_equal(sd.frames, tgt.frames)
     assert sd.stats["acceptance_rate"] == 0.0
 
 
@@ -80,7 +81,7 @@ def test_drafter_cache_holds_what_the_policy_says(tiny_pipe, policy):
 
 
 def test_frames_total_and_emitted_equal_streaming_decode(tiny_pipe):
-    out = tiny_pipe(PROMPT, tau=0.0, num_blocks=NB, seed=2)
+    out = tiny_pipe(PROMPT, tau=0.0, num_blocks=NB, seed=2, output_type="uint8")
     assert out.frames.shape == (9 + 12 * (NB - 1), 64, 64, 3)
     assert out.stats["frames"] == out.frames.shape[0]
     from sdvg.models.vae import to_uint8_frames
@@ -126,7 +127,7 @@ def test_same_seed_same_video_different_seed_differs(tiny_pipe):
     a = tiny_pipe(PROMPT, tau=-0.1, num_blocks=2, seed=9)
     b = tiny_pipe(PROMPT, tau=-0.1, num_blocks=2, seed=9)
     c = tiny_pipe(PROMPT, tau=-0.1, num_blocks=2, seed=10)
-    assert torch.equal(a.latents, b.latents) and torch.equal(a.frames, b.frames)
+    assert torch.equal(a.latents, b.latents) and np.array_equal(a.frames, b.frames)
     assert not torch.equal(a.latents, c.latents)
 
 
@@ -223,6 +224,21 @@ def test_cli_prompts_file_resume_and_bad_files(tmp_path):
     assert r.returncode != 0 and "unknown preset" in r.stderr
 
 
+def test_one_line_prompts_file_follows_the_prompts_file_rule(tmp_path):
+    pf = tmp_path / "one.txt"
+    pf.write_text("a cat\n")
+    args = ["generate", "--preset", "tiny", "--prompts-file", str(pf), "--num-blocks", "1", "--out",
+            str(tmp_path / "v.mp4"), "--quiet", "--resume"]
+    assert _cli(*args).returncode == 0
+    assert (tmp_path / "v_0000.mp4").is_file() and not (tmp_path / "v.mp4").exists()
+    recs = [json.loads(x) for x in (tmp_path / "v.jsonl").read_text().splitlines()]  # JSON Lines, named .jsonl
+    assert [r["prompt_index"] for r in recs] == [0]
+    r = _cli(*args)
+    assert r.returncode == 0 and "wrote 0 video(s)" in r.stderr  # resumed: nothing left to do
+    r = _cli("generate", "--preset", "tiny", "--prompt", "x", "--prompts-file", str(pf))
+    assert r.returncode != 0 and "either --prompt TEXT or --prompts-file FILE" in r.stderr
+
+
 def test_interrupt_leaves_playable_mp4_and_marked_stats(tmp_path, tiny_pipe, monkeypatch):
     from sdvg import cli
     from sdvg.io.video_writer import read_mp4_frames
@@ -292,7 +308,7 @@ def test_from_pretrained_with_real_formats_equals_the_source(tmp_path, tiny_pipe
     kw = dict(tau=-0.105, num_blocks=3, seed=4)
     a, b = tiny_pipe(PROMPT, **kw), loaded(PROMPT, **kw)
     assert [x["score"] for x in a.stats["blocks"]] == [x["score"] for x in b.stats["blocks"]]
-    assert torch.equal(a.latents, b.latents) and torch.equal(a.frames, b.frames)
+    assert torch.equal(a.latents, b.latents) and np.array_equal(a.frames, b.frames)
 
 
 def test_timeline_refuses_stats_without_trace(tmp_path):

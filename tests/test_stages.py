@@ -1,4 +1,5 @@
 """Static stage modules against the eager path, ONNX export parity, the compiled backend."""
+import numpy as np
 import pytest
 import torch
 
@@ -77,6 +78,6 @@ def test_compile_backend_matches_eager(tiny_pipe):
     assert compiled.stats["backend"] == "compile"
     assert [b["decision"] for b in eager.stats["blocks"]] == [b["decision"] for b in compiled.stats["blocks"]]
     assert (eager.latents - compiled.latents).abs().max() < 1e-4
-    assert (eager.frames.float() - compiled.frames.float()).abs().max() <= 1  # uint8 rounding
+    assert np.abs(eager.frames - compiled.frames).max() <= 1 / 255 + 1e-7  # uint8 rounding
     for a, b in zip(eager.stats["blocks"][1:], compiled.stats["blocks"][1:]):
         assert a["score"] == pytest.approx(b["score"], abs=1e-4)

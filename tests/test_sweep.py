@@ -21,7 +21,7 @@ def test_sweep_resume_and_pareto(tmp_path, capsys):
     lines = (out / "sweep.rank0.jsonl").read_text().splitlines()
     assert len(lines) == 2 * 3  # target baseline + two taus per prompt
     summary = json.loads((out / "summary.json").read_text())
-    rows = {r["tau"]: r for r in summary["taus"]}
+    rows = {float(r["tau"]): r for r in summary["taus"]}  # strict JSON: -inf is written "-inf"
     assert rows[-math.inf]["acceptance"] == 1.0
     assert (out / "pareto.png").read_bytes()[:4] == b"\x89PNG"
     # resuming with one more tau runs only the new pairs
@@ -29,6 +29,7 @@ def test_sweep_resume_and_pareto(tmp_path, capsys):
     lines = (out / "sweep.rank0.jsonl").read_text().splitlines()
     assert len(lines) == 2 * 4
     assert sum(json.loads(x)["tau"] == 1.0 for x in lines) == 2
+    assert all("Infinity" not in x and "NaN" not in x for x in lines)
 
 
 def test_calibrate_acceptance(tmp_path, capsys):

@@ -15,6 +15,7 @@ import os
 import statistics
 from pathlib import Path
 
+from sdvg.generation.types import strict_json
 from sdvg.options import GenerationOptions
 
 TARGET_KEY = "target"
@@ -35,12 +36,23 @@ def _key(rec: dict) -> tuple:
     return rec["prompt_index"], rec["tau"]
 
 
+def tau_to_json(tau):
+    """Records are strict JSON: an infinite tau is written as the string "inf" / "-inf"."""
+    return tau if tau == TARGET_KEY or math.isfinite(tau) else str(tau)
+
+
+def _tau_from_json(tau):
+    return tau if tau == TARGET_KEY else float(tau)
+
+
 def read_records(folder: Path) -> list[dict]:
     recs = []
     for f in sorted(folder.glob("sweep.rank*.jsonl")):
         for line in f.read_text(encoding="utf-8").splitlines():
             try:
-                recs.append(json.loads(line))
+                rec = json.loads(line)
+                rec["tau"] = _tau_from_json(rec["tau"])
+                recs.append(rec)
             except json.JSONDecodeError:
                 continue  # a line cut off by a crash; the run is redone
     return recs
@@ -68,7 +80,7 @@ def run_sweep(pipe, prompts: list[str], taus: list[float], out: Path, evaluator,
                    "block_scores": [b["score"] for b in out_.stats["blocks"]],
                    "decisions": [b["decision"] for b in out_.stats["blocks"]]}
             with path.open("a", encoding="utf-8") as f:
-                f.write(json.dumps(rec) + "\n")
+                f.write(strict_json({**rec, "tau": tau_to_json(tau)}) + "\n")
             new.append(rec)
             if progress:
                 progress(rec)
@@ -89,11 +101,22 @@ def summarise(records: list[dict]) -> dict:
         q_base = statistics.mean(base[r["prompt_index"]]["quality"] for r in rs)
         q = statistics.mean(r["quality"] for r in rs)
         rows.append({"tau": tau, "prompts": len(rs),
-                     "acceptance": statistics.mean(r["acceptance_rate"] for r in rs),
+                     "acceptance": _mean_or_none([r["acceptance_rate"] for r in rs]),
                      "speedup": t_base / sum(r["wall_s"] for r in rs),
                      "quality": q, "target_quality": q_base,
                      "retention": q / q_base if q_base not in (0, 0.0) else math.nan})
     return {"taus": rows, "prompts": len(base)}
+
+
+def _mean_or_none(values: list) -> float | None:
+    """Mean of the known values (acceptance is None for a one-block video: no block 1..B-1)."""
+    known = [v for v in values if v is not None]
+    return statistics.mean(known) if known else None
+
+
+def summary_json(summary: dict) -> str:
+    """The summary as strict JSON (infinite taus as "inf" / "-inf", as in the records)."""
+    return strict_json({**summary, "taus": [{**r, "tau": tau_to_json(r["tau"])} for r in summary["taus"]]}, indent=2)
 
 
 def pareto(rows: list[dict]) -> list[dict]:

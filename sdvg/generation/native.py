@@ -141,7 +141,7 @@ def generate_blocks_native(comps: Components, prompt: str, opts: GenerationOptio
         finally:
             sched.cancel()  # no-op when finished; stops the scheduler if the consumer went away
             worker.join()
-    if errors and "cancelled" not in str(errors[0]):
+    if errors and not sched.cancelled():
         raise errors[0]
     if report is not None:
         report.counters = sched.counters()

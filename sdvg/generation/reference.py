@@ -124,6 +124,7 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
                           block_times(times), draft_latents=None if draft is None else draft.float().cpu(),
                           emitted_scores=emitted_scores)
     counters.scheduler_wall_s = time.perf_counter() - t_start
+    counters.stage_call_s = counters.main_stage_s = sum(x["end_s"] - x["start_s"] for x in trace)  # one thread
     if report is not None:
         report.counters = counters
         report.trace = trace

@@ -7,6 +7,8 @@ neither imports the other; the API, the CLI, the JSON statistics and the benchma
 """
 from __future__ import annotations
 
+import json
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,6 +28,9 @@ BLOCK_TIME_KEYS: tuple[str, ...] = STAGE_NAMES + ("commit",)
 TOTAL_KEYS: tuple[str, ...] = ("draft", "decode", "score", "target", "commit")
 
 Counters = _C.Counters  # the native counters struct; the reference loop counts into the same type
+
+# The statistics file's schema (docs/stats.md). Bump on any change of a field's name or meaning.
+SCHEMA_VERSION = 1
 
 
 def block_times(stage_seconds: Mapping[str, float]) -> dict[str, float]:
@@ -103,6 +108,7 @@ class RunStats(Mapping):
     prompt: str
     preset: str
     options: GenerationOptions  # resolved (num_blocks filled in)
+    provenance: dict[str, Any] = field(default_factory=dict)  # versions, devices, fingerprints (the pipeline's)
     blocks: list[dict] = field(default_factory=list)  # BlockRecord.stats() per emitted block
     interrupted: bool = False
     counters: dict[str, float] = field(default_factory=dict)  # COUNTER_NAMES
@@ -145,7 +151,8 @@ class RunStats(Mapping):
         return {k: sum(b["times"].get(k, 0.0) for b in self.blocks) for k in TOTAL_KEYS}
 
     def as_dict(self) -> dict:
-        d: dict[str, Any] = {"prompt": self.prompt, "preset": self.preset}
+        d: dict[str, Any] = {"schema_version": SCHEMA_VERSION, **self.provenance,
+                             "prompt": self.prompt, "preset": self.preset}
         d.update(self.options.as_dict())
         d.update(blocks=self.blocks, frames=self.frames, interrupted=self.interrupted,
                  acceptance_rate=self.acceptance_rate, accepted_blocks=self.accepted_blocks,
@@ -153,7 +160,13 @@ class RunStats(Mapping):
         d.update({k: self.counters.get(k, 0) for k in COUNTER_NAMES})
         d.update(trace=self.trace, wall_s=self.wall_s, stage_totals=self.stage_totals())
         d.update(self.extra)
+        d["nonfinite_fields"] = nonfinite_paths(d)
         return d
+
+    def to_json(self, indent: int | None = None) -> str:
+        """Strict JSON (no NaN / Infinity): a non-finite number is written as null and its path is
+        listed in `nonfinite_fields` (e.g. `tau` for tau = inf)."""
+        return strict_json(self.as_dict(), indent=indent)
 
     # Mapping over as_dict()
     def __getitem__(self, key: str):
@@ -164,3 +177,30 @@ class RunStats(Mapping):
 
     def __len__(self) -> int:
         return len(self.as_dict())
+
+
+def nonfinite_paths(obj, prefix: str = "") -> list[str]:
+    """Dotted paths of the non-finite floats in a JSON-like object (list items as [i])."""
+    if isinstance(obj, float):
+        return [] if math.isfinite(obj) else [prefix]
+    if isinstance(obj, dict):
+        return [p for k, v in obj.items() if k != "nonfinite_fields"
+                for p in nonfinite_paths(v, f"{prefix}.{k}" if prefix else str(k))]
+    if isinstance(obj, (list, tuple)):
+        return [p for i, v in enumerate(obj) for p in nonfinite_paths(v, f"{prefix}[{i}]")]
+    return []
+
+
+def _finite_or_none(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_or_none(v) for v in obj]
+    return obj
+
+
+def strict_json(obj, indent: int | None = None) -> str:
+    """JSON that strict parsers accept: non-finite floats become null (callers list them)."""
+    return json.dumps(_finite_or_none(obj), indent=indent, allow_nan=False)

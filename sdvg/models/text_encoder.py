@@ -21,6 +21,14 @@ class TextEncoder:
         self.config = config
         self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()  # prompt -> embeddings (LRU)
         self.cache_size = cache_size
+        # CPU offload: the encoder lives on `offload_device` and visits `execution_device` only to
+        # encode a new prompt (the 11 GB umT5 leaves the GPU right after encoding).
+        self.execution_device: torch.device | None = None
+        self.offload_device: torch.device | None = None
+
+    def enable_offload(self, execution_device, offload_device="cpu") -> None:
+        self.execution_device, self.offload_device = torch.device(execution_device), torch.device(offload_device)
+        self.model.to(self.offload_device)
 
     @classmethod
     def random(cls, config: TextEncoderConfig, tokenizer, seed: int = 0) -> "TextEncoder":
@@ -68,14 +76,24 @@ class TextEncoder:
         if prompt in self.cache:
             self.cache.move_to_end(prompt)
             return self.cache[prompt]
+        if self.execution_device is not None and self.execution_device != self.offload_device:
+            self.model.to(self.execution_device)
+            try:
+                emb = self._encode(prompt)
+            finally:
+                self.model.to(self.offload_device)
+        else:
+            emb = self._encode(prompt)
+        self.cache[prompt] = emb
+        while len(self.cache) > self.cache_size:
+            self.cache.popitem(last=False)
+        return emb
+
+    def _encode(self, prompt: str) -> torch.Tensor:
         L = self.config.text_len
         tok = self.tokenizer([prompt], padding="max_length", max_length=L, truncation=True, add_special_tokens=True,
                              return_attention_mask=True, return_tensors="pt")
         ids = tok.input_ids.to(self.device)
         mask = tok.attention_mask.to(self.device)
         hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state.float()  # [1, L, d]
-        emb = hidden * mask[..., None].float()  # zero past the prompt length
-        self.cache[prompt] = emb
-        while len(self.cache) > self.cache_size:
-            self.cache.popitem(last=False)
-        return emb
+        return hidden * mask[..., None].float()  # zero past the prompt length

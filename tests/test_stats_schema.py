@@ -1,0 +1,62 @@
+"""The statistics written by every path match docs/stats.md, for complete and interrupted runs."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+DOC = (Path(__file__).resolve().parents[1] / "docs" / "stats.md").read_text(encoding="utf-8")
+PROMPT = "a red fox"
+
+
+def documented(section: str) -> dict[str, str]:
+    """field -> meaning from the table under `## <section>`."""
+    body = DOC.split(f"## {section}", 1)[1].split("\n## ", 1)[0]
+    return {m.group(1): m.group(2) for m in re.finditer(r"^\| `([a-z_]+)` \| [^|]+ \| (.+) \|$", body, re.M)}
+
+
+TOP, BLOCK, TRACE = documented("Top-level fields"), documented("Block fields"), documented("Trace entries")
+CLI_ONLY = {k for k, v in TOP.items() if v.startswith("CLI only")}
+
+
+def _check(stats: dict, cli: bool = False):
+    json.loads(json.dumps(stats, allow_nan=True))
+    want = set(TOP) if cli else set(TOP) - CLI_ONLY
+    if cli and "prompt_index" not in stats:
+        want.discard("prompt_index")
+    assert set(stats) == want
+    for b in stats["blocks"]:
+        assert set(b) == set(BLOCK) - ({"emitted_scores"} if "emitted_scores" not in b else set())
+        assert set(b["times"]) == {"draft", "decode", "score", "target", "drafter_commit", "target_commit", "commit"}
+    for x in stats["trace"]:
+        assert set(x) == set(TRACE)
+
+
+@pytest.mark.parametrize("scheduler", ["cpp", "reference"])
+def test_complete_run_matches_the_doc(tiny_pipe, scheduler):
+    stats = tiny_pipe(PROMPT, num_blocks=2, scheduler=scheduler, score_emitted=True).stats.as_dict()
+    _check(stats)
+    assert stats["schema_version"] == 1 and stats["checkpoints"]["target"].startswith("random:tiny")
+
+
+def test_interrupted_run_has_the_same_fields(tiny_pipe):
+    stream = tiny_pipe.stream(PROMPT, num_blocks=3)
+    next(stream)
+    stream.close()
+    stats = stream.stats.as_dict()
+    _check(stats)
+    assert stats["interrupted"] is True and stats["blocks_done"] == 1 and stats["wall_s"] > 0
+    with pytest.raises(StopIteration):
+        next(stream)  # a closed stream stays closed; its stats stay as they were
+    assert stream.stats.as_dict()["wall_s"] == stats["wall_s"]
+
+
+def test_cli_file_is_strict_json_and_documented(tmp_path):
+    from sdvg import cli
+
+    assert cli.main(["generate", "--prompt", PROMPT, "--num-blocks", "2", "--tau=-inf", "--quiet",
+                     "--out", str(tmp_path / "v.mp4"), "--stats", str(tmp_path / "s.json")]) == 0
+    text = (tmp_path / "s.json").read_text()
+    stats = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+    _check(stats, cli=True)
+    assert stats["tau"] is None and stats["nonfinite_fields"] == ["tau"]
