@@ -29,6 +29,13 @@ def _count(low: int):
     return parse
 
 
+def _crf(text: str) -> int:
+    v = _count(0)(text)
+    if v > 51:
+        raise argparse.ArgumentTypeError(f"crf {v} must lie in [0, 51]")
+    return v
+
+
 def _fraction(text: str) -> float:
     try:
         v = float(text)
@@ -59,13 +66,17 @@ def read_prompts(path: str | Path) -> list[str]:
 
 def add_generation_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
     """Model and placement flags, then one flag per generation option (minus `exclude`)."""
-    p.add_argument("--preset", default="tiny", help=f"random-weight preset: {sorted(PRESETS)}")
-    p.add_argument("--drafter", help="drafter checkpoint (Self-Forcing .pt, .safetensors or diffusers folder)")
-    p.add_argument("--target", help="target checkpoint (Krea .safetensors, original Wan or diffusers folder)")
-    p.add_argument("--vae", help="Wan2.1 VAE (.pth or diffusers folder)")
-    p.add_argument("--reward", help="ImageReward.pt")
-    p.add_argument("--reward-tokenizer", help="bert-base-uncased tokenizer folder")
-    p.add_argument("--text-encoder", help="umT5 encoder folder (or a diffusers Wan folder)")
+    random = sorted(k for k, v in PRESETS.items() if v.random_weights)
+    real = sorted(k for k, v in PRESETS.items() if not v.random_weights)
+    p.add_argument("--preset", default="tiny", help=f"random weights: {', '.join(random)}; real weights (from the "
+                                                     f"HF cache, or the flags below): {', '.join(real)}")
+    where = " (a local path or a hub repo org/name[@revision][/file]; default: the preset's)"
+    p.add_argument("--drafter", help="drafter checkpoint: Self-Forcing .pt, .safetensors or diffusers folder" + where)
+    p.add_argument("--target", help="target checkpoint: Krea .safetensors, original Wan or diffusers folder" + where)
+    p.add_argument("--vae", help="Wan2.1 VAE: .pth or diffusers folder" + where)
+    p.add_argument("--reward", help="ImageReward.pt" + where)
+    p.add_argument("--reward-tokenizer", help="bert-base-uncased tokenizer folder" + where)
+    p.add_argument("--text-encoder", help="umT5 encoder folder or a diffusers Wan folder" + where)
     p.add_argument("--engines", help="engine folder built by `python -m build_engines` (backend tensorrt)")
     p.add_argument("--device", "--drafter-device", dest="device", default="cpu",
                    help="drafter, VAE and reward device")
@@ -74,20 +85,37 @@ def add_generation_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = (
 
 
 def build_pipeline(args):
+    import time
+
+    t0 = time.perf_counter()
+    what = f"preset {args.preset!r}" + ("" if args.preset not in PRESETS or not PRESETS[args.preset].random_weights
+                                        else " (random weights)")
+    if not getattr(args, "quiet", False):
+        print(f"loading {what} ...", file=sys.stderr, flush=True)
+    pipe = _build_pipeline(args)
+    if not getattr(args, "quiet", False):
+        print(f"loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return pipe
+
+
+def _build_pipeline(args):
+    """Random weights for a random-weight preset without checkpoint flags; real weights otherwise (the
+    preset's published files, each replaced by its flag when given)."""
+    from sdvg.config import get_preset
     from sdvg.pipeline import SpeculativeVideoPipeline
 
-    paths = [args.drafter, args.target, args.vae, args.text_encoder]
-    if any(paths):
-        if not all(paths):
-            raise SystemExit("error: real weights need --drafter, --target, --vae and --text-encoder together")
-        return SpeculativeVideoPipeline.from_pretrained(
-            args.drafter, args.target, args.vae, args.reward, args.text_encoder, preset="wan2.1",
-            reward_tokenizer=args.reward_tokenizer, drafter_device=args.device, target_device=args.target_device,
-            backend=args.backend or BACKENDS[0], engines=args.engines)
     if args.preset not in PRESETS:
         raise SystemExit(f"error: unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
-    return SpeculativeVideoPipeline.from_preset(args.preset, device=args.device, target_device=args.target_device,
-                                                backend=args.backend or BACKENDS[0], engines=args.engines)
+    preset = get_preset(args.preset)
+    paths = dict(drafter=args.drafter, target=args.target, vae=args.vae, text_encoder=args.text_encoder,
+                 reward=args.reward, reward_tokenizer=args.reward_tokenizer)
+    backend = args.backend or BACKENDS[0]
+    if preset.random_weights and not any(paths.values()):
+        return SpeculativeVideoPipeline.from_preset(preset, device=args.device, target_device=args.target_device,
+                                                    backend=backend, engines=args.engines)
+    return SpeculativeVideoPipeline.from_pretrained(preset, **paths, drafter_device=args.device,
+                                                    target_device=args.target_device, backend=backend,
+                                                    engines=args.engines)
 
 
 def _video_path(out: Path, index: int, many: bool) -> Path:
@@ -107,7 +135,7 @@ def _done_prompts(stats_path: Path) -> set[int]:
     return done
 
 
-def run_one(pipe, prompt: str, opts, video: Path, progress: bool = True):
+def run_one(pipe, prompt: str, opts, video: Path, progress: bool = True, fps: float = 16, crf: int = 10):
     """Generate one video, writing the MP4 as blocks arrive; returns its `RunStats`. On Ctrl-C the MP4
     of the blocks emitted so far is closed (playable) and the stats (same fields) are marked interrupted."""
     from tqdm import tqdm
@@ -118,7 +146,7 @@ def run_one(pipe, prompt: str, opts, video: Path, progress: bool = True):
     bar = tqdm(total=opts.num_blocks, desc=video.name, unit="block", disable=not progress, file=sys.stderr)
     counts = {"forced": 0, "accepted": 0, "rejected": 0}
     stream = pipe.run(prompt, opts)
-    with IncrementalMP4Writer(video) as writer:
+    with IncrementalMP4Writer(video, fps=fps, crf=crf) as writer:
         try:
             for block in stream:
                 writer.write(block.frames)
@@ -156,7 +184,7 @@ def cmd_generate(args) -> int:
     opts = options_from_args(args)
     pipe = build_pipeline(args)
     if not many:
-        stats = run_one(pipe, prompts[0], opts, out, progress=not args.quiet)
+        stats = run_one(pipe, prompts[0], opts, out, progress=not args.quiet, fps=args.fps, crf=args.crf)
         stats_path.parent.mkdir(parents=True, exist_ok=True)
         stats_path.write_text(stats.to_json(indent=2))
         _timeline(args, stats, 0, many=False)
@@ -169,7 +197,8 @@ def cmd_generate(args) -> int:
     for i, prompt in enumerate(prompts, start=first):  # i: the prompt's line in the file (0-based)
         if i in done:
             continue
-        stats = run_one(pipe, prompt, opts, _video_path(out, i, True), progress=not args.quiet)
+        stats = run_one(pipe, prompt, opts, _video_path(out, i, True), progress=not args.quiet, fps=args.fps,
+                        crf=args.crf)
         stats.extra["prompt_index"] = i
         with stats_path.open("a", encoding="utf-8") as f:
             f.write(stats.to_json() + "\n")
@@ -324,7 +353,9 @@ def _progress(args, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(config: dict | None = None) -> argparse.ArgumentParser:
+    """The command line; `config` (from --config) sets the generation options' defaults, so flags
+    given on the command line still win."""
     parser = argparse.ArgumentParser(prog="sdvg", description="speculative decoding for video diffusion")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate videos (MP4 written as blocks arrive)")
@@ -336,11 +367,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", default="video.mp4", help="the MP4 (with --prompts-file: <stem>_<line>.mp4 per prompt)")
     g.add_argument("--stats", help="statistics (docs/stats.md): JSON, or JSON Lines with --prompts-file; "
                                    "default: --out with .json / .jsonl")
+    g.add_argument("--fps", type=float, default=16, help="frames per second of the MP4 (default: 16, Wan2.1's)")
+    g.add_argument("--crf", type=_crf, default=10, help="libx264 quality, 0 (lossless) to 51 (default: 10)")
     g.add_argument("--resume", action="store_true", help="skip prompts already in the stats JSONL")
     g.add_argument("--timeline", help="PNG of every stage call on the drafter / VAE+reward / target lanes "
                                       "(one per prompt with --prompts-file)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("config", help="print the resolved generation options (--config file, then flags)")
+    add_option_flags(c)
+    c.set_defaults(func=cmd_config)
+    for p in (g, c):
+        _add_config(p, config)
     m = sub.add_parser("memory", help="weights and KV-cache memory of a preset, before allocating")
     m.add_argument("--preset", default="wan2.1")
     m.add_argument("--num-blocks", type=_count(1), help="blocks (default: the preset's)")
@@ -364,11 +402,44 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--acceptance", type=_fraction, help="wanted acceptance rate of blocks 1..B-1, in [0, 1]")
             sp.add_argument("--retention", type=_fraction, help="wanted quality retention vs target-only, in [0, 1]")
         sp.set_defaults(func=fn)
+        _add_config(sp, {k: v for k, v in (config or {}).items() if k not in ("mode", "tau")})
     return parser
 
 
+def _add_config(p: argparse.ArgumentParser, config: dict | None) -> None:
+    p.add_argument("--config", help="YAML or JSON file of generation options (keys: the option names); "
+                                    "flags given here override it")
+    if config:
+        p.set_defaults(**config)
+
+
+def _config_values(argv: list[str]) -> dict:
+    """The options of `--config FILE` (read before the full parse; errors exit 2 naming the file)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    if not known.config:
+        return {}
+    from sdvg.options import OptionError, load_options_file
+
+    try:
+        return load_options_file(known.config)
+    except OptionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def cmd_config(args) -> int:
+    """Print the resolved generation options (config file, then flags) as YAML."""
+    import yaml
+
+    print(yaml.safe_dump(options_from_args(args).as_dict(), sort_keys=False), end="")
+    return 0
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(_config_values(argv)).parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:

@@ -178,6 +178,29 @@ class VideoConfig:
 
 
 @dataclass(frozen=True)
+class HubSource:
+    """Where a component's published weights live on the Hugging Face Hub: one file, or a folder
+    (the files matching `patterns`) of a repo at a revision."""
+
+    repo_id: str
+    filename: str | None = None  # None: a folder
+    patterns: tuple[str, ...] = ()
+    revision: str = "main"
+
+
+@dataclass(frozen=True)
+class PresetSources:
+    """The published checkpoints of a real-weight preset, per component."""
+
+    drafter: HubSource
+    target: HubSource
+    vae: HubSource
+    text_encoder: HubSource
+    reward: HubSource
+    reward_tokenizer: HubSource
+
+
+@dataclass(frozen=True)
 class Preset:
     name: str
     drafter: DiTConfig
@@ -190,6 +213,11 @@ class Preset:
     kv_window: KVWindow = field(default_factory=KVWindow)
     timesteps: tuple[float, ...] = (1000.0, 750.0, 500.0, 250.0)
     shift: float = 5.0
+    sources: PresetSources | None = None  # None: a random-weight preset
+
+    @property
+    def random_weights(self) -> bool:
+        return self.sources is None
 
     def validate(self) -> None:
         if self.precision not in PRECISIONS:
@@ -248,6 +276,17 @@ PRESETS: dict[str, Preset] = {
         reward=IMAGE_REWARD,
         video=VideoConfig(),
         precision="bf16",
+        sources=PresetSources(
+            drafter=HubSource("gdhe17/Self-Forcing", "checkpoints/self_forcing_dmd.pt"),
+            target=HubSource("krea/krea-realtime-video", "krea-realtime-video-14b.safetensors"),
+            vae=HubSource("Wan-AI/Wan2.1-T2V-1.3B", "Wan2.1_VAE.pth"),
+            text_encoder=HubSource("Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+                                   patterns=("text_encoder/*", "tokenizer/*")),
+            reward=HubSource("THUDM/ImageReward", "ImageReward.pt"),
+            reward_tokenizer=HubSource("google-bert/bert-base-uncased",
+                                       patterns=("vocab.txt", "tokenizer_config.json", "tokenizer.json",
+                                                 "special_tokens_map.json", "config.json")),
+        ),
     ),
     # Exact 1.3B / 14B / VAE / ImageReward sizes, random weights, for GPU benchmarks. The text
     # encoder is a 1-layer stand-in of the right width (it runs once per prompt, outside the loop).

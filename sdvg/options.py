@@ -234,3 +234,53 @@ def options_from_args(args: argparse.Namespace, **overrides) -> GenerationOption
     values = {name: getattr(args, name) for name in OPTION_NAMES if hasattr(args, name)}
     values.update(overrides)
     return GenerationOptions(**values)
+
+
+# ---------------------------------------------------------------------------- config files
+def load_options_file(path) -> dict:
+    """The generation options of a YAML or JSON file (`--config`): a mapping whose every key is an
+    option name. Values are checked by `GenerationOptions` (strings go through the CLI parsers, so
+    `tau: -inf` and `pattern: "0110"` work). Returns {name: value} for the keys present."""
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.is_file():
+        raise OptionError(f"config file {path} not found (or not a file)")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() == ".json":
+        import json
+
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise OptionError(f"config file {path} is not valid JSON: {exc}") from None
+    else:
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)  # plain data only: no object construction
+        except yaml.YAMLError as exc:
+            raise OptionError(f"config file {path} is not valid YAML: {exc}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise OptionError(f"config file {path} must hold a mapping of option names to values, got "
+                          f"{type(data).__name__}")
+    unknown = sorted(set(map(str, data)) - set(OPTION_NAMES))
+    if unknown:
+        raise OptionError(f"config file {path}: unknown option(s) {', '.join(unknown)}; the options are "
+                          f"{', '.join(OPTION_NAMES)}")
+    values = {}
+    for name, value in data.items():
+        if isinstance(value, str) and name not in ("mode", "router", "aggregation", "drafter_context",
+                                                   "scheduler", "backend"):
+            try:
+                value = option_type(name)(value)
+            except argparse.ArgumentTypeError as exc:
+                raise OptionError(f"config file {path}: {exc}") from None
+        values[name] = value
+    try:
+        GenerationOptions(**values)  # every rule, with the file named in the error
+    except OptionError as exc:
+        raise OptionError(f"config file {path}: {exc}") from None
+    return values

@@ -26,6 +26,7 @@ from sdvg.config import Preset, config_hash, get_preset
 from sdvg.generation.types import BlockRecord, LoopReport, RunStats
 from sdvg.models.components import Components, build_random, load_pretrained
 from sdvg.models.fingerprint import file_fingerprint, random_fingerprint
+from sdvg.models.hub import resolve_components
 from sdvg.options import DEFAULTS as D
 from sdvg.options import OPTION_NAMES, SEED_MAX, GenerationOptions
 
@@ -156,18 +157,30 @@ class SpeculativeVideoPipeline:
                    engines, sources)
 
     @classmethod
-    def from_pretrained(cls, drafter, target, vae, reward, text_encoder, preset: str | Preset = "wan2.1",
-                        reward_tokenizer=None, drafter_device="cuda:0", target_device=None, backend: str = "eager",
-                        engines=None, torch_dtype=None) -> "SpeculativeVideoPipeline":
-        """Real weights from local paths or HF-cache folders (see docs/checkpoints.md for the formats).
-        torch_dtype overrides the preset's precision."""
+    def from_pretrained(cls, preset: str | Preset = "wan2.1", *, drafter=None, target=None, vae=None, reward=None,
+                        text_encoder=None, reward_tokenizer=None, drafter_device="cuda:0", target_device=None,
+                        backend: str = "eager", engines=None, torch_dtype=None) -> "SpeculativeVideoPipeline":
+        """Real weights. Each component is a local path (see docs/checkpoints.md for the formats), a
+        hub repo `org/name[@revision][/path/in/repo]`, or None: the file the preset publishes for it
+        (`Preset.sources`; `from_pretrained("wan2.1")` finds everything in the HF cache). Missing files
+        are reported together, with the command that fetches them. torch_dtype overrides the preset's
+        precision. `reward=None` on a random-weight preset builds no reward model."""
         preset = get_preset(preset) if isinstance(preset, str) else preset
         if torch_dtype is not None:
             preset = preset.replace(precision=precision_of(torch_dtype))
-        paths = dict(drafter=drafter, target=target, vae=vae, reward=reward, text_encoder=text_encoder)
-        sources = {role: file_fingerprint(path) for role, path in paths.items() if path is not None}
-        return cls(load_pretrained(preset, drafter, target, vae, reward, text_encoder, reward_tokenizer,
-                                   drafter_device, target_device), backend, engines, sources)
+        specs = dict(drafter=drafter, target=target, vae=vae, text_encoder=text_encoder, reward=reward,
+                     reward_tokenizer=reward_tokenizer)
+        defaults = {} if preset.sources is None else {role: getattr(preset.sources, role) for role in specs}
+        paths = resolve_components(specs, defaults)
+        needed = [role for role in ("drafter", "target", "vae", "text_encoder") if paths[role] is None]
+        if needed:
+            raise ValueError(f"preset {preset.name!r} publishes no weights; give {', '.join(needed)} (local paths "
+                             "or hub repos), or use from_preset() for random weights")
+        sources = {role: file_fingerprint(path) for role, path in paths.items()
+                   if path is not None and role != "reward_tokenizer"}
+        return cls(load_pretrained(preset, paths["drafter"], paths["target"], paths["vae"], paths["reward"],
+                                   paths["text_encoder"], paths["reward_tokenizer"], drafter_device, target_device),
+                   backend, engines, sources)
 
     # ------------------------------------------------------------------ placement
     def to(self, device) -> "SpeculativeVideoPipeline":

@@ -61,7 +61,7 @@ def test_export_to_video_equals_sdvg_mp4(tiny_pipe, tmp_path):
     from sdvg.io.video_writer import IncrementalMP4Writer, read_mp4_frames
 
     out = tiny_pipe(PROMPT, **KW)
-    theirs = export_to_video(list(out.frames), str(tmp_path / "d.mp4"), fps=16, quality=8)  # sdvg writes at quality 8
+    theirs = export_to_video(list(out.frames), str(tmp_path / "d.mp4"), fps=16, quality=8)  # = crf 10, sdvg's default
     u8 = torch.from_numpy((out.frames * 255).astype(np.uint8))
     with IncrementalMP4Writer(tmp_path / "s.mp4") as w:
         w.write(u8)

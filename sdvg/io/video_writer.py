@@ -10,16 +10,28 @@ import numpy as np
 import torch
 
 
+DEFAULT_FPS = 16  # Wan2.1's frame rate
+DEFAULT_CRF = 10  # libx264 constant rate factor (imageio's quality 8): near-lossless
+
+
 class IncrementalMP4Writer:
-    def __init__(self, path: str | Path, fps: int = 16, quality: int = 8):
+    """fps: frames per second; crf: libx264's constant rate factor, 0 (lossless) to 51."""
+
+    def __init__(self, path: str | Path, fps: float = DEFAULT_FPS, crf: int = DEFAULT_CRF):
         import imageio.v2 as imageio
+
+        if not fps > 0:
+            raise ValueError(f"fps {fps} must be > 0")
+        if isinstance(crf, bool) or not isinstance(crf, int) or not 0 <= crf <= 51:
+            raise ValueError(f"crf {crf!r} must be an integer in [0, 51] (libx264; lower is better quality)")
 
         self.path = Path(path)
         if self.path.suffix.lower() != ".mp4":
             raise ValueError(f"output {self.path} must end in .mp4")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._writer = imageio.get_writer(str(self.path), fps=fps, codec="libx264", quality=quality,
-                                          macro_block_size=1, ffmpeg_log_level="error")
+        self._writer = imageio.get_writer(str(self.path), fps=fps, codec="libx264", quality=None,
+                                          output_params=["-crf", str(crf)], macro_block_size=1,
+                                          ffmpeg_log_level="error")
         self.frames_written = 0
 
     def write(self, frames: torch.Tensor) -> None:

@@ -2,6 +2,7 @@
 for the random-weight presets (built offline, deterministic)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import string
 from pathlib import Path
@@ -49,22 +50,29 @@ def tiny_bert_tokenizer():
 BERT_BASE_UNCASED_VOCAB = 30522
 
 
-def find_hf_snapshot(repo_id: str) -> Path | None:
-    """The newest local snapshot folder of `repo_id` in the Hugging Face cache, if any."""
-    home = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", Path.home() / ".cache/huggingface")) / "hub")
-    snaps = home / ("models--" + repo_id.replace("/", "--")) / "snapshots"
-    if not snaps.is_dir():
-        return None
-    found = sorted(snaps.iterdir(), key=lambda p: p.stat().st_mtime)
-    return found[-1] if found else None
+def bert_from_hf_cache() -> Path:
+    """bert-base-uncased's tokenizer files from the Hugging Face cache, at `refs/main`: the current repo
+    id (google-bert/bert-base-uncased) first, then the legacy one (bert-base-uncased)."""
+    from sdvg.config import get_preset
+    from sdvg.models.hub import MissingWeightsError, resolve_components
+
+    source = get_preset("wan2.1").sources.reward_tokenizer
+    try:
+        return resolve_components({"reward_tokenizer": None}, {"reward_tokenizer": source})["reward_tokenizer"]
+    except MissingWeightsError as first:
+        legacy = dataclasses.replace(source, repo_id="bert-base-uncased")
+        try:
+            return resolve_components({"reward_tokenizer": None}, {"reward_tokenizer": legacy})["reward_tokenizer"]
+        except MissingWeightsError:
+            raise first from None
 
 
 def load_bert_tokenizer(path: str | os.PathLike | None):
     """bert-base-uncased from a local folder (or the HF cache when `path` is None)."""
     from transformers import BertTokenizer
 
-    folder = Path(path) if path is not None else find_hf_snapshot("bert-base-uncased")
-    if folder is None or not folder.is_dir():
+    folder = Path(path) if path is not None else bert_from_hf_cache()
+    if not folder.is_dir():
         raise FileNotFoundError(
             f"BERT tokenizer folder {str(path) if path else '(HF cache: bert-base-uncased)'} not found; pass "
             "reward_tokenizer=<folder with vocab.txt> (a copy of bert-base-uncased)"

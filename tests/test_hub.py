@@ -1,0 +1,146 @@
+"""Hub-aware loading, offline, against a Hugging Face cache folder built in the real layout
+(blobs/, snapshots/<commit>/, refs/main) in a temporary HF_HOME."""
+import dataclasses
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sdvg.config import HubSource, PresetSources
+from sdvg.models.hub import MissingWeightsError, parse_source, resolve_components
+
+PROMPT = "a red fox running through fresh snow"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def add_repo(hub: Path, repo_id: str, files: dict[str, Path], commit: str = COMMIT, ref: str = "main") -> None:
+    """Put `files` (path in repo -> local file) into the cache as huggingface_hub lays it out."""
+    root = hub / ("models--" + repo_id.replace("/", "--"))
+    (root / "blobs").mkdir(parents=True, exist_ok=True)
+    for rel, src in files.items():
+        data = src.read_bytes()
+        blob = root / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        link = root / "snapshots" / commit / rel
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / ref).write_text(commit)
+
+
+@pytest.fixture(scope="module")
+def fake_hub(tmp_path_factory, tiny_pipe):
+    """The tiny pipeline's weights written in their real formats, then placed in a fake HF cache."""
+    from sdvg.models.checkpoints import save_dit
+    from sdvg.models.tokenizers import tiny_bert_tokenizer
+
+    src = tmp_path_factory.mktemp("src")
+    c = tiny_pipe.components
+    save_dit(c.drafter, src / "self_forcing.pt", "self-forcing")
+    save_dit(c.target, src / "krea.safetensors", "krea")
+    c.vae.vae.save_pretrained(src / "vae")
+    torch.save(c.scorer.model.state_dict(), src / "ImageReward.pt")
+    tiny_bert_tokenizer().save_pretrained(src / "bert")
+    c.text_encoder.model.save_pretrained(src / "wan" / "text_encoder")
+    c.text_encoder.tokenizer.save_pretrained(src / "wan" / "tokenizer")
+    home = tmp_path_factory.mktemp("hf_home")
+    hub = home / "hub"
+    add_repo(hub, "test-org/drafter", {"checkpoints/self_forcing.pt": src / "self_forcing.pt"})
+    add_repo(hub, "test-org/target", {"krea.safetensors": src / "krea.safetensors"})
+    add_repo(hub, "test-org/vae", {f"vae/{p.name}": p for p in (src / "vae").iterdir()})
+    add_repo(hub, "test-org/reward", {"ImageReward.pt": src / "ImageReward.pt"})
+    add_repo(hub, "test-org/bert", {p.name: p for p in (src / "bert").iterdir()})
+    add_repo(hub, "test-org/wan", {f"{d}/{p.name}": p for d in ("text_encoder", "tokenizer")
+                                   for p in (src / "wan" / d).iterdir()})
+    sources = PresetSources(
+        drafter=HubSource("test-org/drafter", "checkpoints/self_forcing.pt"),
+        target=HubSource("test-org/target", "krea.safetensors"),
+        vae=HubSource("test-org/vae", patterns=("vae/*",)),
+        text_encoder=HubSource("test-org/wan", patterns=("text_encoder/*", "tokenizer/*")),
+        reward=HubSource("test-org/reward", "ImageReward.pt"),
+        reward_tokenizer=HubSource("test-org/bert", patterns=("*",)),
+    )
+    return home, src, sources
+
+
+@pytest.fixture
+def offline_cache(fake_hub, monkeypatch):
+    from huggingface_hub import constants
+
+    home, _, _ = fake_hub
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return fake_hub
+
+
+def test_repo_ids_load_the_same_weights_as_explicit_paths(offline_cache, tiny_pipe, tiny_preset):
+    from sdvg import SpeculativeVideoPipeline
+
+    _, src, sources = offline_cache
+    preset = dataclasses.replace(tiny_preset, sources=sources)
+    by_preset = SpeculativeVideoPipeline.from_pretrained(preset, drafter_device="cpu")  # every file from the cache
+    by_paths = SpeculativeVideoPipeline.from_pretrained(
+        tiny_preset, drafter=src / "self_forcing.pt", target=src / "krea.safetensors", vae=src / "vae",
+        reward=src / "ImageReward.pt", text_encoder=src / "wan", reward_tokenizer=src / "bert", drafter_device="cpu")
+    by_ids = SpeculativeVideoPipeline.from_pretrained(
+        tiny_preset, drafter="test-org/drafter/checkpoints/self_forcing.pt", target="test-org/target/krea.safetensors",
+        vae="test-org/vae", reward=f"test-org/reward@{COMMIT}/ImageReward.pt", text_encoder="test-org/wan",
+        reward_tokenizer="test-org/bert", drafter_device="cpu")
+    kw = dict(tau=-0.105, num_blocks=2, seed=4, output_type="uint8")
+    want = by_paths(PROMPT, **kw)
+    for pipe in (by_preset, by_ids):
+        got = pipe(PROMPT, **kw)
+        assert torch.equal(got.latents, want.latents) and torch.equal(got.frames, want.frames)
+    assert by_ids.sources["drafter"].startswith("self_forcing.pt@")
+
+
+def test_missing_files_are_named_with_the_fetch_command(offline_cache, tiny_preset):
+    from sdvg import SpeculativeVideoPipeline
+
+    _, _, sources = offline_cache
+    bad = dataclasses.replace(sources, target=HubSource("test-org/target", "krea-v2.safetensors"),
+                              reward=HubSource("nobody/nothing", "ImageReward.pt"))
+    with pytest.raises(MissingWeightsError) as exc:
+        SpeculativeVideoPipeline.from_pretrained(dataclasses.replace(tiny_preset, sources=bad), drafter_device="cpu")
+    msg = str(exc.value)
+    assert "target: test-org/target krea-v2.safetensors" in msg and "reward: nobody/nothing ImageReward.pt" in msg
+    assert "download test-org/target krea-v2.safetensors" in msg and "drafter" not in msg.split("fetch")[0]
+
+
+def test_specs_that_are_neither_paths_nor_repos(offline_cache, tiny_preset):
+    from sdvg import SpeculativeVideoPipeline
+
+    with pytest.raises(FileNotFoundError, match="neither a local file or folder nor a hub repo id"):
+        resolve_components({"vae": "./no/such/file.pth"}, {})
+    with pytest.raises(ValueError, match="publishes no weights; give drafter, target"):
+        SpeculativeVideoPipeline.from_pretrained(tiny_preset, vae="test-org/vae", drafter_device="cpu")
+
+
+def test_parse_source():
+    default = HubSource("a/b", "x.pt")
+    assert parse_source("a/b", default) == default
+    assert parse_source("a/b@v2", default) == HubSource("a/b", "x.pt", revision="v2")
+    assert parse_source("a/b/dir/y.pt", default) == HubSource("a/b", "dir/y.pt")
+    assert parse_source("c/d", default) == HubSource("c/d")
+    assert parse_source("./a/b", default) is None and parse_source("plainname", default) is None
+
+
+def test_cli_resolves_repo_ids_offline(offline_cache, tmp_path):
+    home, _, _ = offline_cache
+    env = dict(os.environ, HF_HOME=str(home), HF_HUB_OFFLINE="1")
+    env.pop("HF_HUB_CACHE", None)
+    flags = ["--drafter", "test-org/drafter/checkpoints/self_forcing.pt", "--target", "test-org/target/krea.safetensors",
+             "--vae", "test-org/vae", "--reward", "test-org/reward/ImageReward.pt", "--text-encoder", "test-org/wan",
+             "--reward-tokenizer", "test-org/bert"]
+    r = subprocess.run([sys.executable, "-m", "sdvg.cli", "generate", "--preset", "tiny", *flags, "--prompt", PROMPT,
+                        "--num-blocks", "1", "--quiet", "--out", str(tmp_path / "v.mp4")], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-m", "sdvg.cli", "generate", "--preset", "tiny", *flags[:2],
+                        "--target", "test-org/target/missing.safetensors", "--prompt", PROMPT, "--quiet",
+                        "--out", str(tmp_path / "w.mp4")], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "missing.safetensors" in r.stderr and "download" in r.stderr
