@@ -218,7 +218,7 @@ def _timeline(args, stats, index: int, many: bool) -> None:
 
     acc = stats.get("acceptance_rate")
     title = (f"{stats['mode']}, {stats.get('scheduler', '')}{' run-ahead' if stats.get('run_ahead') else ''}: "
-             f"{stats['wall_s']:.2f} s" + ("" if acc is None else f" at {acc:.0%} acceptance"))
+             f"{stats['scheduler_wall_s']:.2f} s (the traced run)" + ("" if acc is None else f" at {acc:.0%} acceptance"))
     plot_timeline([{"title": title, "trace": stats["trace"], "decisions": decisions_of(stats.get("blocks", []))}],
                   _video_path(Path(args.timeline), index, many))
 
