@@ -45,3 +45,23 @@ def randomize(module, std=0.2, seed=0):
         for p in module.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * std)
     return module
+
+
+def write_real_checkpoints(components, folder):
+    """Every component of a pipeline written in its real on-disk format (Self-Forcing .pt drafter,
+    Krea-style .safetensors target, diffusers VAE folder, ImageReward.pt, BERT tokenizer folder,
+    diffusers Wan folder with text_encoder/ and tokenizer/); returns {role: path}."""
+    from sdvg.models.checkpoints import save_dit
+    from sdvg.models.tokenizers import tiny_bert_tokenizer
+
+    c = components
+    paths = dict(drafter=folder / "self_forcing.pt", target=folder / "krea.safetensors", vae=folder / "vae",
+                 reward=folder / "ImageReward.pt", reward_tokenizer=folder / "bert", text_encoder=folder / "wan")
+    save_dit(c.drafter, paths["drafter"], "self-forcing")
+    save_dit(c.target, paths["target"], "krea")
+    c.vae.vae.save_pretrained(paths["vae"])
+    torch.save(c.scorer.model.state_dict(), paths["reward"])
+    tiny_bert_tokenizer().save_pretrained(paths["reward_tokenizer"])
+    c.text_encoder.model.save_pretrained(paths["text_encoder"] / "text_encoder")
+    c.text_encoder.tokenizer.save_pretrained(paths["text_encoder"] / "tokenizer")
+    return paths

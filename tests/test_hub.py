@@ -35,18 +35,10 @@ def add_repo(hub: Path, repo_id: str, files: dict[str, Path], commit: str = COMM
 @pytest.fixture(scope="module")
 def fake_hub(tmp_path_factory, tiny_pipe):
     """The tiny pipeline's weights written in their real formats, then placed in a fake HF cache."""
-    from sdvg.models.checkpoints import save_dit
-    from sdvg.models.tokenizers import tiny_bert_tokenizer
+    from conftest import write_real_checkpoints
 
     src = tmp_path_factory.mktemp("src")
-    c = tiny_pipe.components
-    save_dit(c.drafter, src / "self_forcing.pt", "self-forcing")
-    save_dit(c.target, src / "krea.safetensors", "krea")
-    c.vae.vae.save_pretrained(src / "vae")
-    torch.save(c.scorer.model.state_dict(), src / "ImageReward.pt")
-    tiny_bert_tokenizer().save_pretrained(src / "bert")
-    c.text_encoder.model.save_pretrained(src / "wan" / "text_encoder")
-    c.text_encoder.tokenizer.save_pretrained(src / "wan" / "tokenizer")
+    write_real_checkpoints(tiny_pipe.components, src)
     home = tmp_path_factory.mktemp("hf_home")
     hub = home / "hub"
     add_repo(hub, "test-org/drafter", {"checkpoints/self_forcing.pt": src / "self_forcing.pt"})

@@ -289,22 +289,12 @@ def test_bf16_pipeline_runs_and_keeps_fp32_parts():
 
 def test_from_pretrained_with_real_formats_equals_the_source(tmp_path, tiny_pipe, tiny_preset):
     """Every component written in its real on-disk format and loaded back gives the same video."""
-    from sdvg import SpeculativeVideoPipeline
-    from sdvg.models.checkpoints import save_dit
-    from sdvg.models.tokenizers import tiny_bert_tokenizer
+    from conftest import write_real_checkpoints
 
-    c = tiny_pipe.components
-    save_dit(c.drafter, tmp_path / "self_forcing.pt", "self-forcing")
-    save_dit(c.target, tmp_path / "krea.safetensors", "krea")
-    c.vae.vae.save_pretrained(tmp_path / "vae")
-    torch.save(c.scorer.model.state_dict(), tmp_path / "ImageReward.pt")
-    tiny_bert_tokenizer().save_pretrained(tmp_path / "bert")
-    c.text_encoder.model.save_pretrained(tmp_path / "wan" / "text_encoder")
-    c.text_encoder.tokenizer.save_pretrained(tmp_path / "wan" / "tokenizer")
-    loaded = SpeculativeVideoPipeline.from_pretrained(
-        drafter=tmp_path / "self_forcing.pt", target=tmp_path / "krea.safetensors", vae=tmp_path / "vae",
-        reward=tmp_path / "ImageReward.pt", text_encoder=tmp_path / "wan", preset=tiny_preset,
-        reward_tokenizer=tmp_path / "bert", drafter_device="cpu")
+    from sdvg import SpeculativeVideoPipeline
+
+    paths = write_real_checkpoints(tiny_pipe.components, tmp_path)
+    loaded = SpeculativeVideoPipeline.from_pretrained(tiny_preset, **paths, drafter_device="cpu")
     kw = dict(tau=-0.105, num_blocks=3, seed=4)
     a, b = tiny_pipe(PROMPT, **kw), loaded(PROMPT, **kw)
     assert [x["score"] for x in a.stats["blocks"]] == [x["score"] for x in b.stats["blocks"]]
