@@ -256,17 +256,36 @@ def cmd_memory(args) -> int:
     return 0
 
 
-def _prompts_for_sweep(args) -> list[str]:
+def _prompts_for_sweep(args) -> tuple[list[tuple[int, str]], dict]:
+    """The selected (index, prompt) pairs and what identifies them (file, sha256, counts). Errors
+    (missing or empty file, blank lines, nothing selected) raise ValueError: exit 2, before any model loads."""
+    from sdvg.evaluation.sweep import sha256_file
+
     path = Path(args.prompts_file) if args.prompts_file else DEFAULT_PROMPTS
     if not path.is_file():
-        raise SystemExit(f"error: prompts file {path} not found; pass --prompts-file")
-    prompts = read_prompts(path)
-    return prompts[: args.limit] if args.limit else prompts
+        raise ValueError(f"prompts file {path} not found; pass --prompts-file")
+    try:
+        prompts = read_prompts(path)
+    except SystemExit as exc:  # read_prompts' message, as an error of this command (exit 2)
+        raise ValueError(str(exc.code).removeprefix("error: ")) from None
+    selected = list(enumerate(prompts[: args.limit] if args.limit else prompts))
+    if not selected:
+        raise ValueError(f"no prompt selected from {path}")
+    return selected, {"prompts_file": str(path), "prompts_sha256": sha256_file(path), "prompt_count": len(prompts),
+                      "limit": args.limit}
 
 
 def _taus(text: str) -> list[float]:
+    """--taus: a comma list of numbers (inf / -inf allowed), or `paper` (the paper's seven values)."""
+    from sdvg.evaluation.sweep import PAPER_TAUS
+
+    if text.strip().lower() == "paper":
+        return list(PAPER_TAUS)
     parse = option_type("tau")
-    return [parse(t) for t in text.split(",") if t.strip()]
+    taus = [parse(t.strip()) for t in text.split(",") if t.strip()]
+    if not taus:
+        raise argparse.ArgumentTypeError(f"--taus {text!r} holds no value; e.g. --taus=-1.5,-0.7 or --taus paper")
+    return list(dict.fromkeys(taus))
 
 
 def _sweep_pipeline(args):
@@ -285,66 +304,138 @@ def _sweep_pipeline(args):
     return build_pipeline(args), rank, world
 
 
-def cmd_sweep(args) -> int:
-    from sdvg.evaluation.evaluators import load_evaluator
-    from sdvg.evaluation.sweep import plot, read_records, run_sweep, summarise, summary_json
+def _sweep_setup(args, opts):
+    """Everything a sweep checks before any model loads: the prompts, the options, the folder's
+    configuration (its manifest and records). Returns (prompts, manifest)."""
+    import sdvg
+    from sdvg.config import config_hash, get_preset
+    from sdvg.evaluation.sweep import build_manifest, prepare_folder
 
-    prompts = _prompts_for_sweep(args)
+    if args.preset not in PRESETS:
+        raise ValueError(f"unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
+    prompts, source = _prompts_for_sweep(args)
+    preset = get_preset(args.preset)
+    opts = opts.resolved(preset.video.num_blocks)
+    opts = opts if opts.backend is not None else opts.replace(backend=BACKENDS[0])
+    flags = {k: getattr(args, k) for k in ("drafter", "target", "vae", "reward", "reward_tokenizer", "text_encoder",
+                                           "engines", "device", "target_device")}
+    manifest = build_manifest(opts, preset=args.preset, preset_fingerprint=config_hash(preset), checkpoint_flags=flags,
+                              evaluator=args.evaluator, repeats=args.repeats, warmup=args.warmup,
+                              sdvg_version=sdvg.__version__, **source)
+    prepare_folder(Path(args.out), manifest, prompts)
+    return prompts, opts
+
+
+def _run_sweep(args, prompts, opts, taus, draft: bool, label: str):
+    """Load the pipeline (once the folder is checked), then run the sweep's missing pairs."""
+    from sdvg.evaluation.evaluators import load_evaluator
+    from sdvg.evaluation.sweep import check_checkpoints, dist_env, missing_pairs, run_sweep
+
+    out = Path(args.out)
+    rank, world, _ = dist_env()
+    if not missing_pairs(out, prompts, taus, rank, world, draft):
+        _progress(args, f"{label}every (prompt, method) pair of this configuration is in {out} already")
+        return rank, world
+    pipe, rank, world = _sweep_pipeline(args)
+    check_checkpoints(out, pipe.provenance())
+    evaluator = load_evaluator(args.evaluator, pipe)
+
+    def progress(r):
+        acc = "n/a" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.1%}"
+        _progress(args, f"{label}[{r['prompt_index']}] {r['mode']}" + (f" tau={r['tau']:g}" if r["mode"] == "sdvg"
+                                                                         else "")
+                  + f": acceptance {acc}, {r['wall_s']:.2f} s (min {r['wall_s_min']:.2f}), quality {r['quality']:.4f}")
+
+    run_sweep(pipe, prompts, taus, out, evaluator, opts, rank=rank, world=world, progress=progress,
+              repeats=args.repeats, warmup=args.warmup, draft=draft, evaluator_name=args.evaluator)
+    return rank, world
+
+
+def _unpublished(taus: list[float]) -> list[float]:
+    """The taus of `--taus paper` that the paper does not publish (-1.25, -1.75, -2.0)."""
+    from sdvg.evaluation.sweep import PAPER_TAUS, PUBLISHED_PAPER_TAUS
+
+    return [t for t in taus if t in PAPER_TAUS and t not in PUBLISHED_PAPER_TAUS]
+
+
+def cmd_sweep(args) -> int:
+    from sdvg.evaluation.report import write_reports
+    from sdvg.evaluation.sweep import read_records, summarise
+
     out = Path(args.out)
     if not args.report_only:
-        pipe, rank, world = _sweep_pipeline(args)
-        evaluator = load_evaluator(args.evaluator, pipe)
-        run_sweep(pipe, prompts, _taus(args.taus), out, evaluator, options_from_args(args), rank=rank, world=world,
-                  progress=None if args.quiet else lambda r: print(
-                      f"[{r['prompt_index']}] tau={r['tau']}: acceptance={r['acceptance_rate']}, "
-                      f"{r['wall_s']:.2f} s, quality {r['quality']:.4f}", file=sys.stderr))
+        prompts, opts = _sweep_setup(args, options_from_args(args))
+        if _unpublished(args.taus):
+            _progress(args, f"note: taus {', '.join(f'{t:g}' for t in _unpublished(args.taus))} are not published "
+                            "values (the paper names only -0.7, -1.0, -1.5 and -2.5 of its seven)")
+        rank, world = _run_sweep(args, prompts, opts, args.taus, draft=True, label="")
         if world > 1 and rank != 0:
             return 0
-    summary = summarise(read_records(out))
-    (out / "summary.json").write_text(summary_json(summary))
-    plot(summary, out / "pareto.png")
-    for r in summary["taus"]:
-        acc = "n/a" if r["acceptance"] is None else f"{r['acceptance']:.1%}"
-        print(f"tau {r['tau']:g}: acceptance {acc}, speed-up {r['speedup']:.2f}x, "
-              f"quality retention {r['retention']:.1%}")
+    records = read_records(out)
+    if not records:
+        raise ValueError(f"{out} holds no sweep records")
+    summary = summarise(records)
+    paths = write_reports(summary, out)
+    print(paths["report.md"].read_text(encoding="utf-8"))
+    print(f"reports in {out}: " + ", ".join(p.name for p in paths.values()), file=sys.stderr)
     return 0
 
 
 def cmd_calibrate(args) -> int:
-    from sdvg.evaluation.evaluators import load_evaluator
+    from sdvg.evaluation.sweep import (calibrate_acceptance, calibrate_retention, read_records, retention_goal,
+                                       summarise)
     from sdvg.generation.types import strict_json
-    from sdvg.evaluation.sweep import calibrate_acceptance, calibrate_retention, read_records, run_sweep, summarise
 
-    if (args.acceptance is None) == (args.retention is None):
-        raise SystemExit("error: give exactly one of --acceptance A or --retention R")
-    prompts = _prompts_for_sweep(args)
+    goals = [g for g in ("acceptance", "retention", "quality_drop") if getattr(args, g) is not None]
+    if len(goals) != 1:
+        raise ValueError("give exactly one of --acceptance A, --quality-drop D or --retention R")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    pipe, _, _ = _sweep_pipeline(args)
     if args.acceptance is not None:
         opts = options_from_args(args, mode="sdvg")
+        if opts.router != "reward":
+            raise ValueError(f"--acceptance calibrates tau, which only the reward router reads (not {opts.router!r})")
+        prompts, _ = _prompts_for_sweep(args)
+        out.mkdir(parents=True, exist_ok=True)
+        pipe, _, _ = _sweep_pipeline(args)
         scores = []
-        for i, prompt in enumerate(prompts):  # every draft scored: accept all (contexts are the drafts)
-            _progress(args, f"calibrate: drafts of prompt {i + 1}/{len(prompts)}")
+        for n, (i, prompt) in enumerate(prompts):  # every draft scored: accept all, under these options
+            _progress(args, f"calibrate: drafts of prompt {n + 1}/{len(prompts)}")
             o = pipe.generate(prompt, opts.replace(tau=-math.inf))
             scores += [b["score"] for b in o.stats.blocks[1:]]
         tau = calibrate_acceptance(scores, args.acceptance)
         achieved = []
-        for i, prompt in enumerate(prompts):
-            _progress(args, f"calibrate: check tau={tau:.4f} on prompt {i + 1}/{len(prompts)}")
+        for n, (i, prompt) in enumerate(prompts):
+            _progress(args, f"calibrate: check tau={tau:.4f} on prompt {n + 1}/{len(prompts)}")
             achieved.append(pipe.generate(prompt, opts.replace(tau=tau)).stats.acceptance_rate)
+        known = [a for a in achieved if a is not None]
+        exact = opts.drafter_context == "own"
+        note = ("exact: under --drafter-context own the drafts, hence their scores, do not depend on tau"
+                if exact else
+                "approximate: under --drafter-context committed a draft depends on earlier decisions, so the "
+                "scores collected with every block accepted shift once tau rejects some; achieved_acceptance "
+                "is what the chosen tau gives (use --drafter-context own for an exact calibration)")
         result = {"goal": {"acceptance": args.acceptance}, "tau": tau, "draft_scores": len(scores),
-                  "achieved_acceptance": sum(achieved) / len(achieved), "prompts": len(prompts)}
+                  "drafter_context": opts.drafter_context, "exact": exact, "note": note,
+                  "achieved_acceptance": sum(known) / len(known) if known else None, "prompts": len(prompts),
+                  "options": opts.replace(tau=tau).as_dict()}
     else:
-        evaluator = load_evaluator(args.evaluator, pipe)
-        run_sweep(pipe, prompts, _taus(args.taus), out, evaluator, options_from_args(args, mode="sdvg"),
-                  progress=None if args.quiet else lambda r: _progress(
-                      args, f"calibrate: [{r['prompt_index']}] tau={r['tau']} done"))
-        best = calibrate_retention(summarise(read_records(out)), args.retention)
-        result = {"goal": {"retention": args.retention}, "tau": best["tau"], "achieved": best,
-                  "prompts": len(prompts)}
+        prompts, opts = _sweep_setup(args, options_from_args(args, mode="sdvg"))
+        _run_sweep(args, prompts, opts, args.taus, draft=False, label="calibrate: ")
+        summary = summarise(read_records(out))
+        best = calibrate_retention(summary, retention=args.retention, quality_drop=args.quality_drop)
+        positive = summary["quality_positive"]
+        goal = retention_goal(positive, args.retention, args.quality_drop)
+        result = {"goal": {"retention": args.retention} if args.retention is not None else
+                  {"quality_drop": args.quality_drop},
+                  "retention_kind": summary["retention_kind"], "least_retention": goal, "tau": best["tau"],
+                  "achieved": best, "prompts": summary["prompts"],
+                  "note": ("retention is q / q_target (the evaluator declares its scores positive)" if positive else
+                           "retention is q - q_target (the evaluator's scores may be negative)"),
+                  "unpublished_taus": _unpublished(args.taus)}
     (out / "calibration.json").write_text(strict_json(result, indent=2))
     print(strict_json(result, indent=2))
+    if not args.quiet and "note" in result:
+        print(result["note"], file=sys.stderr)
     return 0
 
 
@@ -384,26 +475,58 @@ def build_parser(config: dict | None = None) -> argparse.ArgumentParser:
     m.add_argument("--num-blocks", type=_count(1), help="blocks (default: the preset's)")
     m.add_argument("--budget-gib", type=float)
     m.set_defaults(func=cmd_memory)
-    for name, fn, helptext in (("sweep", cmd_sweep, "sweep tau over a prompt set; Pareto plot"),
-                               ("calibrate", cmd_calibrate, "pick tau for an acceptance rate or quality retention")):
+    for name, fn, helptext in (("sweep", cmd_sweep, "sweep tau over a prompt set; report tables, Pareto plot"),
+                               ("calibrate", cmd_calibrate, "pick tau for an acceptance rate or a quality goal")):
         sp = sub.add_parser(name, help=helptext)
         add_generation_args(sp, exclude=("mode", "tau"))  # the sweep sets both per run
         sp.add_argument("--prompts-file", help=f"default: {DEFAULT_PROMPTS}")
         sp.add_argument("--limit", type=_count(0), default=8, help="first N prompts (0 = all)")
-        sp.add_argument("--taus", default="-2.5,-1.5,-0.7,0.0,0.5",
-                        help="comma list of tau values; write --taus=-0.7,... (with '=') for negative values"
-                             + ("" if name == "sweep" else "; used with --retention"))
-        sp.add_argument("--evaluator", default="imagereward", help="imagereward | python:<module>:<function>")
-        sp.add_argument("--out", default=f"results/{name}")
+        sp.add_argument("--taus", type=_taus, default="-2.5,-1.5,-0.7,0.0,0.5",
+                        help="comma list of tau values (write --taus=-0.7,... with '=' for negative values), or "
+                             "'paper': -0.7,-1.0,-1.25,-1.5,-1.75,-2.0,-2.5 (the paper publishes only -0.7, -1.0, "
+                             "-1.5 and -2.5 of its seven values; -1.25, -1.75, -2.0 fill the gaps)"
+                             + ("" if name == "sweep" else "; used with --quality-drop / --retention"))
+        sp.add_argument("--evaluator", default="imagereward",
+                        help="imagereward | python:<module>:<function> (a callable (prompt, frames uint8 [F,H,W,3]) "
+                             "-> float; set its attribute positive = True when its scores are always > 0, so "
+                             "retention is a ratio rather than a difference)")
+        sp.add_argument("--repeats", type=_count(1), default=1,
+                        help="timed runs per (prompt, method); min and median wall time are recorded (default: 1)")
+        sp.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                        help="one untimed run per method before the timed ones (default: on)")
+        sp.add_argument("--out", default=f"results/{name}",
+                        help="output folder; a rerun resumes into it when its configuration (sweep.json) matches")
         sp.add_argument("--quiet", action="store_true", help="no per-run progress lines")
         if name == "sweep":
-            sp.add_argument("--report-only", action="store_true", help="merge shards and plot only")
+            sp.add_argument("--report-only", action="store_true", help="merge shards and write the reports only")
         else:
             sp.add_argument("--acceptance", type=_fraction, help="wanted acceptance rate of blocks 1..B-1, in [0, 1]")
-            sp.add_argument("--retention", type=_fraction, help="wanted quality retention vs target-only, in [0, 1]")
+            sp.add_argument("--quality-drop", type=_nonnegative, metavar="D",
+                            help="quality one accepts to lose vs target-only: the fastest swept tau with "
+                                 "q - q_target >= -D (or, for a positive evaluator, q / q_target >= 1 - D)")
+            sp.add_argument("--retention", type=_finite, metavar="R",
+                            help="least retention in the evaluator's own form: a difference q - q_target "
+                                 "(e.g. --retention=-0.01) or, for a positive evaluator, a ratio (e.g. 0.98)")
         sp.set_defaults(func=fn)
         _add_config(sp, {k: v for k, v in (config or {}).items() if k not in ("mode", "tau")})
     return parser
+
+
+def _finite(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number")
+    return v
+
+
+def _nonnegative(text: str) -> float:
+    v = _finite(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be >= 0")
+    return v
 
 
 def _add_config(p: argparse.ArgumentParser, config: dict | None) -> None:

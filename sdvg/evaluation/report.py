@@ -1,0 +1,115 @@
+"""Sweep reports: the paper-shaped table (method, seconds per video, speed-up, acceptance over blocks
+1..B-1, quality, retention) as `report.md`, `report.csv` and `report.json`, the acceptance of each
+block index at each tau, and their plots (`pareto.png`, `acceptance_by_block.png`)."""
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+
+from sdvg.evaluation.sweep import all_rows, plot, summary_json, tau_to_json
+from sdvg.generation.types import strict_json
+
+COLUMNS = ("method", "tau", "prompts", "seconds_per_video", "speedup", "acceptance", "quality", "retention")
+
+
+def table_rows(summary: dict) -> list[dict]:
+    """One row per method: target-only, draft-only, then SDVG from the highest tau down."""
+    rows = all_rows(summary)
+    fixed = [r for r in rows if r["tau"] in ("target", "draft")]
+    swept = sorted((r for r in rows if r["tau"] not in ("target", "draft")), key=lambda r: -float(r["tau"]))
+    return [{"method": r["method"], "tau": tau_to_json(r["tau"]) if r["tau"] not in ("target", "draft") else None,
+             "prompts": r["prompts"], "seconds_per_video": r["seconds"], "seconds_per_video_min": r["seconds_min"],
+             "speedup": r["speedup"], "acceptance": r["acceptance"], "quality": r["quality"],
+             "retention": r["retention"]} for r in fixed + swept]
+
+
+def _fmt(v, spec: str) -> str:
+    return "—" if v is None else format(v, spec)
+
+
+def retention_header(summary: dict) -> str:
+    return "retention (q / q_target)" if summary.get("quality_positive") else "retention (q − q_target)"
+
+
+def markdown(summary: dict) -> str:
+    positive = summary.get("quality_positive")
+    lines = [f"# Sweep report ({summary['prompts']} prompts)", "",
+             f"| method | s / video | speed-up | acceptance (blocks 1..B-1) | quality | {retention_header(summary)} |",
+             "|---|---|---|---|---|---|"]
+    for r in table_rows(summary):
+        ret = _fmt(r["retention"], ".1%") if positive else _fmt(r["retention"], "+.4f")
+        lines.append(f"| {r['method']} | {_fmt(r['seconds_per_video'], '.2f')} | {_fmt(r['speedup'], '.2f')}x | "
+                     f"{_fmt(r['acceptance'], '.1%')} | {_fmt(r['quality'], '.4f')} | {ret} |")
+    lines += ["", "Seconds per video: the mean over prompts of each video's median wall time over its timed "
+              "repeats (text encoding outside, after one warm-up run per method). Speed-up: target-only's total "
+              "time over the method's, on the same prompts. Retention: "
+              + ("the quality ratio to target-only (the evaluator declares its scores positive)." if positive else
+                 "the quality difference to target-only (the evaluator's scores may be negative, so a ratio "
+                 "would mislead)."), ""]
+    by_block = acceptance_table(summary)
+    if by_block["blocks"]:
+        lines += ["## Acceptance per block index", "",
+                  "| tau | " + " | ".join(f"block {b}" for b in by_block["blocks"]) + " |",
+                  "|---|" + "---|" * len(by_block["blocks"])]
+        for tau, shares in by_block["rows"]:
+            lines.append(f"| {tau:g} | " + " | ".join(_fmt(s, ".0%") for s in shares) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def acceptance_table(summary: dict) -> dict:
+    """{"blocks": [1..B-1], "rows": [(tau, [share per block or None])]}, taus from the highest down."""
+    rows = sorted(summary["taus"], key=lambda r: -float(r["tau"]))
+    blocks = sorted({int(b) for r in rows for b in r.get("acceptance_by_block", {})})
+    return {"blocks": blocks,
+            "rows": [(r["tau"], [r["acceptance_by_block"].get(str(b)) for b in blocks]) for r in rows]}
+
+
+def csv_text(summary: dict) -> str:
+    buf = io.StringIO()
+    rows = table_rows(summary)
+    w = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else list(COLUMNS), lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: "" if v is None else v for k, v in r.items()})
+    return buf.getvalue()
+
+
+def plot_acceptance_by_block(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = acceptance_table(summary)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for tau, shares in table["rows"]:
+        ax.plot(table["blocks"], [float("nan") if s is None else s for s in shares], "o-", label=f"tau {tau:g}")
+    ax.set_xlabel("block index")
+    ax.set_ylabel("accepted share")
+    ax.set_ylim(-0.05, 1.05)
+    if table["rows"]:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_reports(summary: dict, out: Path) -> dict[str, Path]:
+    """summary.json, report.md / .csv / .json, pareto.png and acceptance_by_block.png in `out`."""
+    out = Path(out)
+    paths = {name: out / name for name in ("summary.json", "report.md", "report.csv", "report.json", "pareto.png",
+                                           "acceptance_by_block.png")}
+    paths["summary.json"].write_text(summary_json(summary))
+    paths["report.md"].write_text(markdown(summary), encoding="utf-8")
+    paths["report.csv"].write_text(csv_text(summary), encoding="utf-8")
+    table = acceptance_table(summary)
+    paths["report.json"].write_text(strict_json({
+        "prompts": summary["prompts"], "retention_kind": summary["retention_kind"], "rows": table_rows(summary),
+        "acceptance_by_block": {"blocks": table["blocks"],
+                                "rows": [{"tau": tau_to_json(t), "accepted_share": s} for t, s in table["rows"]]},
+    }, indent=2))
+    plot(summary, paths["pareto.png"])
+    plot_acceptance_by_block(summary, paths["acceptance_by_block.png"])
+    return paths
