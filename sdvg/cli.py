@@ -352,10 +352,10 @@ def _run_sweep(args, prompts, opts, taus, draft: bool, label: str):
 
 
 def _unpublished(taus: list[float]) -> list[float]:
-    """The taus of `--taus paper` that the paper does not publish (-1.25, -1.75, -2.0)."""
+    """Under `--taus paper`: its values that the paper does not publish (-1.25, -1.75, -2.0); else []."""
     from sdvg.evaluation.sweep import PAPER_TAUS, PUBLISHED_PAPER_TAUS
 
-    return [t for t in taus if t in PAPER_TAUS and t not in PUBLISHED_PAPER_TAUS]
+    return [t for t in taus if t not in PUBLISHED_PAPER_TAUS] if list(taus) == list(PAPER_TAUS) else []
 
 
 def cmd_sweep(args) -> int:
@@ -397,27 +397,41 @@ def cmd_calibrate(args) -> int:
         prompts, _ = _prompts_for_sweep(args)
         out.mkdir(parents=True, exist_ok=True)
         pipe, _, _ = _sweep_pipeline(args)
-        scores = []
-        for n, (i, prompt) in enumerate(prompts):  # every draft scored: accept all, under these options
-            _progress(args, f"calibrate: drafts of prompt {n + 1}/{len(prompts)}")
-            o = pipe.generate(prompt, opts.replace(tau=-math.inf))
-            scores += [b["score"] for b in o.stats.blocks[1:]]
-        tau = calibrate_acceptance(scores, args.acceptance)
-        achieved = []
-        for n, (i, prompt) in enumerate(prompts):
-            _progress(args, f"calibrate: check tau={tau:.4f} on prompt {n + 1}/{len(prompts)}")
-            achieved.append(pipe.generate(prompt, opts.replace(tau=tau)).stats.acceptance_rate)
-        known = [a for a in achieved if a is not None]
         exact = opts.drafter_context == "own"
-        note = ("exact: under --drafter-context own the drafts, hence their scores, do not depend on tau"
+
+        def run_all(tau: float, what: str) -> tuple[list[float], float | None]:
+            """Every prompt at tau: the draft scores of blocks 1..B-1 and the mean acceptance."""
+            scores, rates = [], []
+            for n, (i, prompt) in enumerate(prompts):
+                _progress(args, f"calibrate: {what} on prompt {n + 1}/{len(prompts)}")
+                stats = pipe.generate(prompt, opts.replace(tau=tau)).stats
+                scores += [b["score"] for b in stats.blocks[1:] if b["score"] is not None]
+                rates += [] if stats.acceptance_rate is None else [stats.acceptance_rate]
+            return scores, (sum(rates) / len(rates) if rates else None)
+
+        scores, _ = run_all(-math.inf, "every draft scored, all accepted")
+        rounds = []
+        for k in range(1 if exact else 3):  # committed: re-derive tau from the scores drafted under the last tau
+            tau = calibrate_acceptance(scores, args.acceptance)
+            if any(r["tau"] == tau for r in rounds):
+                break
+            n_scores = len(scores)
+            scores, achieved = run_all(tau, f"check tau={tau:.4f}")
+            rounds.append({"tau": tau, "draft_scores": n_scores, "achieved_acceptance": achieved})
+            if achieved is not None and abs(achieved - args.acceptance) < 1e-9:
+                break
+        best = min(rounds, key=lambda r: math.inf if r["achieved_acceptance"] is None
+                   else abs(r["achieved_acceptance"] - args.acceptance))
+        note = ("exact: under --drafter-context own the drafts, hence their scores, do not depend on tau, so the "
+                "quantile of the scores collected with every block accepted is the tau for this acceptance"
                 if exact else
-                "approximate: under --drafter-context committed a draft depends on earlier decisions, so the "
-                "scores collected with every block accepted shift once tau rejects some; achieved_acceptance "
-                "is what the chosen tau gives (use --drafter-context own for an exact calibration)")
-        result = {"goal": {"acceptance": args.acceptance}, "tau": tau, "draft_scores": len(scores),
+                "approximate: under --drafter-context committed a draft depends on the earlier decisions, so the "
+                "scores shift with tau; tau was re-derived from the drafts made under the previous tau (rounds), "
+                "and achieved_acceptance is what the chosen tau gives (--drafter-context own is exact)")
+        result = {"goal": {"acceptance": args.acceptance}, "tau": best["tau"], "draft_scores": best["draft_scores"],
                   "drafter_context": opts.drafter_context, "exact": exact, "note": note,
-                  "achieved_acceptance": sum(known) / len(known) if known else None, "prompts": len(prompts),
-                  "options": opts.replace(tau=tau).as_dict()}
+                  "achieved_acceptance": best["achieved_acceptance"], "rounds": rounds, "prompts": len(prompts),
+                  "options": opts.replace(tau=best["tau"]).as_dict()}
     else:
         prompts, opts = _sweep_setup(args, options_from_args(args, mode="sdvg"))
         _run_sweep(args, prompts, opts, args.taus, draft=False, label="calibrate: ")

@@ -132,22 +132,25 @@ class _FakePipe:
     """Records every call: generate returns a two-block video with a known wall time."""
 
     def __init__(self, walls):
-        self.calls, self.walls = [], iter(walls)
+        self.calls, self.walls = [], walls if callable(walls) else iter(walls)
         self.components = SimpleNamespace(text_encoder=SimpleNamespace(encode=lambda p: self.calls.append(("encode", p))))
 
     def provenance(self):
-        return {"preset_fingerprint": "f", "checkpoints": {"target": "t"}, "devices": {}, "sdvg_version": "0",
-                "torch_version": "0"}
+        import sdvg
+        from sdvg.config import config_hash, get_preset
+
+        return {"preset_fingerprint": config_hash(get_preset("tiny")), "checkpoints": {"target": "t"}, "devices": {},
+                "sdvg_version": sdvg.__version__, "torch_version": torch.__version__}
 
     def generate(self, prompt, opts):
         self.calls.append((opts.mode, prompt, opts.tau))
         opts = opts.resolved(2)
-        wall = next(self.walls)
+        wall = self.walls(opts) if callable(self.walls) else next(self.walls)
         dec = {"sdvg": "accepted", "target": "target", "draft": "draft"}[opts.mode]
         blocks = [{"score": None, "frame_scores": [], "decision": "forced" if opts.mode == "sdvg" else dec},
                   {"score": 0.0, "frame_scores": [0.0], "decision": dec}]
         d = {"acceptance_rate": 1.0 if opts.mode == "sdvg" else None, "accepted_blocks": 1, "blocks": blocks,
-             "frames": 21, "preset": "fake"}
+             "frames": 21, "preset": "tiny"}
         stats = SimpleNamespace(wall_s=wall, options=opts, as_dict=lambda: d)
         return SimpleNamespace(stats=stats, frames=torch.zeros(21, 2, 2, 3, dtype=torch.uint8))
 
@@ -171,6 +174,30 @@ def test_warmup_encoding_repeats_and_torn_line(tmp_path):
     redo = run_sweep(pipe, ["p0", "p1"], [-0.7], tmp_path, lambda p, f: -1.0, GenerationOptions(), warmup=False)
     assert [(r["prompt_index"], r["tau"]) for r in redo] == [(1, -0.7)]
     assert len(path.read_text().splitlines()) == 6 and len(read_records(tmp_path)) == 6
+
+
+def test_calibrate_quality_drop(tmp_path, monkeypatch, capsys):
+    """--quality-drop D: the fastest tau within D of target-only's quality (a difference for ImageReward)."""
+    from sdvg.evaluation import evaluators
+
+    pipe = _FakePipe(walls=lambda o: {"target": 4.0, "draft": 0.5}.get(o.mode, 4.0 + o.tau * 1.5))
+    monkeypatch.setattr(cli, "_sweep_pipeline", lambda args: (pipe, 0, 1))
+    monkeypatch.setattr(cli, "build_pipeline", lambda args: pipe)
+    last = lambda: [c for c in pipe.calls if c[0] != "encode"][-1]  # noqa: E731
+    monkeypatch.setattr(evaluators, "load_evaluator", lambda spec, p: lambda prompt, frames: (
+        -0.5 if last()[0] == "target" else -0.5 + 0.1 * last()[2]))
+    pf = _prompts(tmp_path)
+    base = ["calibrate", "--preset", "tiny", "--prompts-file", str(pf), "--num-blocks", "2", "--quiet",
+            "--no-warmup", "--taus=-2,-1", "--out", str(tmp_path / "cal")]
+    assert _run(*base, "--quality-drop", "0.15") == 0
+    res = json.loads((tmp_path / "cal" / "calibration.json").read_text())
+    assert res["tau"] == -1.0 and res["retention_kind"] == "difference" and res["least_retention"] == -0.15
+    assert res["achieved"]["retention"] == pytest.approx(-0.1) and res["achieved"]["speedup"] == pytest.approx(1.6)
+    assert not any(r["mode"] == "draft" for r in read_records(tmp_path / "cal"))
+    assert _run(*base, "--retention=-0.25") == 0  # the same folder: resumed, nothing rerun
+    assert json.loads((tmp_path / "cal" / "calibration.json").read_text())["tau"] == -2.0
+    assert _run(*base, "--quality-drop", "0.05") == 2
+    assert "no swept tau" in capsys.readouterr().err
 
 
 def _rec(i, tau, quality, wall, positive=False, acc=None, decisions=()):
@@ -204,6 +231,26 @@ def test_calibrate_acceptance(tmp_path, capsys):
     res = json.loads((tmp_path / "cal" / "calibration.json").read_text())
     assert res["draft_scores"] == 4 and math.isfinite(res["tau"])
     assert res["achieved_acceptance"] == 0.5 and res["exact"] is True and "own" in res["note"]
+    assert len(res["rounds"]) == 1 and res["options"]["tau"] == res["tau"]
+
+
+def test_calibrate_acceptance_committed_rounds(tmp_path, monkeypatch, capsys):
+    """Under the committed context the drafts depend on the decisions: tau is re-derived from the scores
+    drafted under the previous tau."""
+    def generate(prompt, opts):
+        scores = [0.1, 0.2] if opts.tau == -math.inf else [0.25, 0.3]  # drafts shift once blocks are rejected
+        acc = sum(x >= opts.tau for x in scores) / len(scores)
+        blocks = [{"score": None}] + [{"score": x} for x in scores]
+        return SimpleNamespace(stats=SimpleNamespace(blocks=blocks, acceptance_rate=acc))
+
+    monkeypatch.setattr(cli, "_sweep_pipeline", lambda args: (SimpleNamespace(generate=generate), 0, 1))
+    pf = _prompts(tmp_path)
+    assert _run("calibrate", "--prompts-file", str(pf), "--acceptance", "0.5", "--quiet",
+                "--out", str(tmp_path / "cal")) == 0
+    res = json.loads((tmp_path / "cal" / "calibration.json").read_text())
+    assert [r["tau"] for r in res["rounds"]] == [0.2, 0.3] and [r["achieved_acceptance"] for r in res["rounds"]] == [
+        1.0, 0.5]
+    assert res["tau"] == 0.3 and res["exact"] is False and "approximate" in res["note"]
 
 
 def test_calibration_math():
