@@ -7,9 +7,10 @@ import csv
 import io
 from pathlib import Path
 
-from sdvg.evaluation.sweep import all_rows, plot, summary_json, tau_to_json
+from sdvg.evaluation.sweep import PAPER_TAUS, PUBLISHED_PAPER_TAUS, all_rows, plot, summary_json, tau_to_json
 from sdvg.generation.types import strict_json
 
+UNPUBLISHED_PAPER_TAUS = tuple(t for t in PAPER_TAUS if t not in PUBLISHED_PAPER_TAUS)
 COLUMNS = ("method", "tau", "prompts", "seconds_per_video", "speedup", "acceptance", "quality", "retention")
 
 
@@ -34,19 +35,25 @@ def retention_header(summary: dict) -> str:
 
 def markdown(summary: dict) -> str:
     positive = summary.get("quality_positive")
-    lines = [f"# Sweep report ({summary['prompts']} prompts)", "",
+    lines = [f"# Sweep report (prompts: {summary['prompts']})", "",
              f"| method | s / video | speed-up | acceptance (blocks 1..B-1) | quality | {retention_header(summary)} |",
              "|---|---|---|---|---|---|"]
     for r in table_rows(summary):
         ret = _fmt(r["retention"], ".1%") if positive else _fmt(r["retention"], "+.4f")
         lines.append(f"| {r['method']} | {_fmt(r['seconds_per_video'], '.2f')} | {_fmt(r['speedup'], '.2f')}x | "
                      f"{_fmt(r['acceptance'], '.1%')} | {_fmt(r['quality'], '.4f')} | {ret} |")
-    lines += ["", "Seconds per video: the mean over prompts of each video's median wall time over its timed "
-              "repeats (text encoding outside, after one warm-up run per method). Speed-up: target-only's total "
-              "time over the method's, on the same prompts. Retention: "
+    repeats = "/".join(str(n) for n in summary.get("repeats", [1]))
+    warm = "after one warm-up run per method" if summary.get("warmup") else "without warm-up runs"
+    lines += ["", f"Seconds per video: the mean over prompts of each video's median wall time over its {repeats} "
+              f"timed run(s) (the prompt encoded before timing, {warm}); methods interleaved per prompt. "
+              "Speed-up: target-only's total time over the method's, on the same prompts. Retention: "
               + ("the quality ratio to target-only (the evaluator declares its scores positive)." if positive else
                  "the quality difference to target-only (the evaluator's scores may be negative, so a ratio "
                  "would mislead)."), ""]
+    unpublished = [r["tau"] for r in summary["taus"] if r["tau"] in UNPUBLISHED_PAPER_TAUS]
+    if unpublished:
+        lines += [f"tau {', '.join(f'{t:g}' for t in unpublished)}: not published values (the paper names only "
+                  "-0.7, -1.0, -1.5 and -2.5 of the seven taus of its sweep).", ""]
     by_block = acceptance_table(summary)
     if by_block["blocks"]:
         lines += ["## Acceptance per block index", "",

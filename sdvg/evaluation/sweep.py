@@ -351,6 +351,8 @@ def summarise(records: list[dict]) -> dict:
 
     taus = sorted((v for v in by_variant if v not in VARIANT_KEYS), key=float)
     return {"prompts": len(base), "quality_positive": positive,
+            "repeats": sorted({r.get("repeats", 1) for r in records}),
+            "warmup": bool(records) and all(r.get("warmup", False) for r in records),
             "retention_kind": "ratio" if positive else "difference",
             "target": row(TARGET_KEY, list(base.values())) if base else None,
             "draft": row(DRAFT_KEY, by_variant[DRAFT_KEY]) if DRAFT_KEY in by_variant else None,
