@@ -1,6 +1,9 @@
-"""Sweep reports: the paper-shaped table (method, seconds per video, speed-up, acceptance over blocks
-1..B-1, quality, retention) as `report.md`, `report.csv` and `report.json`, the acceptance of each
-block index at each tau, and their plots (`pareto.png`, `acceptance_by_block.png`)."""
+"""Sweep reports: the paper-shaped table, acceptance per block index, the Pareto plot.
+
+The table (method, seconds per video, speed-up, acceptance over blocks 1..B-1, quality, retention) is
+written as `report.md`, `report.csv` and `report.json`; the accepted share of each block index at
+each tau goes into `report.md`, `report.json` and `acceptance_by_block.png`; `pareto.png` is the
+quality-speed plot (see docs/evaluation.md)."""
 from __future__ import annotations
 
 import csv
