@@ -113,7 +113,7 @@ def test_text_encoder_round_trip_from_a_folder(tmp_path):
 
 
 def test_wrong_size_is_refused_before_any_model_is_allocated(tmp_path, source, monkeypatch):
-    from sdvg import checkpoints
+    from sdvg.models import checkpoints
     from sdvg.models.dit import CausalWanDiT as Dit
 
     save_dit(source, tmp_path / "d.safetensors", "krea")
