@@ -81,7 +81,7 @@ def test_bad_frames_are_clear_errors(scorer):
     with pytest.raises(TypeError):
         scorer.score("x", np.zeros((1, 8, 8, 3), dtype=np.uint8))
     with pytest.raises(ValueError, match="unknown aggregation"):
-        Aggregator("median")
+        Aggregator("median")(torch.zeros(2))  # the options refuse it first (sdvg.options.AGGREGATIONS)
 
 
 def test_tokenizer_vocab_size_checked(tmp_path):
