@@ -275,13 +275,14 @@ def test_from_pretrained_with_real_formats_equals_the_source(tmp_path, tiny_pipe
     """Every component written in its real on-disk format and loaded back gives the same video."""
     from sdvg import SpeculativeVideoPipeline
     from sdvg.models.checkpoints import save_dit
+    from sdvg.models.reward import save_image_reward_weights
     from sdvg.models.tokenizers import tiny_bert_tokenizer
 
     c = tiny_pipe.components
     save_dit(c.drafter, tmp_path / "self_forcing.pt", "self-forcing")
     save_dit(c.target, tmp_path / "krea.safetensors", "krea")
     c.vae.vae.save_pretrained(tmp_path / "vae")
-    torch.save(c.scorer.model.state_dict(), tmp_path / "ImageReward.pt")
+    save_image_reward_weights(c.scorer.model, tmp_path / "ImageReward.pt")  # the package's key names
     tiny_bert_tokenizer().save_pretrained(tmp_path / "bert")
     c.text_encoder.model.save_pretrained(tmp_path / "wan" / "text_encoder")
     c.text_encoder.tokenizer.save_pretrained(tmp_path / "wan" / "tokenizer")
