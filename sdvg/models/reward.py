@@ -7,8 +7,9 @@ map (`KEY_MAP`, also in docs/checkpoints.md) with strict key checking; the packa
 test oracle in an environment of its own (scripts/reward_oracle.sh).
 
 One forward scores every frame of a block; the prompt is tokenised once per prompt and its
-ids/mask reused across frames and blocks. Preprocessing (short side to 224 bicubic, centre crop,
-CLIP mean/std) runs on tensors on the model's device.
+ids/mask reused across frames and blocks. Preprocessing (the package's PIL path: 8-bit levels, short
+side to 224 bicubic in two rounded passes, centre crop, CLIP mean/std) runs on tensors on the model's
+device.
 """
 from __future__ import annotations
 
@@ -304,19 +305,27 @@ class RewardScorer:
         return self._tokens[prompt]
 
     def preprocess(self, frames: torch.Tensor) -> torch.Tensor:
-        """frames float [N, 3, H, W] in [0, 1] (or uint8 [N, H, W, 3]) -> normalised [N, 3, S, S]."""
+        """frames float [N, 3, H, W] in [0, 1] (or uint8 [N, H, W, 3]) -> normalised [N, 3, S, S].
+
+        The package's preprocessing (torchvision on a PIL image) on tensors, on the model's device: the
+        frames as 8-bit levels (float frames are rounded to the levels the MP4 holds), torchvision's
+        `Resize(S)` size (short side S, long side floor(S * long / short)), PIL's bicubic resampling of
+        an 8-bit image (an antialiased horizontal pass, then a vertical one, each rounded and clipped
+        to 8 bits), the centre crop and CLIP's mean/std."""
         frames = check_frames(frames)
-        if frames.dtype == torch.uint8:
-            frames = frames.permute(0, 3, 1, 2).float() / 255.0
-        x = frames.to(self.device, torch.float32)
+        if frames.dtype == torch.uint8:  # float64: PIL computes its filter in double (float32 flips more levels)
+            x = frames.to(self.device).permute(0, 3, 1, 2).double()
+        else:
+            x = (frames.to(self.device, torch.float64) * 255.0).round_().clamp_(0, 255)
         S = self.config.image_size
         h, w = x.shape[-2:]
-        scale = S / min(h, w)
-        nh, nw = max(S, round(h * scale)), max(S, round(w * scale))
-        if (nh, nw) != (h, w):
-            x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
+        nh, nw = (int(S * h / w), S) if w <= h else (S, int(S * w / h))
+        if nw != w:
+            x = _resample_8bit(x, (h, nw))
+        if nh != h:
+            x = _resample_8bit(x, (nh, nw))
         top, left = int(round((nh - S) / 2.0)), int(round((nw - S) / 2.0))
-        x = x[..., top:top + S, left:left + S].clamp(0, 1)
+        x = x[..., top:top + S, left:left + S].float() / 255.0
         mean = torch.tensor(CLIP_MEAN, device=x.device).view(1, 3, 1, 1)
         std = torch.tensor(CLIP_STD, device=x.device).view(1, 3, 1, 1)
         return ((x - mean) / std).to(self.dtype)
@@ -331,6 +340,12 @@ class RewardScorer:
     def score_images(self, images: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """images [N, 3, S, S] (preprocessed), ids/mask [1, L] -> normalised scores float32 [N]."""
         return self.model(images, ids, mask)
+
+
+def _resample_8bit(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """One pass of PIL's bicubic resampling of 8-bit levels (float, 0..255): torch's antialiased bicubic
+    is PIL's kernel (a = -0.5, support scaled when downsampling); PIL rounds and clips each pass."""
+    return F.interpolate(x, size=size, mode="bicubic", align_corners=False, antialias=True).clamp_(0, 255).round_()
 
 
 def check_frames(frames) -> torch.Tensor:
