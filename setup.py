@@ -60,9 +60,10 @@ setup(
     ext_modules=[extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
     python_requires=">=3.10",
-    install_requires=["torch>=2.11", "diffusers", "transformers", "safetensors", "imageio", "imageio-ffmpeg", "tqdm"],
+    # every package sdvg imports (the ImageReward scorer is transformers' BLIP classes: no image-reward)
+    install_requires=["torch>=2.11", "diffusers>=0.42", "transformers>=5", "tokenizers", "safetensors", "numpy",
+                      "matplotlib", "imageio", "imageio-ffmpeg", "tqdm"],
     extras_require={
-        "reward": ["image-reward==1.5", "timm==0.6.13", "fairscale==0.4.13", "clip-anytorch==2.6.0"],
         "onnx": ["onnx", "onnxruntime", "onnxscript"],
         "tensorrt": ["tensorrt-cu13>=11", "torch-tensorrt"],
     },

@@ -45,12 +45,12 @@ lat_deadline=$(( deadline - ${STAGES_S:-120} ))
 lat_timeout=$(( lat_deadline - $(date +%s) + 60 )); [ "$lat_timeout" -lt 90 ] && lat_timeout=90
 PYTHONUNBUFFERED=1 timeout "$lat_timeout" "$PY" benchmarks/latency.py --preset "${PRESET:-real-size}" \
   --device "${DEVICE:-cuda:0}" --num-blocks "$BLOCKS" --repeats "${REPEATS:-1}" --variants "${VARIANTS:-run-ahead}" \
-  --deadline "$lat_deadline" --out "$OUT" 2>&1 | grep -v pkg_resources | tail -24
+  --deadline "$lat_deadline" --out "$OUT" 2>&1 | tail -24
 rm -f "$OUT/results.csv"  # derivable from results.json; keeps $OUT within 8 files
 left=$(( deadline - $(date +%s) ))
 if [ "$left" -gt 30 ]; then
   PYTHONUNBUFFERED=1 timeout "$left" "$PY" benchmarks/stages.py --preset "${PRESET:-real-size}" \
-    --device "${DEVICE:-cuda:0}" --repeats 5 --out "$OUT" 2>&1 | grep -v pkg_resources | tail -8
+    --device "${DEVICE:-cuda:0}" --repeats 5 --out "$OUT" 2>&1 | tail -8
 else
   echo "no time left for the per-stage benchmark"
 fi

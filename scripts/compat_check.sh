@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run sdvg on the GPU machine's stack, on the CPU: Python 3.12 (where installed), torch 2.11 (the
-# oldest torch sdvg supports), numpy 2.5, transformers 5 / huggingface-hub 1 shadowed by the wheels
-# of benchmarks/gpu-wheels.txt exactly as benchmarks/gpu_check.sh installs them there. First
+# oldest torch sdvg supports), numpy 2.5, the image's transformers 5 / huggingface-hub 1, with the
+# wheels of benchmarks/gpu-wheels.txt on top exactly as benchmarks/gpu_check.sh installs them there. First
 # gpu_check.sh itself with the tiny preset on the CPU (a failure there would have cost a GPU
 # session), then the whole test suite. Uses .compat/ (a venv) and .whl/; downloads ~3.5 GB once.
 set -euo pipefail

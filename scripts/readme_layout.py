@@ -27,7 +27,8 @@ FOLDERS = (
     ("build_engines/", "engine export and build (`python -m build_engines`); imports `sdvg`, never the reverse"),
     ("benchmarks/", "latency, scheduler, stage and VAE/reward benchmarks; `gpu_check.sh` for a lent GPU"),
     ("docs/", "design: the method, the cost model, shapes, checkpoint formats, invariants"),
-    ("scripts/", "setup, tests, the GPU-image compatibility check, this layout"),
+    ("scripts/", "setup, tests, the GPU-image compatibility check, the ImageReward oracle (the image-reward "
+                 "package in its own environment), this layout"),
     ("tests/", "the pytest suite (CPU; `gpu` / `tensorrt` markers skip without the hardware)"),
     ("results/", "committed benchmark results"),
 )

@@ -52,6 +52,7 @@ def write_real_checkpoints(components, folder):
     Krea-style .safetensors target, diffusers VAE folder, ImageReward.pt, BERT tokenizer folder,
     diffusers Wan folder with text_encoder/ and tokenizer/); returns {role: path}."""
     from sdvg.models.checkpoints import save_dit
+    from sdvg.models.reward import save_image_reward_weights
     from sdvg.models.tokenizers import tiny_bert_tokenizer
 
     c = components
@@ -60,7 +61,7 @@ def write_real_checkpoints(components, folder):
     save_dit(c.drafter, paths["drafter"], "self-forcing")
     save_dit(c.target, paths["target"], "krea")
     c.vae.vae.save_pretrained(paths["vae"])
-    torch.save(c.scorer.model.state_dict(), paths["reward"])
+    save_image_reward_weights(c.scorer.model, paths["reward"])  # the package's key names
     tiny_bert_tokenizer().save_pretrained(paths["reward_tokenizer"])
     c.text_encoder.model.save_pretrained(paths["text_encoder"] / "text_encoder")
     c.text_encoder.tokenizer.save_pretrained(paths["text_encoder"] / "tokenizer")

@@ -8,7 +8,8 @@ import torch
 
 from sdvg.config import Preset, torch_dtype
 from sdvg.models.dit import CausalWanDiT
-from sdvg.models.reward import RewardScorer, build_image_reward, load_image_reward_weights, reward_tokenizer
+from sdvg.models.reward import (MED_CONFIG, RewardScorer, build_image_reward, load_image_reward_weights,
+                                reward_tokenizer)
 from sdvg.models.text_encoder import TextEncoder
 from sdvg.models.tokenizers import tiny_umt5_tokenizer
 from sdvg.models.vae import StreamingVAEDecoder, build_vae, load_vae_weights
@@ -124,7 +125,8 @@ def load_pretrained(preset: Preset, drafter: str | Path, target: str | Path, vae
     scorer = None
     if reward is not None:
         tok = reward_tokenizer(preset.reward, folder=reward_tokenizer_folder)
-        model = build_image_reward(preset.reward, tok)
+        med = Path(reward).with_name(MED_CONFIG)  # ImageReward's own med_config.json, when it lies beside the weights
+        model = build_image_reward(preset.reward, tok, med_config=med if med.is_file() else None)
         load_image_reward_weights(model, reward)
         scorer = RewardScorer(model, preset.reward).to(dd, dtype)
     comps = Components(preset, d, t, text, StreamingVAEDecoder(torch.nn.Module.to(v, dd, dtype)), scorer, dd, td)

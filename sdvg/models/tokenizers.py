@@ -86,7 +86,7 @@ def add_blip_tokens(tokenizer):
     """ImageReward/BLIP's tokenizer additions: [DEC] as bos and [ENC] as an extra special token."""
     tokenizer.add_special_tokens({"bos_token": "[DEC]"})
     tokenizer.add_special_tokens({"additional_special_tokens": ["[ENC]"]})
-    tokenizer.enc_token_id = tokenizer.additional_special_tokens_ids[0]
+    tokenizer.enc_token_id = tokenizer.convert_tokens_to_ids("[ENC]")  # transformers 4 and 5 alike
     return tokenizer
 
 
