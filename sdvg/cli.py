@@ -36,14 +36,19 @@ def _crf(text: str) -> int:
     return v
 
 
-def _fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= v <= 1.0:  # NaN fails this too
-        raise argparse.ArgumentTypeError(f"{text} must lie in [0, 1]")
-    return v
+def _real(low: float = -math.inf, high: float = math.inf):
+    """argparse type: a finite number in [low, high] (NaN and infinities refused)."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(v) or not low <= v <= high:
+            bounds = "a finite number" if (low, high) == (-math.inf, math.inf) else f"in [{low:g}, {high:g}]"
+            raise argparse.ArgumentTypeError(f"{text} must be {bounds}")
+        return v
+
+    return parse
 
 
 def read_prompts(path: str | Path) -> list[str]:
@@ -397,7 +402,7 @@ def cmd_calibrate(args) -> int:
         prompts, _ = _prompts_for_sweep(args)
         out.mkdir(parents=True, exist_ok=True)
         pipe, _, _ = _sweep_pipeline(args)
-        exact = opts.drafter_context == "own"
+        own = opts.drafter_context == "own"
 
         def run_all(tau: float, what: str) -> tuple[list[float], float | None]:
             """Every prompt at tau: the draft scores of blocks 1..B-1 and the mean acceptance."""
@@ -411,7 +416,7 @@ def cmd_calibrate(args) -> int:
 
         scores, _ = run_all(-math.inf, "every draft scored, all accepted")
         rounds = []
-        for k in range(1 if exact else 3):  # committed: re-derive tau from the scores drafted under the last tau
+        for k in range(3):  # re-derive tau from the scores of the drafts made under the last tau
             tau = calibrate_acceptance(scores, args.acceptance)
             if any(r["tau"] == tau for r in rounds):
                 break
@@ -422,14 +427,15 @@ def cmd_calibrate(args) -> int:
                 break
         best = min(rounds, key=lambda r: math.inf if r["achieved_acceptance"] is None
                    else abs(r["achieved_acceptance"] - args.acceptance))
-        note = ("exact: under --drafter-context own the drafts, hence their scores, do not depend on tau, so the "
-                "quantile of the scores collected with every block accepted is the tau for this acceptance"
-                if exact else
-                "approximate: under --drafter-context committed a draft depends on the earlier decisions, so the "
-                "scores shift with tau; tau was re-derived from the drafts made under the previous tau (rounds), "
-                "and achieved_acceptance is what the chosen tau gives (--drafter-context own is exact)")
+        note = ("under --drafter-context own the drafts do not depend on tau; their scores still do, slightly, "
+                "through the VAE's causal cache (a draft is decoded after the previous emitted block), so tau was "
+                "re-derived from the scores under the previous tau (rounds)"
+                if own else
+                "under --drafter-context committed a draft depends on the earlier decisions, so the scores shift "
+                "with tau; tau was re-derived from the drafts made under the previous tau (rounds)")
+        note += "; achieved_acceptance is what the chosen tau gives"
         result = {"goal": {"acceptance": args.acceptance}, "tau": best["tau"], "draft_scores": best["draft_scores"],
-                  "drafter_context": opts.drafter_context, "exact": exact, "note": note,
+                  "drafter_context": opts.drafter_context, "drafts_independent_of_tau": own, "note": note,
                   "achieved_acceptance": best["achieved_acceptance"], "rounds": rounds, "prompts": len(prompts),
                   "options": opts.replace(tau=best["tau"]).as_dict()}
     else:
@@ -514,33 +520,16 @@ def build_parser(config: dict | None = None) -> argparse.ArgumentParser:
         if name == "sweep":
             sp.add_argument("--report-only", action="store_true", help="merge shards and write the reports only")
         else:
-            sp.add_argument("--acceptance", type=_fraction, help="wanted acceptance rate of blocks 1..B-1, in [0, 1]")
-            sp.add_argument("--quality-drop", type=_nonnegative, metavar="D",
+            sp.add_argument("--acceptance", type=_real(0, 1), help="wanted acceptance rate of blocks 1..B-1, in [0, 1]")
+            sp.add_argument("--quality-drop", type=_real(0), metavar="D",
                             help="quality one accepts to lose vs target-only: the fastest swept tau with "
                                  "q - q_target >= -D (or, for a positive evaluator, q / q_target >= 1 - D)")
-            sp.add_argument("--retention", type=_finite, metavar="R",
+            sp.add_argument("--retention", type=_real(), metavar="R",
                             help="least retention in the evaluator's own form: a difference q - q_target "
                                  "(e.g. --retention=-0.01) or, for a positive evaluator, a ratio (e.g. 0.98)")
         sp.set_defaults(func=fn)
         _add_config(sp, {k: v for k, v in (config or {}).items() if k not in ("mode", "tau")})
     return parser
-
-
-def _finite(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(v):
-        raise argparse.ArgumentTypeError(f"{text} must be a finite number")
-    return v
-
-
-def _nonnegative(text: str) -> float:
-    v = _finite(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{text} must be >= 0")
-    return v
 
 
 def _add_config(p: argparse.ArgumentParser, config: dict | None) -> None:

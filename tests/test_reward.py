@@ -8,7 +8,7 @@ from PIL import Image
 
 from sdvg.config import get_preset
 from sdvg.models.checkpoints import CheckpointError
-from sdvg.models.components import _randomize_reward_head
+from sdvg.models.components import _randomize_reward_model
 from sdvg.models.reward import (CLIP_MEAN, CLIP_STD, Aggregator, RewardScorer, build_image_reward,
                                 load_image_reward_weights, package_to_sdvg, reward_tokenizer,
                                 save_image_reward_weights, sdvg_to_package)
@@ -45,7 +45,7 @@ def scorer():
     cfg = get_preset("tiny").reward
     torch.manual_seed(0)
     model = build_image_reward(cfg, reward_tokenizer(cfg, tiny=True))
-    _randomize_reward_head(model, 1)
+    _randomize_reward_model(model, 1)
     return RewardScorer(model, cfg)
 
 

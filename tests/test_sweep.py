@@ -225,13 +225,16 @@ def test_retention_is_a_difference_unless_positive():
 
 def test_calibrate_acceptance(tmp_path, capsys):
     pf = _prompts(tmp_path)
-    # under the `own` drafter context the drafts do not depend on tau, so calibration is exact
+    # under the `own` drafter context the drafts do not depend on tau; their scores move only through the
+    # VAE's causal cache, so the rounds land on the goal within one score of the four
     assert _run("calibrate", "--preset", "tiny", "--prompts-file", str(pf), "--acceptance", "0.5",
                 "--num-blocks", "3", "--drafter-context", "own", "--out", str(tmp_path / "cal"), "--quiet") == 0
     res = json.loads((tmp_path / "cal" / "calibration.json").read_text())
     assert res["draft_scores"] == 4 and math.isfinite(res["tau"])
-    assert res["achieved_acceptance"] == 0.5 and res["exact"] is True and "own" in res["note"]
-    assert len(res["rounds"]) == 1 and res["options"]["tau"] == res["tau"]
+    assert abs(res["achieved_acceptance"] - 0.5) <= 0.25 and res["drafts_independent_of_tau"] is True
+    assert "own" in res["note"] and 1 <= len(res["rounds"]) <= 3 and res["options"]["tau"] == res["tau"]
+    assert res["achieved_acceptance"] == min((r["achieved_acceptance"] for r in res["rounds"]),
+                                             key=lambda a: abs(a - 0.5))
 
 
 def test_calibrate_acceptance_committed_rounds(tmp_path, monkeypatch, capsys):
@@ -250,7 +253,7 @@ def test_calibrate_acceptance_committed_rounds(tmp_path, monkeypatch, capsys):
     res = json.loads((tmp_path / "cal" / "calibration.json").read_text())
     assert [r["tau"] for r in res["rounds"]] == [0.2, 0.3] and [r["achieved_acceptance"] for r in res["rounds"]] == [
         1.0, 0.5]
-    assert res["tau"] == 0.3 and res["exact"] is False and "approximate" in res["note"]
+    assert res["tau"] == 0.3 and res["drafts_independent_of_tau"] is False and "committed" in res["note"]
 
 
 def test_calibration_math():

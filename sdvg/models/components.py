@@ -39,12 +39,14 @@ class Components:
             raise ValueError(f"DiT latent channels {d.in_channels} != VAE z_dim {self.vae.z_dim}")
 
 
-def _randomize_reward_head(model, seed: int) -> None:
-    """Variance-preserving init of the random MLP head so that random scores spread out."""
+def _randomize_reward_model(model, seed: int) -> None:
+    """Variance-preserving init (std 1/sqrt(fan_in)) of every linear layer of a random reward model:
+    with transformers' default init (std 0.02) every frame of a random-weight preset scores alike."""
     g = torch.Generator().manual_seed(seed)
-    for name, p in model.mlp.named_parameters():
-        if name.endswith("weight"):
-            p.data.copy_(torch.randn(p.shape, generator=g) * p.shape[1] ** -0.5)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(torch.randn(module.weight.shape, generator=g) * module.weight.shape[1] ** -0.5)
 
 
 def _construct(cfg, device: torch.device, dtype: torch.dtype) -> CausalWanDiT:
@@ -91,7 +93,7 @@ def build_random(preset: Preset, seed: int = 0, drafter_device="cpu", target_dev
         tok = reward_tokenizer(preset.reward, tiny=True)
         torch.manual_seed(seed + 4)
         model = build_image_reward(preset.reward, tok)
-        _randomize_reward_head(model, seed + 5)
+        _randomize_reward_model(model, seed + 5)
         scorer = RewardScorer(model, preset.reward).to(dd, dtype if dd.type == "cuda" else torch.float32)
     comps = Components(preset, drafter, target, text, vae, scorer, dd, td)
     comps.check_compatible()
