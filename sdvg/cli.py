@@ -11,12 +11,14 @@ import sys
 from pathlib import Path
 
 from sdvg.config import PRESETS
+from sdvg.io import DEFAULT_CRF, DEFAULT_FPS
 from sdvg.options import BACKENDS, add_option_flags, option_type, options_from_args
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "MovieGenVideoBench.txt"
 
 
-def _count(low: int):
+def _count(low: int, high: int | None = None):
+    """argparse type: an integer >= low (and <= high)."""
     def parse(text: str) -> int:
         try:
             v = int(text)
@@ -24,16 +26,11 @@ def _count(low: int):
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if v < low:
             raise argparse.ArgumentTypeError(f"{v} must be >= {low}")
+        if high is not None and v > high:
+            raise argparse.ArgumentTypeError(f"{v} must lie in [{low}, {high}]")
         return v
 
     return parse
-
-
-def _crf(text: str) -> int:
-    v = _count(0)(text)
-    if v > 51:
-        raise argparse.ArgumentTypeError(f"crf {v} must lie in [0, 51]")
-    return v
 
 
 def _real(low: float = -math.inf, high: float = math.inf):
@@ -95,11 +92,9 @@ def build_pipeline(args):
     t0 = time.perf_counter()
     what = f"preset {args.preset!r}" + ("" if args.preset not in PRESETS or not PRESETS[args.preset].random_weights
                                         else " (random weights)")
-    if not getattr(args, "quiet", False):
-        print(f"loading {what} ...", file=sys.stderr, flush=True)
+    _progress(args, f"loading {what} ...")
     pipe = _build_pipeline(args)
-    if not getattr(args, "quiet", False):
-        print(f"loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    _progress(args, f"loaded in {time.perf_counter() - t0:.1f} s")
     return pipe
 
 
@@ -140,7 +135,8 @@ def _done_prompts(stats_path: Path) -> set[int]:
     return done
 
 
-def run_one(pipe, prompt: str, opts, video: Path, progress: bool = True, fps: float = 16, crf: int = 10):
+def run_one(pipe, prompt: str, opts, video: Path, progress: bool = True, fps: float = DEFAULT_FPS,
+            crf: int = DEFAULT_CRF):
     """Generate one video, writing the MP4 as blocks arrive; returns its `RunStats`. On Ctrl-C the MP4
     of the blocks emitted so far is closed (playable) and the stats (same fields) are marked interrupted."""
     from tqdm import tqdm
@@ -320,8 +316,7 @@ def _sweep_setup(args, opts):
         raise ValueError(f"unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
     prompts, source = _prompts_for_sweep(args)
     preset = get_preset(args.preset)
-    opts = opts.resolved(preset.video.num_blocks)
-    opts = opts if opts.backend is not None else opts.replace(backend=BACKENDS[0])
+    opts = opts.resolved(preset.video.num_blocks, BACKENDS[0])
     flags = {k: getattr(args, k) for k in ("drafter", "target", "vae", "reward", "reward_tokenizer", "text_encoder",
                                            "engines", "device", "target_device")}
     manifest = build_manifest(opts, preset=args.preset, preset_fingerprint=config_hash(preset), checkpoint_flags=flags,
@@ -478,8 +473,10 @@ def build_parser(config: dict | None = None) -> argparse.ArgumentParser:
     g.add_argument("--out", default="video.mp4", help="the MP4 (with --prompts-file: <stem>_<line>.mp4 per prompt)")
     g.add_argument("--stats", help="statistics (docs/stats.md): JSON, or JSON Lines with --prompts-file; "
                                    "default: --out with .json / .jsonl")
-    g.add_argument("--fps", type=float, default=16, help="frames per second of the MP4 (default: 16, Wan2.1's)")
-    g.add_argument("--crf", type=_crf, default=10, help="libx264 quality, 0 (lossless) to 51 (default: 10)")
+    g.add_argument("--fps", type=float, default=DEFAULT_FPS,
+                   help=f"frames per second of the MP4 (default: {DEFAULT_FPS}, Wan2.1's)")
+    g.add_argument("--crf", type=_count(0, 51), default=DEFAULT_CRF,
+                   help=f"libx264 quality, 0 (lossless) to 51 (default: {DEFAULT_CRF})")
     g.add_argument("--resume", action="store_true", help="skip prompts already in the stats JSONL")
     g.add_argument("--timeline", help="PNG of every stage call on the drafter / VAE+reward / target lanes "
                                       "(one per prompt with --prompts-file)")

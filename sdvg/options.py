@@ -101,9 +101,15 @@ class GenerationOptions:
     def replace(self, **changes) -> "GenerationOptions":
         return dataclasses.replace(self, **changes)
 
-    def resolved(self, preset_num_blocks: int) -> "GenerationOptions":
-        """The options with the preset's defaults filled in (num_blocks)."""
-        return self if self.num_blocks is not None else self.replace(num_blocks=preset_num_blocks)
+    def resolved(self, num_blocks: int, backend: str | None = None) -> "GenerationOptions":
+        """The options with a pipeline's defaults filled in where unset: the preset's `num_blocks` and,
+        when given, the pipeline's stage `backend`."""
+        changes = {}
+        if self.num_blocks is None:
+            changes["num_blocks"] = num_blocks
+        if self.backend is None and backend is not None:
+            changes["backend"] = backend
+        return self.replace(**changes) if changes else self
 
     @property
     def skips_first_draft(self) -> bool:
@@ -162,7 +168,8 @@ def parse_pattern(value) -> tuple[bool, ...]:
     return tuple(out)
 
 
-OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(GenerationOptions))
+FIELDS = {f.name: f for f in dataclasses.fields(GenerationOptions)}
+OPTION_NAMES: tuple[str, ...] = tuple(FIELDS)
 DEFAULTS = GenerationOptions()
 
 
@@ -171,37 +178,22 @@ def flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _parse_tau(text: str) -> float:
-    try:
-        return _number("tau", float(text), allow_inf=True)
-    except ValueError as exc:
-        msg = str(exc) if isinstance(exc, OptionError) else f"tau {text!r} is not a number (e.g. -0.7, inf, -inf)"
-        raise argparse.ArgumentTypeError(msg) from None
+_FROM_TEXT = {"tau": (float, "a number (e.g. -0.7, inf, -inf)"), "accept_prob": (float, "a number"),
+              "num_blocks": (int, "an integer"), "seed": (int, "an integer"), "pattern": (str, "a string")}
 
 
 def option_type(name: str):
-    """The argparse `type` that parses option `name` from text, with the declaration's rules."""
+    """The argparse `type` that reads option `name` from text; the value is then checked by
+    `GenerationOptions` itself (one place per rule)."""
+    convert, what = _FROM_TEXT.get(name, (str, "a string"))
+
     def parse(text: str):
         try:
-            if name == "tau":
-                return _parse_tau(text)
-            if name == "pattern":
-                return parse_pattern(text)
-            if name in ("num_blocks", "seed"):
-                try:
-                    v = int(text)
-                except ValueError:
-                    raise OptionError(f"{name} {text!r} is not an integer") from None
-                return _integer(name, v, low=1 if name == "num_blocks" else 0,
-                                high=None if name == "num_blocks" else SEED_MAX)
-            if name == "accept_prob":
-                try:
-                    return _number(name, float(text))
-                except ValueError as exc:
-                    if isinstance(exc, OptionError):
-                        raise
-                    raise OptionError(f"{name} {text!r} is not a number") from None
-            return text
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} {text!r} is not {what}") from None
+        try:
+            return getattr(GenerationOptions(**{name: value}), name)
         except OptionError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -272,8 +264,7 @@ def load_options_file(path) -> dict:
                           f"{', '.join(OPTION_NAMES)}")
     values = {}
     for name, value in data.items():
-        if isinstance(value, str) and name not in ("mode", "router", "aggregation", "drafter_context",
-                                                   "scheduler", "backend"):
+        if isinstance(value, str) and FIELDS[name].metadata["choices"] is None:
             try:
                 value = option_type(name)(value)
             except argparse.ArgumentTypeError as exc:

@@ -223,8 +223,7 @@ class SpeculativeVideoPipeline:
 
     def resolve(self, options: GenerationOptions) -> GenerationOptions:
         """The options with this pipeline's defaults filled in (num_blocks from the preset, backend)."""
-        options = options.resolved(self.preset.video.num_blocks)
-        return options if options.backend is not None else options.replace(backend=self.default_backend)
+        return options.resolved(self.preset.video.num_blocks, self.default_backend)
 
     def run(self, prompt: str, options: GenerationOptions, threaded: bool = True) -> BlockStream:
         """The blocks of one video for explicit options (what `stream` and `__call__` call)."""

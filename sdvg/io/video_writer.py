@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sdvg.io import DEFAULT_CRF, DEFAULT_FPS
 
-DEFAULT_FPS = 16  # Wan2.1's frame rate
-DEFAULT_CRF = 10  # libx264 constant rate factor (imageio's quality 8): near-lossless
+
 
 
 class IncrementalMP4Writer:
