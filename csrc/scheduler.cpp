@@ -39,7 +39,11 @@ void SchedulerConfig::validate() const {
   std::ostringstream os;
   if (num_blocks < 1) os << "num_blocks " << num_blocks << " must be >= 1; ";
   if (frames_per_block < 1) os << "frames_per_block " << frames_per_block << " must be >= 1; ";
-  if (num_steps < 1) os << "num_steps " << num_steps << " must be >= 1; ";
+  if (drafter_steps < 1) os << "drafter_steps " << drafter_steps << " must be >= 1; ";
+  if (target_steps < 1) os << "target_steps " << target_steps << " must be >= 1; ";
+  if (run_ahead_blocks < 1) os << "run_ahead_blocks " << run_ahead_blocks << " must be >= 1; ";
+  if (run_ahead && drafter_recompute && !own_context && mode == Mode::Sdvg)
+    os << "a recompute drafter cannot roll back a speculative commit (run_ahead with the committed context); ";
   if (router == RouterKind::Random && static_cast<int>(uniforms.size()) < num_blocks)
     os << "random router needs one uniform draw per block (" << num_blocks << "), got " << uniforms.size() << "; ";
   if (router == RouterKind::Pattern && pattern.empty()) os << "pattern router needs a pattern; ";
@@ -147,12 +151,13 @@ void Scheduler::run() {
 Handle Scheduler::drafter_draft(int b) {
   Handle d = timed(b, Stage::Draft, !cfg_.run_ahead, [&] { return ex_.draft(b); });
   std::lock_guard<std::mutex> lk(mu_);
-  counters_.drafter_forwards += cfg_.num_steps;
+  counters_.drafter_forwards += cfg_.denoise_forwards(cfg_.drafter_recompute, cfg_.drafter_steps, b);
   return d;
 }
 
 void Scheduler::drafter_commit(int b, const Handle& latents) {
   timed(b, Stage::DrafterCommit, !cfg_.run_ahead, [&] { ex_.drafter_commit_forward(b, latents); });
+  if (cfg_.drafter_recompute) return;  // the latents joined the context: no forward, no pointer move
   ex_.drafter_cache_commit();
   std::lock_guard<std::mutex> lk(mu_);
   counters_.drafter_forwards += 1;
@@ -178,6 +183,11 @@ void Scheduler::drafter_loop() {
       wait_decision(0, &x0);
       if (!last) drafter_commit(0, x0);
       continue;
+    }
+    {  // the bounded queue: at most run_ahead_blocks drafts beyond the block being decided
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return b - consumed_ < cfg_.run_ahead_blocks || cancelled_.load(); });
+      if (cancelled_.load()) throw Cancelled();
     }
     Handle d = drafter_draft(b);
     if (speculative_prev) {
@@ -222,7 +232,11 @@ Handle Scheduler::obtain_draft(int b) {
   std::unique_lock<std::mutex> lk(mu_);
   cv_.wait(lk, [&] { return draft_ready_[b] != 0 || cancelled_.load(); });
   if (!draft_ready_[b]) throw Cancelled();
-  return drafts_[b];
+  consumed_ = b + 1;
+  cv_.notify_all();
+  Handle d = drafts_[b];
+  drafts_[b] = nullptr;  // the queue holds only drafts not yet taken
+  return d;
 }
 
 void Scheduler::settle(int b, bool accepted, const Handle& emitted) {
@@ -235,6 +249,7 @@ void Scheduler::settle(int b, bool accepted, const Handle& emitted) {
 void Scheduler::flush_target_commits(int block) {
   for (auto& [b, x] : pending_target_commits_) {
     timed(block, Stage::TargetCommit, true, [&] { ex_.target_commit_forward(b, x); });
+    if (cfg_.target_recompute) continue;  // the latents joined the context: no forward, no pointer move
     ex_.target_cache_commit();
     std::lock_guard<std::mutex> lk(mu_);
     counters_.target_forwards += 1;
@@ -254,7 +269,7 @@ void Scheduler::run_main() {
       flush_target_commits(b);
       Handle t = timed(b, Stage::Target, true, [&] { return ex_.target(b); });
       std::lock_guard<std::mutex> lk(mu_);
-      counters_.target_forwards += cfg_.num_steps;
+      counters_.target_forwards += cfg_.denoise_forwards(cfg_.target_recompute, cfg_.target_steps, b);
       return t;
     };
     if (cfg_.mode == Mode::Target) {
@@ -275,7 +290,9 @@ void Scheduler::run_main() {
       Scored scored;
       if (forced && cfg_.skips_first_draft()) {
         std::lock_guard<std::mutex> lk(mu_);
-        counters_.skipped_drafter_forwards += cfg_.num_steps;
+        counters_.skipped_drafter_forwards += cfg_.drafter_steps;
+        consumed_ = 1;  // block 0 has no draft to take
+        cv_.notify_all();
       } else {
         d = obtain_draft(b);
         snap = ex_.vae_snapshot();

@@ -6,11 +6,16 @@
 // therefore runs eager modules, compiled modules or engines, and is unit-tested with fakes.
 //
 // Sequential order (run_ahead = false) is the reference loop of sdvg/reference.py, step for step.
-// With run_ahead, a drafter thread drafts block b+1 while block b is decoded, scored and
-// committed, assuming b is accepted; if b is rejected the drafter's KV pointer is rolled back,
-// the target's block is committed instead and b+1 is drafted again. Under the `own` drafter
-// context the drafter never waits. Every model sees the same sequence of operations on its own
-// cache as in sequential order, so the output is identical.
+// With run_ahead, a drafter thread drafts ahead while the main thread decodes, scores and
+// commits. Under the `own` drafter context (the paper's rule) the drafter never waits for a
+// decision: it drafts up to `run_ahead_blocks` blocks beyond the one being decided (a bounded
+// queue). Under `committed` it drafts block b+1 assuming b is accepted; if b is rejected the
+// drafter's KV pointer is rolled back, the target's block is committed instead and b+1 is drafted
+// again. Every model sees the same sequence of operations on its own cache as in sequential
+// order, so the output is identical.
+//
+// A role with a recompute context (Krea) rebuilds its cache inside its denoise stage; committing a
+// block to it only hands the block's latents over (no forward, no pointer move).
 #pragma once
 
 #include <array>
@@ -70,7 +75,10 @@ RouterKind parse_router(const std::string& name);
   X(Mode, mode, "sdvg | target | draft")                                                                   \
   X(int, num_blocks, "blocks in the video (>= 1)")                                                         \
   X(int, frames_per_block, "latent frames per block (>= 1)")                                               \
-  X(int, num_steps, "denoising steps per block (>= 1)")                                                    \
+  X(int, drafter_steps, "drafter model calls per block denoise (>= 1)")                                    \
+  X(int, target_steps, "target model calls per block denoise (>= 1)")                                      \
+  X(bool, drafter_recompute, "drafter context rebuilt before each block (one more forward); commits record") \
+  X(bool, target_recompute, "target context rebuilt before each block (one more forward); commits record")   \
   X(RouterKind, router, "reward | random | pattern")                                                       \
   X(double, tau, "reward router: a draft is accepted when its block score >= tau")                         \
   X(double, accept_prob, "random router: a draft is accepted when its block's uniform draw < accept_prob") \
@@ -81,7 +89,8 @@ RouterKind parse_router(const std::string& name);
   X(bool, skip_first_draft, "no draft for a forced block 0 when the drafter reads the emitted blocks")     \
   X(bool, lazy_target_commit, "commit accepted blocks into the target only when it next runs")             \
   X(bool, score_emitted, "also score the target's frames of rejected blocks")                              \
-  X(bool, run_ahead, "a drafter thread drafts block b+1 while block b is decoded, scored and committed")
+  X(bool, run_ahead, "a drafter thread drafts ahead while the current block is decoded, scored and committed") \
+  X(int, run_ahead_blocks, "run-ahead: drafts the drafter may hold beyond the block being decided (>= 1)")
 
 struct SchedulerConfig {
 #define SDVG_CONFIG_MEMBER_(type, name, doc) type name{};
@@ -94,6 +103,8 @@ struct SchedulerConfig {
     return mode == Mode::Sdvg && skip_first_draft && force_first_reject && !own_context;
   }
   bool forced(int b) const { return mode == Mode::Sdvg && b == 0 && force_first_reject; }
+  // Forwards of one denoise: the steps, plus the context rebuild of a recompute role past block 0.
+  int denoise_forwards(bool recompute, int steps, int b) const { return steps + (recompute && b > 0 ? 1 : 0); }
 };
 
 #define SDVG_FIELD_NAME_(type, name, doc) #name,
@@ -222,6 +233,7 @@ class Scheduler {
   std::condition_variable cv_;
   std::vector<Handle> drafts_;
   std::vector<char> draft_ready_;
+  int consumed_ = 0;  // drafts the main thread has taken (run-ahead's bounded queue)
   std::vector<int> decided_;  // -1 unknown, 0 rejected / forced, 1 accepted
   std::vector<Handle> emitted_;
   std::atomic<bool> cancelled_{false};

@@ -10,9 +10,9 @@ import math
 import sys
 from pathlib import Path
 
-from sdvg.config import PRESETS
+from sdvg.config import PRESETS, KVWindow, RoleContext
 from sdvg.io import DEFAULT_CRF, DEFAULT_FPS
-from sdvg.options import BACKENDS, add_option_flags, option_type, options_from_args
+from sdvg.options import BACKENDS, PROTOCOLS, add_option_flags, option_type, options_from_args
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "MovieGenVideoBench.txt"
 
@@ -184,6 +184,7 @@ def cmd_generate(args) -> int:
     stats_path = Path(args.stats) if args.stats else out.with_suffix(".jsonl" if many else ".json")
     opts = options_from_args(args)
     pipe = build_pipeline(args)
+    _announce_protocol(args, pipe.preset, opts)
     if not many:
         stats = run_one(pipe, prompts[0], opts, out, progress=not args.quiet, fps=args.fps, crf=args.crf)
         stats_path.parent.mkdir(parents=True, exist_ok=True)
@@ -231,29 +232,62 @@ def _summary(stats, path: Path) -> None:
           f"wall {stats.get('wall_s', float('nan')):.2f} s; stats in {path}", file=sys.stderr)
 
 
+MEMORY_OPTIONS = ("mode", "num_blocks", "target_context", "drafter_cache", "kv_cache_frames", "keep_first_frame",
+                  "window_frames", "sink_frames")
+
+
 def cmd_memory(args) -> int:
-    import torch
+    """The resident memory of a pipeline per device, before anything is allocated; both context modes' KV
+    caches side by side; a per-device budget check (exit 2 when a device does not fit)."""
+    from sdvg.config import get_preset
+    from sdvg.models.memory import GIB, device_totals, format_plan, kv_bytes, plan_memory
 
-    from sdvg.config import get_preset, torch_dtype
-    from sdvg.models.kv_cache import KVCacheSpec
-
+    if args.preset not in PRESETS:
+        raise ValueError(f"unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
     preset = get_preset(args.preset)
-    n = args.num_blocks or preset.video.num_blocks
-    dtype = torch_dtype(preset.precision)
-    report = {}
-    for role, dit in (("drafter", preset.drafter), ("target", preset.target)):
-        spec = KVCacheSpec.for_preset(preset, dit, n)
-        params = dit.num_params()
-        report[role] = {"params": params, "weights_gib": params * torch.empty((), dtype=dtype).element_size() / 2**30,
-                        "kv_cache_gib": spec.nbytes(dtype) / 2**30}
-        report[role]["total_gib"] = report[role]["weights_gib"] + report[role]["kv_cache_gib"]
-    print(json.dumps(report, indent=2))
+    opts = options_from_args(args).resolved(preset)
+    roles = {"sdvg": ("drafter", "target"), "target": ("target",), "draft": ("drafter",)}[opts.mode]
+    contexts = {role: opts.role_context(role) for role in roles}
+    te_device = args.text_encoder_device or args.device
+    items = plan_memory(preset, contexts, opts.num_blocks, args.device, args.target_device, te_device)
+    modes = {}
+    for role in roles:
+        chosen = contexts[role]
+        modes[role] = {}
+        for mode in ("full", "recompute"):
+            ctx = RoleContext(mode, chosen.kv_cache_frames, chosen.keep_first_frame,
+                              chosen.window if mode == "full" else KVWindow())
+            modes[role][mode] = kv_bytes(preset, role, ctx, opts.num_blocks)
+    totals = device_totals(items)
+    if args.json:
+        print(json.dumps({"preset": preset.name, "precision": preset.precision, "num_blocks": opts.num_blocks,
+                          "contexts": {r: c.mode for r, c in contexts.items()},
+                          "kv_cache_gib_per_mode": {r: {m: v[0] / GIB for m, v in d.items()} for r, d in modes.items()},
+                          "items": [{"device": it.device, "what": it.what, "gib": it.gib, "arithmetic": it.arithmetic}
+                                    for it in items],
+                          "device_total_gib": {d: t / GIB for d, t in totals.items()},
+                          "budget_gib": args.budget_gib}, indent=2))
+    else:
+        frames = opts.num_blocks * preset.video.frames_per_block
+        print(f"sdvg memory: preset {preset.name}, {preset.precision}, {opts.num_blocks} blocks ({frames} latent "
+              f"frames); nothing allocated")
+        print("KV cache per context mode (* = this run's):")
+        for role, d in modes.items():
+            for mode, (nbytes, how) in d.items():
+                mark = "*" if contexts[role].mode == mode else " "
+                print(f" {mark} {role:<8} {nbytes / GIB:8.2f} GiB   ({how})")
+        for line in format_plan(items, args.budget_gib):
+            print(line)
+        print("(a 48 GB card holds 44.7 GiB; an 80 GB card 74.5 GiB; activations and CUDA context come on top)")
     if args.budget_gib is not None:
-        for role, r in report.items():
-            if r["total_gib"] > args.budget_gib:
-                print(f"error: {role} needs {r['total_gib']:.1f} GiB > budget {args.budget_gib} GiB; use a local "
-                      "window, fewer blocks or a GPU with more memory", file=sys.stderr)
-                return 2
+        over = {d: t / GIB for d, t in totals.items() if t / GIB > args.budget_gib}
+        for device, gib in over.items():
+            who = ", ".join(sorted({it.what.split()[0] for it in items if it.device == device}))
+            print(f"error: device {device} ({who}) needs {gib:.2f} GiB > budget {args.budget_gib:g} GiB; use the "
+                  "recompute target context, a local window, fewer blocks, --text-encoder-device cpu or a larger "
+                  "device", file=sys.stderr)
+        if over:
+            return 2
     return 0
 
 
@@ -316,7 +350,8 @@ def _sweep_setup(args, opts):
         raise ValueError(f"unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
     prompts, source = _prompts_for_sweep(args)
     preset = get_preset(args.preset)
-    opts = opts.resolved(preset.video.num_blocks, BACKENDS[0])
+    opts = opts.resolved(preset, BACKENDS[0])
+    _announce_protocol(args, preset, opts)
     flags = {k: getattr(args, k) for k in ("drafter", "target", "vae", "reward", "reward_tokenizer", "text_encoder",
                                            "engines", "device", "target_device")}
     manifest = build_manifest(opts, preset=args.preset, preset_fingerprint=config_hash(preset), checkpoint_flags=flags,
@@ -487,10 +522,17 @@ def build_parser(config: dict | None = None) -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_config)
     for p in (g, c):
         _add_config(p, config)
-    m = sub.add_parser("memory", help="weights and KV-cache memory of a preset, before allocating")
+    m = sub.add_parser("memory", help="resident memory per device (weights, KV caches per context mode, prompt K/V, "
+                                      "VAE, ImageReward, umT5), computed before allocating")
     m.add_argument("--preset", default="wan2.1")
-    m.add_argument("--num-blocks", type=_count(1), help="blocks (default: the preset's)")
-    m.add_argument("--budget-gib", type=float)
+    m.add_argument("--device", "--drafter-device", dest="device", default="cuda:0",
+                   help="drafter, VAE and reward device (a label here)")
+    m.add_argument("--target-device", default="cuda:1", help="target device (a label; the same as --device for one "
+                                                             "device)")
+    m.add_argument("--text-encoder-device", help="where umT5 stays (default: --device; cpu = offloaded)")
+    m.add_argument("--budget-gib", type=_real(0), help="memory of each device in GiB (a 48 GB card: 44.7)")
+    m.add_argument("--json", action="store_true", help="machine-readable output")
+    add_option_flags(m, only=MEMORY_OPTIONS)
     m.set_defaults(func=cmd_memory)
     for name, fn, helptext in (("sweep", cmd_sweep, "sweep tau over a prompt set; report tables, Pareto plot"),
                                ("calibrate", cmd_calibrate, "pick tau for an acceptance rate or a quality goal")):
@@ -532,24 +574,40 @@ def build_parser(config: dict | None = None) -> argparse.ArgumentParser:
 def _add_config(p: argparse.ArgumentParser, config: dict | None) -> None:
     p.add_argument("--config", help="YAML or JSON file of generation options (keys: the option names); "
                                     "flags given here override it")
+    p.add_argument("--protocol", choices=sorted(PROTOCOLS),
+                   help="a named protocol: paper = the SDVG paper's loop (drafter on its own drafts, block 0 from "
+                        "the target, worst-frame score, 9 blocks, seed 42); a --config file and flags override it")
     if config:
         p.set_defaults(**config)
 
 
 def _config_values(argv: list[str]) -> dict:
-    """The options of `--config FILE` (read before the full parse; errors exit 2 naming the file)."""
+    """The option defaults of `--protocol NAME`, then of `--config FILE` on top (read before the full
+    parse; errors exit 2 naming the file)."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config")
+    pre.add_argument("--protocol")
     known, _ = pre.parse_known_args(argv)
+    values = dict(PROTOCOLS.get(known.protocol, {}))  # an unknown name is refused by the full parse
     if not known.config:
-        return {}
+        return values
     from sdvg.options import OptionError, load_options_file
 
     try:
-        return load_options_file(known.config)
+        return {**values, **load_options_file(known.config)}
     except OptionError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _announce_protocol(args, preset, opts) -> None:
+    """Say what --protocol set (and the resolution it keeps)."""
+    if getattr(args, "protocol", None) and not getattr(args, "quiet", False):
+        from sdvg.options import describe_protocol
+
+        for line in describe_protocol(args.protocol, opts, preset.video.height, preset.video.width,
+                                      preset.random_weights):
+            print(line, file=sys.stderr)
 
 
 def cmd_config(args) -> int:

@@ -97,6 +97,57 @@ class KVWindow:
     slack_frames: int = 0
 
 
+CONTEXT_MODES: tuple[str, ...] = ("full", "recompute")
+
+
+@dataclass(frozen=True)
+class RoleContext:
+    """How one DiT's KV cache holds the video's history (one per role, resolved from the preset and
+    the generation options).
+
+    full: every committed block stays in the cache (or `window` frames plus sink frames); the block
+      is denoised at its absolute frame index with the preset's `timesteps`, then a clean t = 0
+      forward commits it (Self-Forcing's inference).
+    recompute: before each block the cache is rebuilt by one t = 0 forward over at most
+      `kv_cache_frames` clean context frames positioned from 0 (block-causal among them), and the
+      block is denoised right after them with the preset's `recompute_timesteps`; committing a block
+      only records its latents (Krea Realtime Video's inference). The first context frame is latent
+      frame 0 while the context still reaches it (always, with `keep_first_frame`); after that it is
+      the oldest emitted pixel frame of a `1 + (kv_cache_frames - 1) * 4` frame window, re-encoded
+      alone by the VAE encoder."""
+
+    mode: str = "full"
+    kv_cache_frames: int = 3
+    keep_first_frame: bool = False
+    window: KVWindow = KVWindow()  # full only
+
+    def __post_init__(self):
+        if self.mode not in CONTEXT_MODES:
+            raise ConfigError(f"unknown context mode {self.mode!r}; choose one of {', '.join(CONTEXT_MODES)}")
+        if isinstance(self.kv_cache_frames, bool) or not isinstance(self.kv_cache_frames, int) \
+                or self.kv_cache_frames < 1:
+            raise ConfigError(f"kv_cache_frames {self.kv_cache_frames!r} must be an integer >= 1 (Krea's default: 3)")
+        if self.mode == "recompute" and self.window.window_frames:
+            raise ConfigError(f"a recompute context already keeps only kv_cache_frames = {self.kv_cache_frames} "
+                              f"frames; drop the window (window_frames = {self.window.window_frames}) or use the "
+                              "full context")
+
+    @property
+    def recompute(self) -> bool:
+        return self.mode == "recompute"
+
+    def cache_frames(self, num_blocks: int, frames_per_block: int) -> int:
+        """Latent frames the cache must hold: the whole video (full) or the context plus one block."""
+        if self.recompute:
+            return self.kv_cache_frames + frames_per_block
+        return num_blocks * frames_per_block
+
+    def pixel_window(self, temporal_stride: int = 4) -> int:
+        """Emitted pixel frames kept for re-encoding the moving first context frame (Krea's
+        `frame_context_cache`): 1 + (kv_cache_frames - 1) * temporal_stride."""
+        return 1 + (self.kv_cache_frames - 1) * temporal_stride
+
+
 @dataclass(frozen=True)
 class TextEncoderConfig:
     """umT5 encoder (transformers `UMT5EncoderModel`)."""
@@ -211,8 +262,16 @@ class Preset:
     video: VideoConfig
     precision: Precision = "bf16"
     kv_window: KVWindow = field(default_factory=KVWindow)
+    # Denoising steps in the unshifted 0..1000 scale (sdvg.generation.schedule): a full-context role
+    # runs `timesteps` then the t = 0 commit (Self-Forcing); a recompute role runs `recompute_timesteps`
+    # (Krea's five calls, the last at t = 0).
     timesteps: tuple[float, ...] = (1000.0, 750.0, 500.0, 250.0)
+    recompute_timesteps: tuple[float, ...] = (1000.0, 750.0, 500.0, 250.0, 0.0)
     shift: float = 5.0
+    # How each role's KV cache holds history by default (sdvg.config.RoleContext; options override).
+    drafter_cache: str = "full"
+    target_context: str = "full"
+    kv_cache_frames: int = 3
     sources: PresetSources | None = None  # None: a random-weight preset
 
     @property
@@ -236,6 +295,12 @@ class Preset:
         self.video.validate(self.vae, self.target)
         if not self.timesteps or any(not 0 < t <= 1000 for t in self.timesteps):
             raise ConfigError(f"timesteps {self.timesteps} must lie in (0, 1000]")
+        rt = self.recompute_timesteps
+        if not rt or any(not 0 <= t <= 1000 for t in rt) or any(t == 0 for t in rt[:-1]):
+            raise ConfigError(f"recompute_timesteps {rt} must lie in [0, 1000], only the last may be 0")
+        for name in ("drafter_cache", "target_context"):
+            RoleContext(getattr(self, name), self.kv_cache_frames, window=self.kv_window
+                        if getattr(self, name) == "full" else KVWindow())
 
     def replace(self, **changes) -> "Preset":
         return dataclasses.replace(self, **changes)
@@ -276,6 +341,7 @@ PRESETS: dict[str, Preset] = {
         reward=IMAGE_REWARD,
         video=VideoConfig(),
         precision="bf16",
+        target_context="recompute",  # Krea's inference; --target-context full for a full-history target
         sources=PresetSources(
             drafter=HubSource("gdhe17/Self-Forcing", "checkpoints/self_forcing_dmd.pt"),
             target=HubSource("krea/krea-realtime-video", "krea-realtime-video-14b.safetensors"),
@@ -299,6 +365,7 @@ PRESETS: dict[str, Preset] = {
         reward=dataclasses.replace(IMAGE_REWARD, vocab_size=TINY_BERT_VOCAB),
         video=VideoConfig(),
         precision="bf16",
+        target_context="recompute",
     ),
     # CPU benchmark: drafter:target parameter ratio ~1:9 (1.3B:14B is ~1:10), head_dim 128 like the real
     # models, and a VAE small enough that the target's forwards dominate as they do on a GPU.

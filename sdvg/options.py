@@ -21,10 +21,12 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from sdvg.config import CONTEXT_MODES, KVWindow, RoleContext
+
 MODES: tuple[str, ...] = ("sdvg", "target", "draft")
 ROUTERS: tuple[str, ...] = ("reward", "random", "pattern")
 AGGREGATIONS: tuple[str, ...] = ("min", "mean", "trimmed_mean", "quantile")
-DRAFTER_CONTEXTS: tuple[str, ...] = ("committed", "own")
+DRAFTER_CONTEXTS: tuple[str, ...] = ("own", "committed")
 SCHEDULERS: tuple[str, ...] = ("cpp", "reference")
 BACKENDS: tuple[str, ...] = ("eager", "compile", "tensorrt")
 
@@ -58,17 +60,35 @@ class GenerationOptions:
     aggregation: str = _opt("min", "per-frame scores to one block score: min is the worst frame (the paper)",
                             AGGREGATIONS)
     force_first_reject: bool = _opt(True, "block 0 always comes from the target (the paper's rule)")
-    drafter_context: str = _opt("committed", "what the drafter's KV cache holds: committed (the emitted block) "
-                                             "or own (its own draft, whatever the decision)", DRAFTER_CONTEXTS)
+    drafter_context: str = _opt("own", "what the drafter conditions on: own (its own drafts, block 0 included, "
+                                       "whatever the decision: the paper's rule; the drafter never waits for a "
+                                       "decision) or committed (the emitted blocks: drafts follow the target's "
+                                       "corrections, but the drafter waits for each decision)", DRAFTER_CONTEXTS)
     skip_first_draft: bool = _opt(True, "under committed context and a forced block 0, do not draft block 0 "
                                         "(its draft is never used)")
+    target_context: str | None = _opt(None, "how the target's KV cache holds history: full (every committed block, "
+                                            "Self-Forcing's 4 steps + t = 0 commit) or recompute (Krea: rebuilt "
+                                            "from --kv-cache-frames clean frames before each block, 5 calls); "
+                                            "default: the preset's", CONTEXT_MODES)
+    drafter_cache: str | None = _opt(None, "how the drafter's KV cache holds history: full or recompute (as "
+                                           "--target-context); default: the preset's", CONTEXT_MODES)
+    kv_cache_frames: int | None = _opt(None, "recompute: clean context frames rebuilt before each block "
+                                             "(Krea's kv_cache_num_frames; default: the preset's, 3)", metavar="N")
+    keep_first_frame: bool = _opt(False, "recompute: keep latent frame 0 as a fixed first context frame (Krea's "
+                                         "default: off, the first frame moves with the window and is re-encoded)")
+    window_frames: int | None = _opt(None, "full context: attend to the last N frames only (0: the whole "
+                                           "history; default: the preset's)", metavar="N")
+    sink_frames: int | None = _opt(None, "full context with a window: first frames always kept (default: the "
+                                         "preset's)", metavar="N")
     lazy_target_commit: bool = _opt(True, "commit accepted blocks into the target's cache only when the target "
                                           "next runs (a trailing run of accepted blocks costs the target nothing)")
     score_emitted: bool = _opt(False, "also score the target's frames of rejected blocks (a quality proxy)")
     scheduler: str = _opt("cpp", "cpp: the native scheduler; reference: the plain Python loop (the oracle; "
                                  "bitwise the same video)", SCHEDULERS)
-    run_ahead: bool = _opt(False, "draft block b+1 while block b is decoded, scored and committed "
-                                  "(scheduler cpp; same output)")
+    run_ahead: bool = _opt(False, "draft ahead on a drafter thread while the current block is decoded, scored "
+                                  "and committed (scheduler cpp; same output)")
+    run_ahead_blocks: int = _opt(2, "run-ahead: drafts the drafter may hold ahead of the block being decided "
+                                    "(a bounded queue; the committed context allows one)", metavar="N")
     backend: str | None = _opt(None, "how stages run: eager, compile (torch.compile'd static stages) or "
                                      "tensorrt (engines; needs --engines); default: the pipeline's", BACKENDS)
 
@@ -83,6 +103,12 @@ class GenerationOptions:
         if self.num_blocks is not None:
             set_("num_blocks", _integer("num_blocks", self.num_blocks, low=1))
         set_("seed", _integer("seed", self.seed, low=0, high=SEED_MAX))
+        if self.kv_cache_frames is not None:
+            set_("kv_cache_frames", _integer("kv_cache_frames", self.kv_cache_frames, low=1))
+        for name in ("window_frames", "sink_frames"):
+            if getattr(self, name) is not None:
+                set_(name, _integer(name, getattr(self, name), low=0))
+        set_("run_ahead_blocks", _integer("run_ahead_blocks", self.run_ahead_blocks, low=1))
         prob = _number("accept_prob", self.accept_prob)
         if not 0.0 <= prob <= 1.0:
             raise OptionError(f"accept_prob {prob} must lie in [0, 1]")
@@ -101,15 +127,56 @@ class GenerationOptions:
     def replace(self, **changes) -> "GenerationOptions":
         return dataclasses.replace(self, **changes)
 
-    def resolved(self, num_blocks: int, backend: str | None = None) -> "GenerationOptions":
-        """The options with a pipeline's defaults filled in where unset: the preset's `num_blocks` and,
-        when given, the pipeline's stage `backend`."""
+    def resolved(self, preset, backend: str | None = None) -> "GenerationOptions":
+        """The options with a pipeline's defaults filled in where unset: the preset's `num_blocks`,
+        context modes, `kv_cache_frames` and window and, when given, the pipeline's stage `backend`.
+        The rules that need the preset (the video's length, a window under recompute) are checked here."""
         changes = {}
-        if self.num_blocks is None:
-            changes["num_blocks"] = num_blocks
+        defaults = {"num_blocks": preset.video.num_blocks, "target_context": preset.target_context,
+                    "drafter_cache": preset.drafter_cache, "kv_cache_frames": preset.kv_cache_frames,
+                    "window_frames": preset.kv_window.window_frames, "sink_frames": preset.kv_window.sink_frames}
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                changes[name] = value
         if self.backend is None and backend is not None:
             changes["backend"] = backend
-        return self.replace(**changes) if changes else self
+        out = self.replace(**changes) if changes else self
+        out._check_contexts(preset, window_given=self.window_frames is not None)
+        return out
+
+    def _roles(self) -> tuple[str, ...]:
+        return {"sdvg": ("drafter", "target"), "target": ("target",), "draft": ("drafter",)}[self.mode]
+
+    def _check_contexts(self, preset, window_given: bool) -> None:
+        frames = self.num_blocks * preset.video.frames_per_block
+        modes = {role: self.context_mode(role) for role in self._roles()}
+        if "recompute" in modes.values() and self.kv_cache_frames > frames:
+            raise OptionError(f"kv_cache_frames {self.kv_cache_frames} is larger than the video ({frames} latent "
+                              f"frames in {self.num_blocks} blocks); use at most {frames} (Krea's default: 3)")
+        if window_given and self.window_frames and "full" not in modes.values():
+            raise OptionError(f"window_frames {self.window_frames}: a recompute context already keeps only "
+                              f"kv_cache_frames = {self.kv_cache_frames} frames; drop --window-frames or use "
+                              "--target-context full")
+        if self.window_frames and self.sink_frames > self.window_frames:
+            raise OptionError(f"sink_frames {self.sink_frames} exceeds window_frames {self.window_frames}")
+        if self.sink_frames and not self.window_frames:
+            raise OptionError(f"sink_frames {self.sink_frames} needs a window (--window-frames N)")
+        if (modes.get("drafter") == "recompute" and not self.keep_first_frame and self.run_ahead):
+            raise OptionError("drafter_cache 'recompute' without keep_first_frame re-encodes its first context frame "
+                              "from the emitted pixels, which a run-ahead drafter does not wait for; pass "
+                              "--keep-first-frame, --no-run-ahead or --drafter-cache full")
+
+    def context_mode(self, role: str) -> str:
+        mode = self.target_context if role == "target" else self.drafter_cache
+        if mode is None:
+            raise OptionError("options are not resolved: call opts.resolved(preset) first")
+        return mode
+
+    def role_context(self, role: str) -> RoleContext:
+        """The resolved KV-cache context of `role` ("drafter" or "target")."""
+        mode = self.context_mode(role)
+        window = KVWindow(self.window_frames or 0, self.sink_frames or 0) if mode == "full" else KVWindow()
+        return RoleContext(mode, self.kv_cache_frames, self.keep_first_frame, window)
 
     @property
     def skips_first_draft(self) -> bool:
@@ -168,6 +235,37 @@ def parse_pattern(value) -> tuple[bool, ...]:
     return tuple(out)
 
 
+# Named protocols: option sets that reproduce a published setting in one switch (explicit options win).
+PROTOCOLS: dict[str, dict] = {
+    # The SDVG paper's loop: the drafter conditions on its own drafts, block 0 from the target, the worst
+    # frame decides, 9 blocks (81 frames at 832x480 on the real presets), seed 42.
+    "paper": {"mode": "sdvg", "router": "reward", "aggregation": "min", "drafter_context": "own",
+              "force_first_reject": True, "num_blocks": 9, "seed": 42},
+}
+PAPER_RESOLUTION = (480, 832)  # height, width
+
+
+def protocol_options(name: str, **overrides) -> "GenerationOptions":
+    """The options of a named protocol (`PROTOCOLS`), with `overrides` on top."""
+    if name not in PROTOCOLS:
+        raise OptionError(f"unknown protocol {name!r}; choose one of {', '.join(PROTOCOLS)}")
+    return GenerationOptions(**{**PROTOCOLS[name], **overrides})
+
+
+def describe_protocol(name: str, opts: "GenerationOptions", height: int, width: int, random_weights: bool) -> list[str]:
+    """What a protocol set, line by line (printed by the CLI), including the resolution it keeps."""
+    lines = [f"protocol {name}: " + ", ".join(f"{k}={getattr(opts, k)}" for k in PROTOCOLS[name])]
+    if (height, width) == PAPER_RESOLUTION:
+        lines.append(f"protocol {name}: resolution {width}x{height} (the paper's)")
+    elif random_weights:
+        lines.append(f"protocol {name}: resolution kept at the preset's {width}x{height} (a random-weight preset; the "
+                     f"paper's is {PAPER_RESOLUTION[1]}x{PAPER_RESOLUTION[0]})")
+    else:
+        lines.append(f"protocol {name}: resolution {width}x{height} differs from the paper's "
+                     f"{PAPER_RESOLUTION[1]}x{PAPER_RESOLUTION[0]} (set by the preset)")
+    return lines
+
+
 FIELDS = {f.name: f for f in dataclasses.fields(GenerationOptions)}
 OPTION_NAMES: tuple[str, ...] = tuple(FIELDS)
 DEFAULTS = GenerationOptions()
@@ -179,7 +277,9 @@ def flag_of(name: str) -> str:
 
 
 _FROM_TEXT = {"tau": (float, "a number (e.g. -0.7, inf, -inf)"), "accept_prob": (float, "a number"),
-              "num_blocks": (int, "an integer"), "seed": (int, "an integer"), "pattern": (str, "a string")}
+              "num_blocks": (int, "an integer"), "seed": (int, "an integer"), "pattern": (str, "a string"),
+              "kv_cache_frames": (int, "an integer"), "window_frames": (int, "an integer"),
+              "sink_frames": (int, "an integer"), "run_ahead_blocks": (int, "an integer")}
 
 
 def option_type(name: str):
@@ -201,12 +301,13 @@ def option_type(name: str):
     return parse
 
 
-def add_option_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
-    """One flag per option, derived from the declaration: --name-with-dashes; booleans get
-    --flag / --no-flag; choices and defaults as declared."""
+def add_option_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = (),
+                     only: tuple[str, ...] | None = None) -> None:
+    """One flag per option (all, or `only` those), derived from the declaration: --name-with-dashes;
+    booleans get --flag / --no-flag; choices and defaults as declared."""
     group = parser.add_argument_group("generation options")
     for f in dataclasses.fields(GenerationOptions):
-        if f.name in exclude:
+        if f.name in exclude or (only is not None and f.name not in only):
             continue
         meta = f.metadata
         shown = "" if f.default in (None, ()) else f" (default: {f.default})"  # None / (): the help says it

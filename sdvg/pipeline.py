@@ -223,7 +223,7 @@ class SpeculativeVideoPipeline:
 
     def resolve(self, options: GenerationOptions) -> GenerationOptions:
         """The options with this pipeline's defaults filled in (num_blocks from the preset, backend)."""
-        return options.resolved(self.preset.video.num_blocks, self.default_backend)
+        return options.resolved(self.preset, self.default_backend)
 
     def run(self, prompt: str, options: GenerationOptions, threaded: bool = True) -> BlockStream:
         """The blocks of one video for explicit options (what `stream` and `__call__` call)."""
@@ -250,9 +250,12 @@ class SpeculativeVideoPipeline:
                seed: int = D.seed, router: str = D.router, accept_prob: float = D.accept_prob,
                pattern=D.pattern, aggregation: str = D.aggregation, force_first_reject: bool = D.force_first_reject,
                drafter_context: str = D.drafter_context, skip_first_draft: bool = D.skip_first_draft,
+               target_context: str | None = D.target_context, drafter_cache: str | None = D.drafter_cache,
+               kv_cache_frames: int | None = D.kv_cache_frames, keep_first_frame: bool = D.keep_first_frame,
+               window_frames: int | None = D.window_frames, sink_frames: int | None = D.sink_frames,
                lazy_target_commit: bool = D.lazy_target_commit, score_emitted: bool = D.score_emitted,
-               scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead, backend: str | None = D.backend
-               ) -> BlockStream:
+               scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead, run_ahead_blocks: int = D.run_ahead_blocks,
+               backend: str | None = D.backend) -> BlockStream:
         """Yield each block as soon as its frames are final; the returned stream's `.stats` is
         complete once it is exhausted. The keywords are the generation options
         (`sdvg.options.GenerationOptions`, whose field docs say what each does):
@@ -261,11 +264,13 @@ class SpeculativeVideoPipeline:
         num_blocks: blocks to generate (None: the preset's). seed: every noise draw.
         router: reward | random | pattern (accept_prob for random; pattern, a 0/1 string or list of
         bools, for pattern). aggregation: min | mean | trimmed_mean | quantile.
-        force_first_reject: block 0 from the target. drafter_context: committed | own.
+        force_first_reject: block 0 from the target. drafter_context: own (the paper's) | committed.
+        target_context / drafter_cache: full | recompute (None: the preset's); kv_cache_frames and
+        keep_first_frame shape a recompute context, window_frames / sink_frames a full one.
         skip_first_draft, lazy_target_commit, score_emitted: see GenerationOptions.
         scheduler: cpp (native) | reference (the Python oracle; bitwise the same video).
-        run_ahead: draft block b+1 while block b is settled (cpp). backend: eager | compile | tensorrt
-        (None: the pipeline's)."""
+        run_ahead: draft ahead while blocks are settled (cpp), at most run_ahead_blocks drafts ahead.
+        backend: eager | compile | tensorrt (None: the pipeline's)."""
         options = _options(locals())
         return self.run(prompt, options)
 
@@ -273,9 +278,12 @@ class SpeculativeVideoPipeline:
                  num_blocks: int | None = D.num_blocks, seed: int = D.seed, router: str = D.router,
                  accept_prob: float = D.accept_prob, pattern=D.pattern, aggregation: str = D.aggregation,
                  force_first_reject: bool = D.force_first_reject, drafter_context: str = D.drafter_context,
-                 skip_first_draft: bool = D.skip_first_draft, lazy_target_commit: bool = D.lazy_target_commit,
+                 skip_first_draft: bool = D.skip_first_draft, target_context: str | None = D.target_context,
+                 drafter_cache: str | None = D.drafter_cache, kv_cache_frames: int | None = D.kv_cache_frames,
+                 keep_first_frame: bool = D.keep_first_frame, window_frames: int | None = D.window_frames,
+                 sink_frames: int | None = D.sink_frames, lazy_target_commit: bool = D.lazy_target_commit,
                  score_emitted: bool = D.score_emitted, scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead,
-                 backend: str | None = D.backend, generator: torch.Generator | None = None, output_type: str = "np",
+                 run_ahead_blocks: int = D.run_ahead_blocks, backend: str | None = D.backend, generator: torch.Generator | None = None, output_type: str = "np",
                  return_dict: bool = True,
                  callback_on_block_end: Callable[["SpeculativeVideoPipeline", BlockRecord], None] | None = None):
         """Whole videos at once. The generation keywords are those of `stream`; besides them:

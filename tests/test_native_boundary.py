@@ -7,10 +7,11 @@ import torch
 
 from sdvg._native import _C
 
-FIELDS = dict(mode="sdvg", num_blocks=5, frames_per_block=3, num_steps=4, router="random", tau=-0.25,
+FIELDS = dict(mode="sdvg", num_blocks=5, frames_per_block=3, drafter_steps=4, target_steps=5,
+              drafter_recompute=False, target_recompute=False, router="random", tau=-0.25,
               accept_prob=0.5, uniforms=[0.125, 0.75, 0.5, 0.25, 1.0], pattern=[False, True, True],
               force_first_reject=True, own_context=False, skip_first_draft=True, lazy_target_commit=False,
-              score_emitted=True, run_ahead=True)
+              score_emitted=True, run_ahead=True, run_ahead_blocks=2)
 
 
 def _config(**changes):
@@ -99,8 +100,12 @@ def test_wrong_types_are_refused_by_field(field, value, want):
 def test_out_of_range_values_are_refused_at_construction():
     with pytest.raises(ValueError, match=r"num_blocks 0 must be >= 1"):
         _config(num_blocks=0)
-    with pytest.raises(ValueError, match=r"num_steps -1 must be >= 1"):
-        _config(num_steps=-1)
+    with pytest.raises(ValueError, match=r"drafter_steps -1 must be >= 1"):
+        _config(drafter_steps=-1)
+    with pytest.raises(ValueError, match=r"run_ahead_blocks 0 must be >= 1"):
+        _config(run_ahead_blocks=0)
+    with pytest.raises(ValueError, match=r"recompute drafter cannot roll back"):
+        _config(drafter_recompute=True, own_context=False, run_ahead=True)
     with pytest.raises(ValueError, match=r"field 'num_blocks' = \d+ is out of range"):
         _config(num_blocks=2**40)
     with pytest.raises(ValueError, match=r"one uniform draw per block"):

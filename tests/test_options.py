@@ -12,10 +12,15 @@ from sdvg.options import (DEFAULTS, OPTION_NAMES, GenerationOptions, OptionError
 
 # a value other than the default for every option (all valid together)
 CHANGED = dict(mode="target", tau=-1.5, num_blocks=2, seed=7, router="pattern", accept_prob=0.25, pattern=(True, False),
-               aggregation="mean", force_first_reject=False, drafter_context="own", skip_first_draft=False,
-               lazy_target_commit=False, score_emitted=True, scheduler="cpp", run_ahead=True, backend="compile")
+               aggregation="mean", force_first_reject=False, drafter_context="committed", skip_first_draft=False,
+               target_context="recompute", drafter_cache="recompute", kv_cache_frames=2, keep_first_frame=True,
+               window_frames=6, sink_frames=3,
+               lazy_target_commit=False, score_emitted=True, scheduler="cpp", run_ahead=True, run_ahead_blocks=3,
+               backend="compile")
 CLI_TEXT = dict(mode="target", tau="-1.5", num_blocks="2", seed="7", router="pattern", accept_prob="0.25",
-                pattern="10", aggregation="mean", drafter_context="own", scheduler="cpp", backend="compile")
+                pattern="10", aggregation="mean", drafter_context="committed", target_context="recompute",
+                drafter_cache="recompute", kv_cache_frames="2", window_frames="6", sink_frames="3",
+                run_ahead_blocks="3", scheduler="cpp", backend="compile")
 
 
 def test_changed_covers_every_option():
@@ -83,8 +88,9 @@ def test_native_config_gets_every_field_by_name():
     from sdvg._native import _C
     from sdvg.generation.native import scheduler_config
 
-    cfg = scheduler_config(GenerationOptions(**CHANGED).replace(router="random"), 3, 4)
-    assert cfg.num_blocks == 2 and cfg.tau == -1.5 and cfg.own_context and cfg.run_ahead and not cfg.lazy_target_commit
+    cfg = scheduler_config(GenerationOptions(**CHANGED).replace(router="random"), 3, 4, 5, False, True)
+    assert cfg.num_blocks == 2 and cfg.tau == -1.5 and not cfg.own_context and cfg.run_ahead
+    assert not cfg.lazy_target_commit and cfg.run_ahead_blocks == 3 and cfg.target_recompute and cfg.target_steps == 5
     assert len(cfg.uniforms) == 2 and set(_C.SchedulerConfig.FIELDS) >= {"mode", "tau", "pattern", "run_ahead"}
 
 
@@ -108,6 +114,10 @@ def test_native_config_gets_every_field_by_name():
     (dict(backend="rust"), "unknown backend"),
     (dict(force_first_reject="yes"), "force_first_reject must be True or False"),
     (dict(scheduler="reference", run_ahead=True), "run_ahead needs scheduler 'cpp'"),
+    (dict(kv_cache_frames=0), "kv_cache_frames 0 must be an integer >= 1"),
+    (dict(target_context="ring"), "unknown target_context 'ring'; choose one of full, recompute"),
+    (dict(run_ahead_blocks=0), "run_ahead_blocks 0 must be an integer >= 1"),
+    (dict(window_frames=-1), "window_frames -1 must be an integer >= 0"),
 ])
 def test_bad_values_are_refused_by_name(changes, match):
     with pytest.raises(OptionError, match=match):
@@ -132,3 +142,46 @@ def test_cli_refuses_bad_values_with_exit_2(capsys):
             cli.main(["generate", "--prompt", "x", *argv])
         assert exc.value.code == 2
         assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(target_context="recompute", kv_cache_frames=10), "kv_cache_frames 10 is larger than the video \\(9 latent"),
+    (dict(mode="target", target_context="recompute", window_frames=6), "window_frames 6: a recompute context"),
+    (dict(sink_frames=3), "sink_frames 3 needs a window"),
+    (dict(window_frames=3, sink_frames=6), "sink_frames 6 exceeds window_frames 3"),
+    (dict(drafter_cache="recompute", run_ahead=True), "without keep_first_frame"),
+])
+def test_rules_that_need_the_preset_are_checked_on_resolve(changes, match):
+    from sdvg.config import get_preset
+
+    with pytest.raises(OptionError, match=match):
+        GenerationOptions(**changes).resolved(get_preset("tiny"))
+
+
+def test_resolve_fills_the_preset_defaults_and_contexts():
+    from sdvg.config import get_preset
+
+    wan = GenerationOptions().resolved(get_preset("wan2.1"))
+    assert (wan.num_blocks, wan.target_context, wan.drafter_cache, wan.kv_cache_frames) == (9, "recompute", "full", 3)
+    ctx = wan.role_context("target")
+    assert ctx.recompute and ctx.cache_frames(9, 3) == 6 and ctx.pixel_window() == 9 and not ctx.keep_first_frame
+    assert wan.role_context("drafter").cache_frames(9, 3) == 27
+    tiny = GenerationOptions().resolved(get_preset("tiny"))
+    assert (tiny.target_context, tiny.drafter_cache) == ("full", "full")
+    # explicit values win over the preset's
+    assert GenerationOptions(target_context="full").resolved(get_preset("wan2.1")).target_context == "full"
+    with pytest.raises(OptionError, match="not resolved"):
+        GenerationOptions().role_context("target")
+
+
+def test_paper_protocol():
+    from sdvg.options import describe_protocol, protocol_options
+
+    opts = protocol_options("paper")
+    assert (opts.drafter_context, opts.force_first_reject, opts.num_blocks, opts.seed) == ("own", True, 9, 42)
+    assert protocol_options("paper", seed=3).seed == 3  # explicit options win
+    lines = describe_protocol("paper", opts, 64, 64, random_weights=True)
+    assert "resolution kept at the preset's 64x64" in lines[1] and "seed=42" in lines[0]
+    assert "832x480 (the paper's)" in describe_protocol("paper", opts, 480, 832, random_weights=False)[1]
+    with pytest.raises(OptionError, match="unknown protocol 'iclr'"):
+        protocol_options("iclr")

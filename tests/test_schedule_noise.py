@@ -1,17 +1,43 @@
 import torch
 
 from sdvg.generation.noise import block_noise, derive_seed, gaussian
-from sdvg.generation.schedule import FlowSchedule, warp_timestep
+from sdvg.generation.schedule import FlowSchedule, flow_table, table_sigma, warp_timestep
 
 
-def test_warped_timesteps():
-    s = FlowSchedule.from_base((1000, 750, 500, 250), 5.0)
+def reference_table(shift: float):
+    """The reference schedulers' table written out plainly: linspace(1, 0, 1001)[:-1] in float32, shifted."""
+    s = torch.linspace(1.0, 0.0, 1001, dtype=torch.float32)[:-1]
+    sig = shift * s / (1 + (shift - 1) * s)
+    return sig * 1000, sig
+
+
+def test_self_forcing_schedule_four_steps_then_commit():
+    s = FlowSchedule.from_steps((1000, 750, 500, 250), 5.0)
     assert [round(t, 1) for t in s.timesteps] == [1000.0, 937.5, 833.3, 625.0]
-    assert warp_timestep(1000, 5.0) == 1000.0
+    # the table's entries are the analytic shift to float32 rounding
+    for t, base in zip(s.timesteps, (1000, 750, 500, 250)):
+        assert abs(t - warp_timestep(base, 5.0)) < 1e-4
+    assert all(abs(sig - t / 1000) < 1e-7 for sig, t in zip(s.sigmas, s.timesteps))  # float32 table entries
+
+
+def test_krea_five_call_schedule_sigma_at_zero():
+    s = FlowSchedule.from_steps((1000, 750, 500, 250, 0), 5.0)
+    assert [round(t, 1) for t in s.timesteps] == [1000.0, 937.5, 833.3, 625.0, 0.0]
+    assert s.num_steps == 5
+    assert abs(s.sigma(4) - 0.0049801) < 1e-7  # the nearest table entry to t = 0, not 0
+    assert s.sigma(0) == 1.0
+
+
+def test_table_lookup_matches_reference_argmin():
+    ts, sig = reference_table(5.0)
+    assert torch.equal(torch.tensor(flow_table(5.0)[0]), ts.double())
+    for t in (0.0, 1.0, 312.7, 625.0, 833.3333, 937.5, 999.9, 1000.0):
+        i = int(torch.argmin((ts.double() - t).abs()))
+        assert table_sigma(t, 5.0) == float(sig[i])
 
 
 def test_x0_and_renoise():
-    s = FlowSchedule.from_base()
+    s = FlowSchedule.from_steps((1000, 750, 500, 250))
     noise, x0 = torch.randn(4), torch.randn(4)
     sigma = s.sigma(1)
     x_t = (1 - sigma) * x0 + sigma * noise

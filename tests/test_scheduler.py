@@ -105,7 +105,7 @@ def test_run_ahead_with_local_window_rolls_back_exactly():
 
     preset = dataclasses.replace(get_preset("tiny"), kv_window=KVWindow(window_frames=6, sink_frames=3))
     pipe = SpeculativeVideoPipeline.from_preset(preset)
-    opts = GenerationOptions(router="pattern", pattern="010101", num_blocks=6, seed=2)
+    opts = GenerationOptions(router="pattern", pattern="010101", num_blocks=6, seed=2, drafter_context="committed")
     ref, got, _, report = _run_both(pipe, opts, run_ahead=True)
     _same(ref, got)
     assert report.counters.redrafts >= 2
@@ -124,7 +124,7 @@ def test_pipeline_switch_and_stats(tiny_pipe):
 
 
 def test_trace_is_the_same_timeline_in_both_schedulers(tiny_pipe):
-    kw = dict(router="pattern", pattern=(False, True, False, True), num_blocks=4, seed=2)
+    kw = dict(router="pattern", pattern=(False, True, False, True), num_blocks=4, seed=2, drafter_context="committed")
     ref = tiny_pipe(PROMPT, scheduler="reference", **kw).stats
     seq = tiny_pipe(PROMPT, scheduler="cpp", **kw).stats
     ahead = tiny_pipe(PROMPT, scheduler="cpp", run_ahead=True, **kw).stats
@@ -182,6 +182,7 @@ def test_consumer_leaving_early_stops_the_scheduler(tiny_pipe):
 def _fake_run(stages, run_ahead: bool, **kw):
     from sdvg.generation.fake_stages import fake_scheduler
 
+    kw.setdefault("drafter_context", "committed")
     sched = fake_scheduler(stages, GenerationOptions(num_blocks=6, tau=0.0, run_ahead=run_ahead, **kw))
     sched.run()
     return sched

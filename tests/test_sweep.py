@@ -144,7 +144,12 @@ class _FakePipe:
 
     def generate(self, prompt, opts):
         self.calls.append((opts.mode, prompt, opts.tau))
-        opts = opts.resolved(2)
+        import dataclasses
+
+        from sdvg.config import get_preset
+
+        tiny = get_preset("tiny")
+        opts = opts.resolved(dataclasses.replace(tiny, video=dataclasses.replace(tiny.video, num_blocks=2)))
         wall = self.walls(opts) if callable(self.walls) else next(self.walls)
         dec = {"sdvg": "accepted", "target": "target", "draft": "draft"}[opts.mode]
         blocks = [{"score": None, "frame_scores": [], "decision": "forced" if opts.mode == "sdvg" else dec},

@@ -100,7 +100,11 @@ static SchedulerConfig base_cfg(int n) {
   c.mode = Mode::Sdvg;
   c.num_blocks = n;
   c.frames_per_block = 3;
-  c.num_steps = 4;
+  c.drafter_steps = 4;
+  c.target_steps = 4;
+  c.drafter_recompute = false;
+  c.target_recompute = false;
+  c.run_ahead_blocks = 1;
   c.router = RouterKind::Reward;
   c.tau = 0.0;
   c.force_first_reject = true;
@@ -292,14 +296,16 @@ static bool contains(const std::string& s, const std::string& part) { return s.f
 // A config left as constructed has no blocks, frames or steps: validate() and the scheduler refuse it.
 static void test_zero_config_is_invalid() {
   const SchedulerConfig zero;
-  CHECK(zero.num_blocks == 0 && zero.frames_per_block == 0 && zero.num_steps == 0);
+  CHECK(zero.num_blocks == 0 && zero.frames_per_block == 0 && zero.drafter_steps == 0 && zero.target_steps == 0);
   CHECK(zero.tau == 0.0 && zero.accept_prob == 0.0 && zero.uniforms.empty() && zero.pattern.empty());
   CHECK(!zero.force_first_reject && !zero.own_context && !zero.skip_first_draft && !zero.lazy_target_commit);
   CHECK(!zero.score_emitted && !zero.run_ahead);
   const std::string why = config_error(zero);
   CHECK(contains(why, "num_blocks 0 must be >= 1"));
   CHECK(contains(why, "frames_per_block 0 must be >= 1"));
-  CHECK(contains(why, "num_steps 0 must be >= 1"));
+  CHECK(contains(why, "drafter_steps 0 must be >= 1"));
+  CHECK(contains(why, "target_steps 0 must be >= 1"));
+  CHECK(contains(why, "run_ahead_blocks 0 must be >= 1"));
   Fake f;
   bool threw = false;
   try {

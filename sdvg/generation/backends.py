@@ -40,10 +40,13 @@ class StageRunners:
             self._load_engines(Path(engines))
 
     # ------------------------------------------------------------------ DiT
-    def dit_forward(self, role: str, dit, latents, timesteps, text, frame_offset: int, cache):
+    def dit_forward(self, role: str, dit, latents, timesteps, text, frame_offset: int, cache, attn_mask=None):
         step = self._dit_steps.get(role)
         if step is None:
-            return dit(latents, timesteps, text, frame_offset=frame_offset, cache=cache)
+            return dit(latents, timesteps, text, frame_offset=frame_offset, cache=cache, attn_mask=attn_mask)
+        if attn_mask is not None:
+            raise ValueError(f"backend {self.backend!r}: the static stages take no attention mask (a recompute "
+                             "context forward); use backend 'eager'")
         return dit_forward_static(step, dit, latents, timesteps, text, frame_offset, cache, self._tpf[role])
 
     # ------------------------------------------------------------------ VAE

@@ -116,5 +116,6 @@ def fake_scheduler(stages: FakeStages, options: GenerationOptions, device: str |
     drafter_cache, target_cache = fake_caches(options.num_blocks)
     stages.caches = {"drafter": drafter_cache, "target": target_cache}
     dev = torch.device(device)
-    return _C.Scheduler(scheduler_config(options, FRAMES_PER_BLOCK, NUM_STEPS), stages, drafter_cache, target_cache,
+    return _C.Scheduler(scheduler_config(options, FRAMES_PER_BLOCK, NUM_STEPS, NUM_STEPS), stages, drafter_cache,
+                        target_cache,
                         dev, dev)

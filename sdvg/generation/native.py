@@ -77,6 +77,7 @@ class _Stages:
         self.setup.vae_cache.restore(snap)
 
     def emit(self, rec: dict):
+        self.setup.observe(rec["frames"])  # before the next block's target denoise (same thread)
         draft = rec["draft_latents"]
         self.transfer.release(rec["latents"])
         self.transfer.release(draft)
@@ -87,17 +88,29 @@ class _Stages:
             emitted_scores=list(rec["emitted_scores"]) if self.opts.score_emitted else None))
 
 
-def scheduler_config(opts: GenerationOptions, frames_per_block: int, num_steps: int):
+def scheduler_config(opts: GenerationOptions, frames_per_block: int, drafter_steps: int, target_steps: int,
+                     drafter_recompute: bool = False, target_recompute: bool = False):
     """The native scheduler's config: every field by name (the C++ side has no defaults and refuses an
-    unknown or missing field)."""
+    unknown or missing field). `*_steps`: model calls per denoise of each role; `*_recompute`: the role's
+    context is rebuilt before each block (its commits only record latents)."""
     router = Router.from_options(opts)
     uniforms = [router.uniform(b, opts.seed) for b in range(opts.num_blocks)] if opts.router == "random" else []
     return _C.SchedulerConfig(
-        mode=opts.mode, num_blocks=opts.num_blocks, frames_per_block=frames_per_block, num_steps=num_steps,
+        mode=opts.mode, num_blocks=opts.num_blocks, frames_per_block=frames_per_block, drafter_steps=drafter_steps,
+        target_steps=target_steps, drafter_recompute=drafter_recompute, target_recompute=target_recompute,
         router=opts.router, tau=opts.tau, accept_prob=opts.accept_prob, uniforms=uniforms,
         pattern=list(opts.pattern), force_first_reject=opts.force_first_reject,
         own_context=opts.drafter_context == "own", skip_first_draft=opts.skip_first_draft,
-        lazy_target_commit=opts.lazy_target_commit, score_emitted=opts.score_emitted, run_ahead=opts.run_ahead)
+        lazy_target_commit=opts.lazy_target_commit, score_emitted=opts.score_emitted, run_ahead=opts.run_ahead,
+        run_ahead_blocks=opts.run_ahead_blocks)
+
+
+def setup_scheduler_config(opts: GenerationOptions, setup):
+    """`scheduler_config` for a prepared video (each role's schedule and context mode)."""
+    d, t = setup.drafter, setup.target
+    return scheduler_config(opts, setup.frames_per_block, d.schedule.num_steps if d else 1,
+                            t.schedule.num_steps if t else 1, bool(d and d.context.recompute),
+                            bool(t and t.context.recompute))
 
 
 def generate_blocks_native(comps: Components, prompt: str, opts: GenerationOptions, report: LoopReport | None = None,
@@ -112,7 +125,7 @@ def generate_blocks_native(comps: Components, prompt: str, opts: GenerationOptio
     sink: queue.Queue = queue.Queue()
     stages = _Stages(comps, prompt, opts, setup, sink)
     sched = _C.Scheduler(
-        scheduler_config(opts, setup.frames_per_block, setup.schedule.num_steps), stages,
+        setup_scheduler_config(opts, setup), stages,
         setup.drafter.cache if setup.drafter else None, setup.target.cache if setup.target else None,
         comps.drafter_device, comps.target_device)
     errors: list[BaseException] = []

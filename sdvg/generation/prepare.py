@@ -3,13 +3,16 @@ cache and its prompt K/V, the VAE cache and the stage runners. Shared by the ref
 native driver (neither imports the other)."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 
+from sdvg.config import RoleContext
 from sdvg.generation.noise import gaussian
 from sdvg.generation.schedule import FlowSchedule
 from sdvg.models.components import Components
+from sdvg.models.dit import block_causal_mask
 from sdvg.models.kv_cache import KVCacheSpec
 from sdvg.models.reward import Aggregator
 from sdvg.options import GenerationOptions
@@ -21,28 +24,55 @@ def sync(device: torch.device) -> None:
 
 
 class RoleModel:
-    """One DiT in its role (drafter or target) with its KV cache and prompt K/V on its device;
-    every forward is counted into the run's counters (`<role>_forwards`)."""
+    """One DiT in its role (drafter or target) with its KV cache, its context rule and its prompt K/V
+    on its device; every forward is counted into the run's counters (`<role>_forwards`).
 
-    def __init__(self, dit, role: str, cache, text_kv, device, schedule: FlowSchedule, counters, runners):
+    Under a `full` context (`RoleContext.mode`) a block is denoised at its absolute frame index and
+    `commit` runs the clean t = 0 forward that writes its K/V; under `recompute` `commit` only records
+    the block's latents and `denoise` first rebuilds the cache from the recorded context (Krea)."""
+
+    def __init__(self, dit, role: str, cache, text_kv, device, context: RoleContext, schedule: FlowSchedule,
+                 counters, runners, frames_per_block: int, tokens_per_frame: int, vae=None, emitted_pixels=None):
         self.dit, self.role, self.cache, self.text_kv, self.device = dit, role, cache, text_kv, device
-        self.schedule, self.counters, self.runners = schedule, counters, runners
+        self.context, self.schedule, self.counters, self.runners = context, schedule, counters, runners
+        self.frames_per_block, self.tokens_per_frame = frames_per_block, tokens_per_frame
         self.attr = f"{role}_forwards"
+        # recompute: latent frame 0 and the last kv_cache_frames - 1 committed frames ([1, C, 1, h, w] each)
+        self.first_frame: torch.Tensor | None = None
+        self.recent: deque = deque(maxlen=max(context.kv_cache_frames - 1, 0))
+        self.recorded_frames = 0  # recompute: latent frames committed so far
+        self.vae, self.emitted_pixels = vae, emitted_pixels
 
-    def forward(self, x, t, frame0: int):
-        return self.runners.dit_forward(self.role, self.dit, x, t, self.text_kv, frame0, self.cache)
+    @property
+    def committed_frames(self) -> int:
+        """Latent frames committed so far: the native cache's write pointer (full; the native scheduler
+        may move it back) or the frames recorded (recompute)."""
+        return self.recorded_frames if self.context.recompute else self.cache.committed_frames
+
+    def forward(self, x, t, frame0: int, attn_mask=None):
+        return self.runners.dit_forward(self.role, self.dit, x, t, self.text_kv, frame0, self.cache,
+                                        attn_mask=attn_mask)
 
     def _count(self):
         setattr(self.counters, self.attr, getattr(self.counters, self.attr) + 1)
 
     def denoise(self, noise: torch.Tensor, block: int, frame0: int, seed: int) -> torch.Tensor:
-        """Few-step denoising of `noise` (float32) at frame offset frame0 -> x0 (float32, on this device)."""
+        """Few-step denoising of `noise` (float32) for block `block` -> x0 (float32, on this device).
+        `frame0` is the block's absolute first latent frame; the RoPE position is the cache's write
+        position (frame0 under full, the context length under recompute)."""
+        if frame0 != self.committed_frames:
+            raise ValueError(f"{self.role}: block {block} starts at frame {frame0} but {self.committed_frames} "
+                             "frames are committed; commit every earlier block first")
+        if self.context.recompute:
+            position = self.rebuild_context(block)
+        else:
+            position = frame0
         x = noise.to(self.device)
         n_frames = x.shape[2]
         steps = self.schedule.num_steps
         for i in range(steps):
             t = torch.full((1, n_frames), self.schedule.timesteps[i], device=self.device)
-            flow = self.forward(x, t, frame0)
+            flow = self.forward(x, t, position)
             self._count()
             x0 = self.schedule.to_x0(x, flow, i)
             if i + 1 < steps:
@@ -52,31 +82,80 @@ class RoleModel:
                 x = x0
         return x
 
-    def commit_forward(self, latents: torch.Tensor, frame0: int) -> None:
-        """Clean forward at t = 0 writes the block's K/V into the pending slots (pointer unchanged)."""
-        x = latents.to(self.device)
-        t = torch.zeros((1, x.shape[2]), device=self.device)
-        self.forward(x, t, frame0)
+    # ------------------------------------------------------------- recompute
+    def context_frames(self, block: int) -> list[torch.Tensor]:
+        """Krea's `get_clean_context_frames` for block `block` (> 0): latent frame 0 while the context still
+        reaches it (or always, with keep_first_frame), else the oldest emitted pixel frame of the window
+        re-encoded alone; then the last kv_cache_frames - 1 committed frames."""
+        ctx, F = self.context, self.frames_per_block
+        if ctx.keep_first_frame or (block - 1) * F < ctx.kv_cache_frames:
+            first = self.first_frame
+        else:
+            if self.vae is None or not self.emitted_pixels:
+                raise RuntimeError(f"{self.role}: re-encoding the first context frame needs the VAE and the emitted "
+                                   "pixel window")
+            first = self.vae.encode_frame(self.emitted_pixels[0]).to(self.device)
+        rest = list(self.recent) if self.committed_frames > 1 else []
+        return [first] + rest
+
+    def rebuild_context(self, block: int) -> int:
+        """Reset the cache and fill it with one t = 0 forward over the clean context frames, positioned from
+        0, block-causal among them. Returns the new block's position (the context length)."""
+        self.cache.rollback(0)
+        if block == 0:
+            return 0
+        frames = self.context_frames(block)
+        x = torch.cat([f.to(self.device) for f in frames], dim=2)  # [1, C, n, h, w]
+        n = x.shape[2]
+        mask = block_causal_mask(0, self.frames_per_block, self.tokens_per_frame, num_frames=n)
+        self.forward(x, torch.zeros((1, n), device=self.device), 0, attn_mask=mask)
         self._count()
+        self.cache.commit()
+        return n
+
+    # ----------------------------------------------------------------- commit
+    def commit_forward(self, latents: torch.Tensor, frame0: int) -> None:
+        """full: the clean forward at t = 0 writes the block's K/V into the pending slots (pointer
+        unchanged; `cache.commit()` moves it). recompute: the block's latents join the context (no
+        forward; the native scheduler does not move this cache's pointer)."""
+        if frame0 != self.committed_frames:
+            raise ValueError(f"{self.role}: committing a block at frame {frame0}, expected {self.committed_frames}")
+        if self.context.recompute:
+            frames = latents.detach().float().split(1, dim=2)
+            if self.first_frame is None:
+                self.first_frame = frames[0]
+                frames = frames[1:]
+            self.recent.extend(frames)
+            self.recorded_frames += latents.shape[2]
+        else:
+            x = latents.to(self.device)
+            t = torch.zeros((1, x.shape[2]), device=self.device)
+            self.forward(x, t, frame0)
+            self._count()
 
     def commit(self, latents: torch.Tensor, frame0: int) -> None:
-        """Clean forward at t = 0, then the write pointer moves on."""
+        """Commit a block: the clean forward and the pointer move (full) or its latents recorded (recompute)."""
         self.commit_forward(latents, frame0)
-        self.cache.commit()
+        if not self.context.recompute:
+            self.cache.commit()
 
 
-def allocate_cache(comps: Components, dit, device, num_blocks: int, slack_frames: int = 0, runners=None):
+def allocate_cache(comps: Components, dit, device, context: RoleContext, num_blocks: int, slack_frames: int = 0,
+                   runners=None):
     p = comps.preset
     if runners is not None and runners.backend != "eager":
+        if context.recompute:
+            raise ValueError(f"backend {runners.backend!r} runs static stages sized for a full-history cache; the "
+                             "recompute context runs on backend 'eager' (or pass --target-context full / "
+                             "--drafter-cache full)")
         num_blocks = max(num_blocks, p.video.num_blocks)  # static stages were shaped for the preset's capacity
-    return KVCacheSpec.for_preset(p, dit.config, num_blocks, slack_frames).allocate(dit.dtype, device)
+    return KVCacheSpec.for_context(p, dit.config, context, num_blocks, slack_frames).allocate(dit.dtype, device)
 
 
 @dataclass
 class Setup:
     """What one video needs besides the loop: schedule, models with fresh caches, VAE cache."""
 
-    schedule: FlowSchedule
     aggregator: Aggregator
     drafter: RoleModel | None
     target: RoleModel | None
@@ -84,13 +163,20 @@ class Setup:
     frames_per_block: int
     block_shape: tuple
     runners: object
+    emitted_pixels: deque  # the last emitted pixel frames ([1, 3, 1, H, W] each) a recompute role re-encodes
+
+    def observe(self, pixels: torch.Tensor) -> None:
+        """Record a block's emitted pixels [1, 3, T, H, W] (call once per block, in order, before the next
+        block is denoised)."""
+        if self.emitted_pixels.maxlen:
+            self.emitted_pixels.extend(pixels.split(1, dim=2))
 
 
 def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, slack_frames: int = 0,
             runners=None) -> Setup:
     """`opts` are resolved options (num_blocks set); `counters` a `Counters` that the models count into."""
     if opts.num_blocks is None:
-        raise ValueError("prepare() needs resolved options: call opts.resolved(preset.video.num_blocks) first")
+        raise ValueError("prepare() needs resolved options: call opts.resolved(preset) first")
     if runners is None:
         from sdvg.generation.backends import StageRunners
 
@@ -106,16 +192,30 @@ def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, s
         raise ValueError(f"mode {opts.mode!r} needs a target, but none is loaded")
     if opts.mode == "sdvg" and opts.router == "reward" and comps.scorer is None:
         raise ValueError("router 'reward' needs the ImageReward model; load one or use router 'random'/'pattern'")
-    schedule = FlowSchedule.from_base(p.timesteps, p.shift)
     emb = comps.text_encoder.encode(prompt)
+    zf = p.video.frames_per_block
+    roles = [r for r, needed in (("drafter", need_drafter), ("target", need_target)) if needed]
+    contexts = {role: opts.role_context(role) for role in roles}
+    window = max([c.pixel_window(p.vae.temporal_stride) for c in contexts.values()
+                  if c.recompute and not c.keep_first_frame] + [0])
+    emitted_pixels: deque = deque(maxlen=window)
 
     def role_model(role: str, dit, device, slack: int) -> RoleModel:
-        cache = allocate_cache(comps, dit, device, opts.num_blocks, slack, runners)
-        return RoleModel(dit, role, cache, dit.encode_text(emb), device, schedule, counters, runners)
+        context = contexts[role]
+        cache = allocate_cache(comps, dit, device, context, opts.num_blocks, slack, runners)
+        schedule = role_schedule(p, context)
+        return RoleModel(dit, role, cache, dit.encode_text(emb), device, context, schedule, counters, runners,
+                         zf, p.video.tokens_per_frame(p.vae, dit.config), comps.vae, emitted_pixels)
 
     drafter = role_model("drafter", comps.drafter, comps.drafter_device, slack_frames) if need_drafter else None
     target = role_model("target", comps.target, comps.target_device, 0) if need_target else None
-    zf = p.video.frames_per_block
     lh, lw = p.video.latent_hw(p.vae)
-    return Setup(schedule, Aggregator(opts.aggregation), drafter, target, comps.vae.new_cache(), zf,
-                 (1, p.vae.z_dim, zf, lh, lw), runners)
+    return Setup(Aggregator(opts.aggregation), drafter, target, comps.vae.new_cache(), zf,
+                 (1, p.vae.z_dim, zf, lh, lw), runners, emitted_pixels)
+
+
+def role_schedule(preset, context: RoleContext) -> FlowSchedule:
+    """A full context runs the preset's `timesteps` (then the t = 0 commit); a recompute context runs
+    `recompute_timesteps` (Krea's five calls, the last at t = 0)."""
+    steps = preset.recompute_timesteps if context.recompute else preset.timesteps
+    return FlowSchedule.from_steps(tuple(steps), preset.shift)

@@ -7,7 +7,10 @@ Per block b (docs/method.md):
   4. ImageReward per frame, aggregated (default: the worst frame) -> q_b;
   5. b == 0 (forced) or the router says no -> restore the VAE cache, the target denoises the same
      noise_b -> x_b, decode; else x_b = x_hat and its frames are emitted as decoded;
-  6. commit x_b into the target's KV cache (t = 0 forward) and emit the frames.
+  6. commit the block into each model's context and emit the frames: the drafter takes its own
+     draft (`own`, the paper's rule) or x_b (`committed`); the target takes x_b (a t = 0 forward
+     under a full context; under recompute its latents join the context and the next target
+     denoise rebuilds the cache from them).
 Modes `target` and `draft` run the same code with only one model.
 """
 from __future__ import annotations
@@ -34,7 +37,7 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
     router = Router.from_options(opts)
     setup = prepare(comps, prompt, opts, counters, runners=runners)
     run = setup.runners
-    schedule, agg, drafter, target = setup.schedule, setup.aggregator, setup.drafter, setup.target
+    agg, drafter, target = setup.aggregator, setup.drafter, setup.target
     vae_cache = setup.vae_cache
     zf, shape = setup.frames_per_block, setup.block_shape
     pending_target_commits: list[tuple[torch.Tensor, int]] = []  # accepted blocks not yet in the target
@@ -80,7 +83,7 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
             forced = b == 0 and opts.force_first_reject
             pixels_hat = None
             if forced and opts.skips_first_draft:
-                counters.skipped_drafter_forwards += schedule.num_steps
+                counters.skipped_drafter_forwards += drafter.schedule.num_steps
             else:
                 draft = timed(times, "draft", drafter.device, lambda: drafter.denoise(noise, b, frame0, opts.seed))
                 snap = vae_cache.snapshot()
@@ -107,6 +110,7 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
             if accepted and opts.score_emitted:
                 emitted_scores = list(frame_scores)
 
+        setup.observe(pixels)  # the emitted pixel window a recompute role re-encodes its first frame from
         # Commit the emitted block into the caches that will read it.
         if not last:
             if drafter is not None:

@@ -1,33 +1,86 @@
-"""The few-step flow-matching schedule of Self-Forcing-style causal Wan models."""
+"""The few-step flow-matching schedules of Self-Forcing-style causal Wan models.
+
+Self-Forcing and Krea Realtime Video both build a 1000-entry table of shifted sigmas
+(`FlowMatchScheduler(shift, sigma_min=0, extra_one_step=True)`, in float32):
+
+    s_i = 1 - i / 1000  (i = 0 .. 999),   sigma_i = shift * s_i / (1 + (shift - 1) * s_i),   t_i = 1000 * sigma_i
+
+and a step list in the unshifted 0..1000 scale (`denoising_step_list`) is mapped through that table,
+`t = [t_0 .. t_999, 0][1000 - step]`. Every x0 conversion and every re-noise looks its sigma up by the
+nearest table timestep, so t = 0 uses sigma_999 = 0.0049801, not 0:
+
+- Self-Forcing's drafter: steps (1000, 750, 500, 250) -> t = (1000, 937.5, 833.3, 625), then the
+  clean t = 0 forward that commits the block (its K/V only; no x0 is taken from it);
+- Krea's target: steps (1000, 750, 500, 250, 0) -> five model calls at (1000, 937.5, 833.3, 625, 0); the
+  fifth is a denoising step at sigma 0.0049801 and its x0 is the block's output.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
+NUM_TRAIN_TIMESTEPS = 1000
+
+
+@lru_cache(maxsize=8)
+def flow_table(shift: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(timesteps, sigmas) of the 1000-entry shifted table, computed in float32 as the reference
+    schedulers do (values returned as Python floats of those float32 numbers)."""
+    s = torch.linspace(1.0, 0.0, NUM_TRAIN_TIMESTEPS + 1, dtype=torch.float32)[:-1]
+    sigmas = shift * s / (1 + (shift - 1) * s)
+    timesteps = sigmas * NUM_TRAIN_TIMESTEPS
+    return tuple(timesteps.tolist()), tuple(sigmas.tolist())
+
 
 def warp_timestep(t: float, shift: float) -> float:
-    """Shifted flow-matching timestep: sigma' = shift * s / (1 + (shift - 1) * s), s = t / 1000."""
+    """The analytic shift, t' = 1000 * shift * s / (1 + (shift - 1) * s) with s = t / 1000 (the table's
+    entries equal it to float32 rounding)."""
     s = t / 1000.0
     return 1000.0 * shift * s / (1.0 + (shift - 1.0) * s)
 
 
+def table_sigma(t: float, shift: float) -> float:
+    """The sigma the reference schedulers use at model timestep `t`: the table entry whose timestep is
+    nearest (`argmin |t_i - t|`, first index on a tie)."""
+    timesteps, sigmas = flow_table(shift)
+    best = min(range(len(timesteps)), key=lambda i: (abs(timesteps[i] - t), i))
+    return sigmas[best]
+
+
 @dataclass(frozen=True)
 class FlowSchedule:
-    """Denoising timesteps (already warped) and the update rules. The model predicts v = noise - x0."""
+    """The model calls of one block's denoising: the timestep each call sees and the sigma of its x0
+    conversion and of the re-noise to it. The model predicts v = noise - x0."""
 
     timesteps: tuple[float, ...]
+    sigmas: tuple[float, ...]
+
+    def __post_init__(self):
+        if len(self.timesteps) != len(self.sigmas) or not self.timesteps:
+            raise ValueError("a schedule needs one sigma per timestep (and at least one step)")
 
     @classmethod
-    def from_base(cls, base: tuple[float, ...] = (1000.0, 750.0, 500.0, 250.0), shift: float = 5.0):
-        return cls(tuple(warp_timestep(t, shift) for t in base))
+    def from_steps(cls, steps: tuple[float, ...], shift: float = 5.0) -> "FlowSchedule":
+        """Map a step list in the unshifted 0..1000 scale through the shifted table (see the module doc)."""
+        timesteps, _ = flow_table(shift)
+        padded = timesteps + (0.0,)
+        out = []
+        for step in steps:
+            i = NUM_TRAIN_TIMESTEPS - int(step)
+            if not 0 <= i <= NUM_TRAIN_TIMESTEPS:
+                raise ValueError(f"denoising step {step} must lie in [0, 1000]")
+            out.append(padded[i])
+        return cls(tuple(out), tuple(table_sigma(t, shift) for t in out))
+
 
     @property
     def num_steps(self) -> int:
         return len(self.timesteps)
 
     def sigma(self, step: int) -> float:
-        return self.timesteps[step] / 1000.0
+        return self.sigmas[step]
 
     def to_x0(self, x_t: torch.Tensor, flow: torch.Tensor, step: int) -> torch.Tensor:
         """x0 = x_t - sigma_t * v (in float32)."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from sdvg._native import _C
-from sdvg.config import DiTConfig, KVWindow
+from sdvg.config import DiTConfig, KVWindow, RoleContext
 
 
 class MemoryBudgetError(MemoryError):
@@ -29,14 +29,22 @@ class KVCacheSpec:
         return cls(dit.num_layers, dit.num_heads, dit.head_dim, tokens_per_frame, max_frames, window, batch)
 
     @classmethod
-    def for_preset(cls, preset, dit: DiTConfig, num_blocks: int, slack_frames: int = 0) -> "KVCacheSpec":
-        """The cache one DiT of `preset` needs for `num_blocks` blocks: the one place KV sizes are derived.
-        `slack_frames` widens a windowed cache so that a rollback that deep stays exact (run-ahead)."""
+    def for_context(cls, preset, dit: DiTConfig, context: RoleContext, num_blocks: int,
+                    slack_frames: int = 0) -> "KVCacheSpec":
+        """The cache one DiT of `preset` needs for `num_blocks` blocks under `context`: the one place KV
+        sizes are derived. A full context holds the video (or its window); a recompute context holds
+        kv_cache_frames context frames plus one block. `slack_frames` widens a windowed cache so that a
+        rollback that deep stays exact (run-ahead)."""
         tpf = preset.video.tokens_per_frame(preset.vae, dit)
-        window = preset.kv_window
+        window = context.window
         if window.window_frames and slack_frames > window.slack_frames:
             window = replace(window, slack_frames=slack_frames)
-        return cls.for_dit(dit, tpf, num_blocks * preset.video.frames_per_block, window)
+        return cls.for_dit(dit, tpf, context.cache_frames(num_blocks, preset.video.frames_per_block), window)
+
+    @classmethod
+    def for_preset(cls, preset, dit: DiTConfig, num_blocks: int, slack_frames: int = 0) -> "KVCacheSpec":
+        """The cache of a full-history context with the preset's window (the static engine stages' shape)."""
+        return cls.for_context(preset, dit, RoleContext("full", window=preset.kv_window), num_blocks, slack_frames)
 
     def layout(self):
         w = self.window

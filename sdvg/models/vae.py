@@ -106,6 +106,17 @@ class StreamingVAEDecoder:
         return torch.cat(outs, dim=2).clamp(-1.0, 1.0)
 
     @torch.no_grad()
+    def encode_frame(self, pixels: torch.Tensor) -> torch.Tensor:
+        """One pixel frame [B, 3, 1, H, W] in [-1, 1], encoded alone (a fresh encoder cache, as the first
+        frame of a video) -> its latent frame [B, z, 1, h, w], normalised as the DiT reads latents
+        (the posterior's mean, (mu - mean) / std), float32. Krea re-encodes the moving first context
+        frame this way."""
+        if pixels.ndim != 5 or pixels.shape[1] != 3 or pixels.shape[2] != 1:
+            raise ValueError(f"encode_frame takes one pixel frame [B, 3, 1, H, W], got {list(pixels.shape)}")
+        mu = self.vae.encode(pixels.to(self.device, self.dtype)).latent_dist.mode().float()
+        return (mu - self._mean.to(self.device)) / self._std.to(self.device)
+
+    @torch.no_grad()
     def decode_video(self, latents: torch.Tensor) -> torch.Tensor:
         """Whole-video decode through diffusers' own public path (the oracle for streaming)."""
         z = latents.float().to(self.device) * self._std.to(self.device) + self._mean.to(self.device)
