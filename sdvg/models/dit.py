@@ -61,9 +61,23 @@ class CausalWanDiT(nn.Module):
     # ------------------------------------------------------------------ text
     @torch.no_grad()
     def encode_text(self, text_embeds: torch.Tensor) -> TextKV:
-        """text_embeds [B, L_text, text_dim] -> per-layer cross-attention K/V."""
+        """text_embeds [B, L_text, text_dim] -> per-layer cross-attention K/V over `text_len` tokens.
+
+        As in Wan, embeddings shorter than `config.text_len` are zero-padded to it; the padded rows go
+        through the text MLP and are attended like the others. Longer ones are refused."""
         m = self.model
-        ctx = m.condition_embedder.text_embedder(text_embeds.to(self.device, self.dtype))  # [B, L, dim]
+        if text_embeds.dim() != 3:
+            raise ValueError(f"text_embeds must be [B, L_text, text_dim], got {list(text_embeds.shape)}")
+        length, text_len = text_embeds.shape[1], self.config.text_len
+        if length > text_len:
+            raise ValueError(
+                f"text embeddings have {length} tokens but this DiT's text_len is {text_len}: Wan checkpoints take "
+                f"the umT5 embeddings of at most {text_len} tokens, zero-padded to {text_len}; truncate the prompt's "
+                f"tokens to {text_len} (sdvg's TextEncoder does) or pass embeddings of at most {text_len} tokens"
+            )
+        if length < text_len:
+            text_embeds = F.pad(text_embeds, (0, 0, 0, text_len - length))  # zero rows after the prompt
+        ctx = m.condition_embedder.text_embedder(text_embeds.to(self.device, self.dtype))  # [B, text_len, dim]
         keys, values = [], []
         heads = self.config.num_heads
         for block in m.blocks:

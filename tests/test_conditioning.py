@@ -1,0 +1,70 @@
+"""The DiT's conditioning as Wan2.1 and Self-Forcing's `CausalWanModel` compute it: text embeddings
+zero-padded to `text_len`."""
+import dataclasses
+
+import pytest
+import torch
+
+from sdvg.config import ConfigError, DiTConfig, TextEncoderConfig, get_preset
+from sdvg.models.dit import CausalWanDiT
+
+from conftest import randomize
+
+FPB, GH, GW = 3, 4, 4
+TPF = GH * GW
+FP32_TOL = 1e-4  # reordered fp32 arithmetic (values are O(10))
+TIMESTEPS = torch.tensor([0.0, 0.5, 1.0, 250.0, 625.0, 833.3333, 937.5, 999.9, 1000.0])
+
+
+@pytest.fixture(scope="module")
+def dit():
+    torch.manual_seed(0)
+    return randomize(CausalWanDiT(get_preset("tiny").target).eval(), std=0.2)
+
+
+def latents(frames, seed=0):
+    return torch.randn(1, 16, frames, 2 * GH, 2 * GW, generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------ text length
+def test_short_text_is_zero_padded_to_text_len_and_attended(dit):
+    emb = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(2))
+    short = dit.encode_text(emb)
+    padded = dit.encode_text(torch.cat([emb, torch.zeros(1, 512 - 16, 32)], dim=1))
+    assert short.keys[0].shape[2] == 512
+    for a, b in zip(short.keys + short.values, padded.keys + padded.values):
+        assert torch.equal(a, b)
+    # the padded rows take part in cross-attention: 16 raw tokens give another output
+    raw16 = CausalWanDiT(dataclasses.replace(dit.config, text_len=16)).eval()
+    raw16.model.load_state_dict(dit.model.state_dict())
+    x, t = latents(FPB), torch.full((1, FPB), 625.0)
+    assert not torch.allclose(dit(x, t, short), raw16(x, t, raw16.encode_text(emb)), atol=1e-2)
+
+
+def test_text_longer_than_text_len_is_refused(dit):
+    with pytest.raises(ValueError, match=r"513 tokens.*text_len is 512.*truncate"):
+        dit.encode_text(torch.zeros(1, 513, 32))
+
+
+def test_preset_text_len_checks():
+    tiny = get_preset("tiny")
+    tiny.validate()
+    short = tiny.replace(drafter=dataclasses.replace(tiny.drafter, text_len=77),
+                         target=dataclasses.replace(tiny.target, text_len=77),
+                         text_encoder=dataclasses.replace(tiny.text_encoder, text_len=77))
+    short.validate()  # random tiny weights: any length, as long as the encoder and the DiTs agree
+    with pytest.raises(ConfigError, match=r"target text_len 512 != text encoder text_len 77"):
+        short.replace(target=tiny.target).validate()
+    with pytest.raises(ConfigError, match=r"text encoder text_len 0 must be >= 1"):
+        tiny.replace(text_encoder=dataclasses.replace(tiny.text_encoder, text_len=0)).validate()
+    with pytest.raises(ConfigError, match=r"drafter: text_len 0 must be >= 1"):
+        tiny.replace(drafter=dataclasses.replace(tiny.drafter, text_len=0)).validate()
+    for name, why in (("wan2.1", "loads Wan2.1 weights"), ("real-size", r"has Wan2\.1's width \(dim 1536\)")):
+        p = get_preset(name)
+        p.validate()
+        bad = p.replace(drafter=dataclasses.replace(p.drafter, text_len=256),
+                        target=dataclasses.replace(p.target, text_len=256),
+                        text_encoder=dataclasses.replace(p.text_encoder, text_len=256))
+        with pytest.raises(ConfigError, match=rf"drafter text_len 256: this DiT {why}.*set text_len=512"):
+            bad.validate()
+    assert DiTConfig(dim=64, ffn_dim=64, num_heads=4, num_layers=1).text_len == TextEncoderConfig().text_len == 512
