@@ -1,12 +1,12 @@
 """The DiT's conditioning as Wan2.1 and Self-Forcing's `CausalWanModel` compute it: text embeddings
-zero-padded to `text_len`."""
+zero-padded to `text_len` and the timestep sinusoid in float64."""
 import dataclasses
 
 import pytest
 import torch
 
 from sdvg.config import ConfigError, DiTConfig, TextEncoderConfig, get_preset
-from sdvg.models.dit import CausalWanDiT
+from sdvg.models.dit import CausalWanDiT, timestep_sinusoid
 
 from conftest import randomize
 
@@ -22,8 +22,55 @@ def dit():
     return randomize(CausalWanDiT(get_preset("tiny").target).eval(), std=0.2)
 
 
+@pytest.fixture(scope="module")
+def text(dit):
+    return dit.encode_text(torch.randn(1, 512, 32, generator=torch.Generator().manual_seed(1)))
+
+
 def latents(frames, seed=0):
     return torch.randn(1, 16, frames, 2 * GH, 2 * GW, generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------ timestep sinusoid
+def wan_sinusoidal_embedding_1d(dim, position):
+    """`wan/modules/model.py::sinusoidal_embedding_1d`, written out in plain torch float64."""
+    half = dim // 2
+    position = position.type(torch.float64)
+    sinusoid = torch.outer(position, torch.pow(10000, -torch.arange(half).to(position).div(half)))
+    return torch.cat([torch.cos(sinusoid), torch.sin(sinusoid)], dim=1)
+
+
+@pytest.mark.parametrize("dim", [256, 16])
+def test_timestep_sinusoid_is_wans_float64_formula(dim):
+    ours = timestep_sinusoid(TIMESTEPS, dim)
+    assert ours.dtype == torch.float64 and ours.shape == (len(TIMESTEPS), dim)
+    assert (ours - wan_sinusoidal_embedding_1d(dim, TIMESTEPS)).abs().max() <= 1e-7
+    per_frame = TIMESTEPS[:8].reshape(2, 4)  # [B, F] -> [B, F, dim], row by row
+    assert torch.equal(timestep_sinusoid(per_frame, dim), ours[:8].reshape(2, 4, dim))
+
+
+def test_timestep_sinusoid_has_diffusers_layout_up_to_fp32_rounding():
+    from diffusers.models.embeddings import Timesteps
+
+    exact = timestep_sinusoid(TIMESTEPS, 256)
+    diffusers = Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)(TIMESTEPS).double()
+    # cos half first, the same frequencies; diffusers' fp32 angles are off by O(t x fp32 epsilon)
+    assert ((diffusers - exact).abs() <= 1e-6 + TIMESTEPS[:, None].double() * 1e-7).all()
+    assert (diffusers - exact).abs()[-1].max() > 1e-6  # at t = 1000 that residual is real (measured 4.1e-5)
+    assert (exact.float().double() - exact).abs().max() <= 6e-8  # what the time MLP gets: fp32 rounding only
+
+
+def test_forward_feeds_wans_sinusoid_to_the_time_mlp(dit, text):
+    t = torch.tensor([[937.5, 833.3333, 0.0]])
+    seen = []
+    hook = dit.model.condition_embedder.time_embedder.linear_1.register_forward_pre_hook(
+        lambda module, args: seen.append(args[0].clone()))
+    try:
+        dit(latents(FPB), t, text)
+    finally:
+        hook.remove()
+    assert len(seen) == 1 and seen[0].dtype == torch.float32
+    assert torch.equal(seen[0], wan_sinusoidal_embedding_1d(256, t.flatten()).float().reshape(1, FPB, 256))
 
 
 # ------------------------------------------------------------------ text length

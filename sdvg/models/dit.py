@@ -7,6 +7,10 @@ and cross-attention uses text K/V computed once per prompt (`TextKV`).
 
 `forward(..., cache=None, attn_mask=...)` is the plain full-sequence reference (teacher forcing
 with an explicit block-causal mask); `forward(..., cache=kv)` is the incremental path.
+
+Conditioning follows Wan2.1 (`wan/modules/model.py`) and Self-Forcing's `CausalWanModel` exactly:
+text embeddings are zero-padded to `text_len` (512) tokens, all of them attended, and the timestep
+sinusoid is computed in float64 (`timestep_sinusoid`) before the fp32 time-embedding MLP.
 """
 from __future__ import annotations
 
@@ -21,6 +25,20 @@ from sdvg.models.rope import apply_rope, rope_angles, rope_cos_sin
 
 # Modules diffusers keeps in fp32 when the rest of the Wan DiT runs in bf16/fp16.
 _FP32_PARTS = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
+
+
+def timestep_sinusoid(timesteps: torch.Tensor, dim: int) -> torch.Tensor:
+    """Wan's `sinusoidal_embedding_1d` in float64: timesteps [...] -> [..., dim], cos half first.
+
+    The layout equals diffusers' `Timesteps(dim, flip_sin_to_cos=True, downscale_freq_shift=0)`;
+    the values differ from it by fp32 rounding (diffusers computes the angles in fp32)."""
+    if dim % 2:
+        raise ValueError(f"timestep embedding width {dim} must be even")
+    half = dim // 2
+    position = timesteps.to(torch.float64)
+    freqs = torch.pow(10000, -torch.arange(half, dtype=torch.float64, device=position.device).div(half))
+    sinusoid = position[..., None] * freqs  # Wan: torch.outer(position, freqs)
+    return torch.cat([torch.cos(sinusoid), torch.sin(sinusoid)], dim=-1)
 
 
 @dataclass
@@ -111,7 +129,14 @@ class CausalWanDiT(nn.Module):
 
             def attend(layer, k, v):
                 return k, v, mask
-        return self.forward_with(latents, timesteps, text.keys, text.values, cos, sin, attend)
+        t_freq = self.timestep_freqs(timesteps)
+        return self.forward_with(latents, t_freq, text.keys, text.values, cos, sin, attend)
+
+    def timestep_freqs(self, timesteps: torch.Tensor) -> torch.Tensor:
+        """timesteps [B, F] -> the float64 sinusoid [B, F, freq_dim] cast to the time embedder's dtype
+        (fp32): the input of the time-embedding MLP, computed outside any exported graph."""
+        dtype = self.model.condition_embedder.time_embedder.linear_1.weight.dtype
+        return timestep_sinusoid(timesteps, self.config.freq_dim).to(dtype)
 
     def rope(self, frame_offset: int, frames: int, height: int, width: int, device):
         """cos/sin [S, head_dim/2] of a block at `frame_offset` (latent height/width)."""
@@ -119,22 +144,23 @@ class CausalWanDiT(nn.Module):
         return rope_cos_sin(self._angles, self.config.head_dim, frame_offset, frames, height // p[1], width // p[2],
                             device)
 
-    def forward_with(self, latents, timesteps, text_keys, text_values, cos, sin, attend) -> torch.Tensor:
+    def forward_with(self, latents, t_freq, text_keys, text_values, cos, sin, attend) -> torch.Tensor:
         """The DiT body with self-attention keys/values supplied by `attend(layer, k, v) -> (k_all,
-        v_all, mask)`: a KV cache, a full-sequence mask, or static cache tensors (engine stages)."""
+        v_all, mask)`: a KV cache, a full-sequence mask, or static cache tensors (engine stages).
+        `t_freq` [B, F, freq_dim] is the timestep sinusoid (`timestep_freqs`)."""
         m, cfg = self.model, self.config
         B, C, nF, H, W = latents.shape
-        if timesteps.shape != (B, nF):
-            raise ValueError(f"timesteps must be [B, F] = [{B}, {nF}], got {list(timesteps.shape)}")
+        if t_freq.shape != (B, nF, cfg.freq_dim):
+            raise ValueError(f"t_freq must be [B, F, freq_dim] = [{B}, {nF}, {cfg.freq_dim}] (timestep_freqs of "
+                             f"[B, F] timesteps), got {list(t_freq.shape)}")
         p_t, p_h, p_w = cfg.patch_size
         gh, gw = H // p_h, W // p_w
         tpf = gh * gw  # tokens per latent frame
         x = m.patch_embedding(latents.to(self.dtype)).flatten(2).transpose(1, 2)  # [B, S, dim]
 
         emb = m.condition_embedder
-        t_freq = emb.timesteps_proj(timesteps.flatten().float())  # [B*F, freq_dim]
-        t_freq = t_freq.to(emb.time_embedder.linear_1.weight.dtype)
-        temb = emb.time_embedder(t_freq).unflatten(0, (B, nF))  # [B, F, dim]
+        t_freq = t_freq.to(emb.time_embedder.linear_1.weight.dtype)  # Wan's fp64 sinusoid, not timesteps_proj
+        temb = emb.time_embedder(t_freq)  # [B, F, dim]
         t_mod = emb.time_proj(emb.act_fn(temb).to(emb.time_proj.weight.dtype))  # [B, F, 6*dim]
         t_mod = t_mod.unflatten(2, (6, -1)).float()  # [B, F, 6, dim]
 
