@@ -1,12 +1,15 @@
 """The DiT's conditioning as Wan2.1 and Self-Forcing's `CausalWanModel` compute it: text embeddings
-zero-padded to `text_len` and the timestep sinusoid in float64."""
+zero-padded to `text_len`, the timestep sinusoid in float64 and RoPE frame offsets taken from the KV
+cache."""
 import dataclasses
 
 import pytest
 import torch
 
 from sdvg.config import ConfigError, DiTConfig, TextEncoderConfig, get_preset
+from sdvg.engines.stages import DiTStep, dit_forward_static
 from sdvg.models.dit import CausalWanDiT, timestep_sinusoid
+from sdvg.models.kv_cache import KVCacheSpec
 
 from conftest import randomize
 
@@ -25,6 +28,10 @@ def dit():
 @pytest.fixture(scope="module")
 def text(dit):
     return dit.encode_text(torch.randn(1, 512, 32, generator=torch.Generator().manual_seed(1)))
+
+
+def new_cache(dit, frames=12):
+    return KVCacheSpec.for_dit(dit.config, TPF, frames).allocate(torch.float32, "cpu")
 
 
 def latents(frames, seed=0):
@@ -115,3 +122,32 @@ def test_preset_text_len_checks():
         with pytest.raises(ConfigError, match=rf"drafter text_len 256: this DiT {why}.*set text_len=512"):
             bad.validate()
     assert DiTConfig(dim=64, ffn_dim=64, num_heads=4, num_layers=1).text_len == TextEncoderConfig().text_len == 512
+
+
+# ------------------------------------------------------------------ frame offset from the cache
+def test_frame_offset_comes_from_the_cache(dit, text):
+    a, b = new_cache(dit), new_cache(dit)
+    for block in range(2):
+        x, t = latents(FPB, seed=block), torch.full((1, FPB), 0.0)
+        assert torch.equal(dit(x, t, text, cache=a), dit(x, t, text, FPB * block, cache=b))
+        a.commit()
+        b.commit()
+    with pytest.raises(ValueError, match=r"frame_offset 9 disagrees with the KV cache's write position 6"):
+        dit(latents(FPB), torch.zeros(1, FPB), text, 9, cache=a)
+    assert a.pending_frames == 0  # refused before any slot was claimed
+    x = latents(FPB)
+    assert torch.equal(dit(x, torch.zeros(1, FPB), text), dit(x, torch.zeros(1, FPB), text, 0))  # no cache: 0
+
+
+def test_static_step_takes_its_frame_offset_from_the_cache(dit, text):
+    step = DiTStep(dit).eval()
+    eager, static = new_cache(dit), new_cache(dit)
+    x, t = latents(FPB), torch.full((1, FPB), 937.5)
+    for cache in (eager, static):
+        dit(latents(FPB, seed=5), torch.zeros(1, FPB), text, cache=cache)
+        cache.commit()
+    a = dit(x, t, text, cache=eager)
+    s = dit_forward_static(step, dit, x, t, text, None, static, TPF)
+    assert (a - s).abs().max() <= 1e-5 * max(1.0, a.abs().max())
+    with pytest.raises(ValueError, match=r"frame_offset 0 disagrees with the KV cache's write position 3"):
+        dit_forward_static(step, dit, x, t, text, 0, static, TPF)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from sdvg.models.dit import CausalWanDiT, TextKV
+from sdvg.models.dit import CausalWanDiT, TextKV, cache_frame_offset
 
 
 class DiTStep(nn.Module):
@@ -60,11 +60,13 @@ def static_cache_inputs(cache, tokens_per_frame: int):
 
 
 @torch.no_grad()
-def dit_forward_static(step, dit: CausalWanDiT, latents, timesteps, text: TextKV, frame_offset: int, cache,
+def dit_forward_static(step, dit: CausalWanDiT, latents, timesteps, text: TextKV, frame_offset: int | None, cache,
                        tokens_per_frame: int):
     """The cached DiT forward through a static stage (`step` is a DiTStep, compiled or not, or an
-    engine runner with the same signature): same contract as `dit(..., cache=cache)`."""
+    engine runner with the same signature): same contract as `dit(..., cache=cache)` (without a
+    mask), `frame_offset` included (None: the cache's write position; another value is an error)."""
     _, _, nF, H, W = latents.shape
+    frame_offset = cache_frame_offset(frame_offset, cache)
     cache.begin_write(nF)
     ck, cv, mask = static_cache_inputs(cache, tokens_per_frame)
     cos, sin = dit.rope(frame_offset, nF, H, W, latents.device)

@@ -6,7 +6,8 @@ index, self-attention covers the block plus every visible cached frame (K stored
 and cross-attention uses text K/V computed once per prompt (`TextKV`).
 
 `forward(..., cache=None, attn_mask=...)` is the plain full-sequence reference (teacher forcing
-with an explicit block-causal mask); `forward(..., cache=kv)` is the incremental path.
+with an explicit block-causal mask); `forward(..., cache=kv)` is the incremental path (its frame
+offset is the cache's write position).
 
 Conditioning follows Wan2.1 (`wan/modules/model.py`) and Self-Forcing's `CausalWanModel` exactly:
 text embeddings are zero-padded to `text_len` (512) tokens, all of them attended, and the timestep
@@ -39,6 +40,22 @@ def timestep_sinusoid(timesteps: torch.Tensor, dim: int) -> torch.Tensor:
     freqs = torch.pow(10000, -torch.arange(half, dtype=torch.float64, device=position.device).div(half))
     sinusoid = position[..., None] * freqs  # Wan: torch.outer(position, freqs)
     return torch.cat([torch.cos(sinusoid), torch.sin(sinusoid)], dim=-1)
+
+
+def cache_frame_offset(frame_offset: int | None, cache) -> int:
+    """The absolute frame of a cached forward's first frame: the cache's write position
+    (`cache.committed_frames`). A given `frame_offset` must agree with it, or RoPE would rotate the
+    block's queries and keys for frames other than the ones its K/V are written to."""
+    at = int(cache.committed_frames)
+    if frame_offset is None:
+        return at
+    if int(frame_offset) != at:
+        raise ValueError(
+            f"frame_offset {int(frame_offset)} disagrees with the KV cache's write position {at} (its committed "
+            f"frames): the block's K/V are written from frame {at} on; pass frame_offset=None (or {at}), or "
+            f"commit / roll back the cache to frame {int(frame_offset)} first"
+        )
+    return at
 
 
 @dataclass
@@ -108,16 +125,18 @@ class CausalWanDiT(nn.Module):
 
     # --------------------------------------------------------------- forward
     @torch.no_grad()
-    def forward(self, latents: torch.Tensor, timesteps: torch.Tensor, text: TextKV, frame_offset: int = 0,
+    def forward(self, latents: torch.Tensor, timesteps: torch.Tensor, text: TextKV, frame_offset: int | None = None,
                 cache=None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """latents [B, C, F, H, W], timesteps [B, F] -> flow prediction [B, C, F, H, W] (model dtype).
 
         With `cache`, the block's K/V are written into the cache's pending slots (claimed here) and
-        attention covers every visible frame; the caller commits. Without it, attention covers the
-        given frames only, restricted by `attn_mask` ([S, S] bool, True = attend) if given."""
+        attention covers every visible frame; the caller commits. The block starts at the cache's
+        write position `cache.committed_frames`: `frame_offset` None means that, a different value
+        is an error. Without a cache, attention covers the given frames only (starting at
+        `frame_offset`, None meaning 0), restricted by `attn_mask` ([S, S] bool, True = attend) if given."""
         _, _, nF, H, W = latents.shape
-        cos, sin = self.rope(frame_offset, nF, H, W, latents.device)
         if cache is not None:
+            frame_offset = cache_frame_offset(frame_offset, cache)
             cache.begin_write(nF)
 
             def attend(layer, k, v):
@@ -125,10 +144,12 @@ class CausalWanDiT(nn.Module):
                 k_all, v_all = cache.visible(layer)  # [B, H, S_visible, Dh]
                 return k_all, v_all, None
         else:
+            frame_offset = 0 if frame_offset is None else int(frame_offset)
             mask = None if attn_mask is None else attn_mask.to(latents.device)
 
             def attend(layer, k, v):
                 return k, v, mask
+        cos, sin = self.rope(frame_offset, nF, H, W, latents.device)
         t_freq = self.timestep_freqs(timesteps)
         return self.forward_with(latents, t_freq, text.keys, text.values, cos, sin, attend)
 
