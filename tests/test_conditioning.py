@@ -1,6 +1,6 @@
 """The DiT's conditioning as Wan2.1 and Self-Forcing's `CausalWanModel` compute it: text embeddings
-zero-padded to `text_len`, the timestep sinusoid in float64 and RoPE frame offsets taken from the KV
-cache."""
+zero-padded to `text_len`, the timestep sinusoid in float64, RoPE frame offsets taken from the KV
+cache, and block-causal masks over a cache (a context forward over several blocks at once)."""
 import dataclasses
 
 import pytest
@@ -8,7 +8,7 @@ import torch
 
 from sdvg.config import ConfigError, DiTConfig, TextEncoderConfig, get_preset
 from sdvg.engines.stages import DiTStep, dit_forward_static
-from sdvg.models.dit import CausalWanDiT, timestep_sinusoid
+from sdvg.models.dit import CausalWanDiT, block_causal_mask, timestep_sinusoid
 from sdvg.models.kv_cache import KVCacheSpec
 
 from conftest import randomize
@@ -151,3 +151,54 @@ def test_static_step_takes_its_frame_offset_from_the_cache(dit, text):
     assert (a - s).abs().max() <= 1e-5 * max(1.0, a.abs().max())
     with pytest.raises(ValueError, match=r"frame_offset 0 disagrees with the KV cache's write position 3"):
         dit_forward_static(step, dit, x, t, text, 0, static, TPF)
+
+
+# ------------------------------------------------------------------ masks over a cache
+def test_block_causal_mask_by_frames():
+    assert torch.equal(block_causal_mask(None, FPB, TPF, num_frames=6), block_causal_mask(2, FPB, TPF))
+    assert torch.equal(block_causal_mask(None, FPB, TPF, 4, 1, num_frames=9), block_causal_mask(3, FPB, TPF, 4, 1))
+    frames = block_causal_mask(None, FPB, 1, num_frames=5)  # groups 0-2 and 3-4
+    assert torch.equal(frames[:3], torch.tensor([[1, 1, 1, 0, 0]] * 3, dtype=torch.bool))
+    assert frames[3:].all()
+    assert block_causal_mask(2, FPB, TPF, num_frames=5).shape == (5 * TPF, 5 * TPF)
+    with pytest.raises(ValueError, match="num_blocks 3 disagrees with num_frames 5"):
+        block_causal_mask(3, FPB, TPF, num_frames=5)
+
+
+@pytest.mark.parametrize("before, frames", [(0, 6), (0, 5), (FPB, 5)])
+def test_masked_multi_block_forward_over_a_cache_equals_block_by_block(dit, text, before, frames):
+    """One context forward over `frames` frames with a block-causal mask (groups of 3 from frame 0)
+    writes the K/V and gives the outputs of one forward per group with a commit between."""
+    x = latents(frames, seed=3)
+    t = torch.rand(1, frames, generator=torch.Generator().manual_seed(4)) * 1000
+    one, many = new_cache(dit), new_cache(dit)
+    for cache in (one, many):
+        if before:
+            dit(latents(before, seed=6), torch.zeros(1, before), text, cache=cache)
+            cache.commit()
+
+    total = before + frames
+    mask = block_causal_mask(None, FPB, TPF, num_frames=total)[before * TPF:]  # the new frames' rows
+    whole = dit(x, t, text, cache=one, attn_mask=mask)
+    one.commit()
+    parts = []
+    for start in range(0, frames, FPB):
+        stop = min(start + FPB, frames)
+        parts.append(dit(x[:, :, start:stop], t[:, start:stop], text, cache=many))
+        many.commit()
+    assert one.committed_frames == many.committed_frames == total
+    for start, part in zip(range(0, frames, FPB), parts):
+        assert (whole[:, :, start:start + part.shape[2]] - part).abs().max() < FP32_TOL
+    written = slice(before * TPF, total * TPF)
+    assert (one.buffer[..., written, :] - many.buffer[..., written, :]).abs().max() < FP32_TOL
+    if not before:  # without the mask the first group would see the later frames
+        plain = dit(x, t, text, cache=new_cache(dit))
+        assert not torch.allclose(plain[:, :, :FPB], parts[0], atol=1e-2)
+
+
+def test_mask_over_a_cache_must_cover_the_visible_frames(dit, text):
+    cache = new_cache(dit)
+    dit(latents(FPB), torch.zeros(1, FPB), text, cache=cache)
+    cache.commit()
+    with pytest.raises(ValueError, match=r"attn_mask with a cache must be \[S_new, S_visible\] = \[48, 96\]"):
+        dit(latents(FPB), torch.zeros(1, FPB), text, cache=cache, attn_mask=block_causal_mask(1, FPB, TPF))

@@ -7,7 +7,7 @@ and cross-attention uses text K/V computed once per prompt (`TextKV`).
 
 `forward(..., cache=None, attn_mask=...)` is the plain full-sequence reference (teacher forcing
 with an explicit block-causal mask); `forward(..., cache=kv)` is the incremental path (its frame
-offset is the cache's write position).
+offset is the cache's write position; a mask over the visible frames may restrict it too).
 
 Conditioning follows Wan2.1 (`wan/modules/model.py`) and Self-Forcing's `CausalWanModel` exactly:
 text embeddings are zero-padded to `text_len` (512) tokens, all of them attended, and the timestep
@@ -130,22 +130,36 @@ class CausalWanDiT(nn.Module):
         """latents [B, C, F, H, W], timesteps [B, F] -> flow prediction [B, C, F, H, W] (model dtype).
 
         With `cache`, the block's K/V are written into the cache's pending slots (claimed here) and
-        attention covers every visible frame; the caller commits. The block starts at the cache's
-        write position `cache.committed_frames`: `frame_offset` None means that, a different value
-        is an error. Without a cache, attention covers the given frames only (starting at
-        `frame_offset`, None meaning 0), restricted by `attn_mask` ([S, S] bool, True = attend) if given."""
+        attention covers every visible frame (the committed ones kept by the cache, then the block);
+        the caller commits. The block starts at the cache's write position `cache.committed_frames`:
+        `frame_offset` None means that, a different value is an error. `attn_mask` ([S_new, S_visible]
+        bool, True = attend; S_visible counts the block's own tokens) restricts that attention, e.g.
+        a block-causal mask for a context forward over several blocks at once.
+
+        Without a cache, attention covers the given frames only (starting at `frame_offset`, None
+        meaning 0), restricted by `attn_mask` ([S, S] bool, True = attend) if given."""
         _, _, nF, H, W = latents.shape
+        p = self.config.patch_size
+        tpf = (H // p[1]) * (W // p[2])
+        mask = None if attn_mask is None else attn_mask.to(latents.device)
         if cache is not None:
             frame_offset = cache_frame_offset(frame_offset, cache)
             cache.begin_write(nF)
+            if mask is not None:
+                want = (nF * tpf, len(cache.visible_frames()) * tpf)
+                if tuple(mask.shape) != want:
+                    raise ValueError(
+                        f"attn_mask with a cache must be [S_new, S_visible] = {list(want)} ({nF} new frames, "
+                        f"{want[1] // tpf} visible frames of {tpf} tokens), got {list(mask.shape)}; take the rows "
+                        "of the new frames and the columns of the visible ones of the full-sequence mask"
+                    )
 
             def attend(layer, k, v):
                 cache.write(layer, k, v)
                 k_all, v_all = cache.visible(layer)  # [B, H, S_visible, Dh]
-                return k_all, v_all, None
+                return k_all, v_all, mask
         else:
             frame_offset = 0 if frame_offset is None else int(frame_offset)
-            mask = None if attn_mask is None else attn_mask.to(latents.device)
 
             def attend(layer, k, v):
                 return k, v, mask
@@ -232,14 +246,27 @@ class CausalWanDiT(nn.Module):
         return (x.float() + per_frame(lambda t: t * c_gate, f.float())).to(x.dtype)
 
 
-def block_causal_mask(num_blocks: int, frames_per_block: int, tokens_per_frame: int, window_frames: int = 0,
-                      sink_frames: int = 0) -> torch.Tensor:
+def block_causal_mask(num_blocks: int | None, frames_per_block: int, tokens_per_frame: int, window_frames: int = 0,
+                      sink_frames: int = 0, *, num_frames: int | None = None) -> torch.Tensor:
     """[S, S] bool mask of the full-sequence reference: a token of block b attends to every frame the
-    KV-cache path keeps visible while block b is processed (True = attend)."""
-    n = num_blocks * frames_per_block
+    KV-cache path keeps visible while block b is processed (True = attend).
+
+    The frames are `num_blocks * frames_per_block`, or `num_frames` (then `num_blocks` may be None):
+    groups of `frames_per_block` frames from frame 0, the last one partial when `num_frames` is not
+    a multiple. Rows [a, b) of it, restricted to the columns of the cache's visible frames, are the
+    `attn_mask` of a cached context forward over those frames."""
+    if num_frames is None:
+        if num_blocks is None:
+            raise ValueError("block_causal_mask needs num_blocks or num_frames")
+        n = num_blocks * frames_per_block
+    else:
+        n = num_frames
+        if num_blocks is not None and num_blocks != -(-n // frames_per_block):
+            raise ValueError(f"num_blocks {num_blocks} disagrees with num_frames {n} in groups of {frames_per_block} "
+                             f"({-(-n // frames_per_block)} blocks); pass num_blocks=None with num_frames")
     q_frame = torch.arange(n)[:, None]
     k_frame = torch.arange(n)[None, :]
-    end = (q_frame // frames_per_block + 1) * frames_per_block  # end of the query's block
+    end = ((q_frame // frames_per_block + 1) * frames_per_block).clamp(max=n)  # end of the query's block
     allowed = k_frame < end
     if window_frames > 0:
         recent = k_frame >= torch.clamp(end - window_frames, min=sink_frames)
