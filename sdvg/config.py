@@ -50,6 +50,7 @@ class DiTConfig:
     qk_norm: bool = True
     cross_attn_norm: bool = True
     rope_max_seq_len: int = 1024
+    text_len: int = 512  # text tokens the cross-attention sees: embeddings are zero-padded to it (Wan: 512)
 
     @property
     def head_dim(self) -> int:
@@ -60,6 +61,13 @@ class DiTConfig:
             raise ConfigError(f"{role}: dim {self.dim} is not divisible by num_heads {self.num_heads}")
         if self.head_dim < 6 or self.head_dim % 2:
             raise ConfigError(f"{role}: head_dim {self.head_dim} must be even and >= 6 (3-axis RoPE)")
+        if self.text_len < 1:
+            raise ConfigError(f"{role}: text_len {self.text_len} must be >= 1 (Wan uses 512)")
+
+    @property
+    def wan_sized(self) -> bool:
+        """The width of Wan2.1's 1.3B or 14B DiT: its weights expect Wan's conditioning exactly."""
+        return self.dim in (1536, 5120)
 
     def diffusers_kwargs(self) -> dict:
         return dict(
@@ -158,7 +166,11 @@ class TextEncoderConfig:
     num_heads: int = 64
     d_kv: int = 64
     vocab_size: int = 256384
-    text_len: int = 512
+    text_len: int = 512  # prompt tokens: truncated to it, and the embeddings zero-padded to it
+
+    def validate(self) -> None:
+        if self.text_len < 1:
+            raise ConfigError(f"text encoder text_len {self.text_len} must be >= 1 (Wan uses 512)")
 
 
 @dataclass(frozen=True)
@@ -283,7 +295,19 @@ class Preset:
             raise ConfigError(f"precision {self.precision!r} is not one of {PRECISIONS}")
         self.drafter.validate("drafter")
         self.target.validate("target")
+        self.text_encoder.validate()
         for role, dit in (("drafter", self.drafter), ("target", self.target)):
+            if dit.text_len != 512 and (self.sources is not None or dit.wan_sized):
+                why = "loads Wan2.1 weights" if self.sources is not None else f"has Wan2.1's width (dim {dit.dim})"
+                raise ConfigError(
+                    f"{role} text_len {dit.text_len}: this DiT {why}, and Wan2.1 weights expect the umT5 embeddings "
+                    "zero-padded to 512 tokens; set text_len=512 on the DiT and the text encoder"
+                )
+            if dit.text_len != self.text_encoder.text_len:
+                raise ConfigError(
+                    f"{role} text_len {dit.text_len} != text encoder text_len {self.text_encoder.text_len}: the DiT "
+                    f"attends to the encoder's padded embeddings; set both to the same length (e.g. {dit.text_len})"
+                )
             if dit.text_dim != self.text_encoder.d_model:
                 raise ConfigError(
                     f"{role} text_dim {dit.text_dim} != text encoder width {self.text_encoder.d_model}"

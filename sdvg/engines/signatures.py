@@ -50,7 +50,7 @@ def dit_stage(comps: Components, role: str, num_blocks: int | None = None) -> St
     cos, sin = dit.rope(fpb, fpb, lh, lw, dev)
     inputs = (
         torch.randn(1, p.vae.z_dim, fpb, lh, lw, generator=g).to(dev, dt),
-        torch.full((1, fpb), 937.5, device=dev),
+        dit.timestep_freqs(torch.full((1, fpb), 937.5, device=dev)),  # the fp64 sinusoid, fed in as fp32
         torch.randn(L, 1, H, p.text_encoder.text_len, D, generator=g).to(dev, dt),
         torch.randn(L, 1, H, p.text_encoder.text_len, D, generator=g).to(dev, dt),
         torch.randn(L, 1, H, slots * tpf, D, generator=g).to(dev, dt),
@@ -61,7 +61,7 @@ def dit_stage(comps: Components, role: str, num_blocks: int | None = None) -> St
     if inputs[-1].shape[0] != S:
         raise AssertionError("RoPE table does not match the block's token count")
     return StageSpec(f"{role}_dit", DiTStep(dit).eval(), inputs,
-                     ["latents", "timesteps", "text_k", "text_v", "cache_k", "cache_v", "cache_mask", "cos", "sin"],
+                     ["latents", "t_freq", "text_k", "text_v", "cache_k", "cache_v", "cache_mask", "cos", "sin"],
                      ["flow", "new_k", "new_v"], dev, dataclasses.replace(dit.config), dit.model)
 
 

@@ -1,9 +1,10 @@
 """Stage modules with static shapes: what gets exported, compiled or built into engines.
 
 * `DiTStep` — one DiT forward of a block (a denoising step at t > 0, or the commit at t = 0):
-  inputs the noisy block, per-frame timesteps, the prompt's cross-attention K/V, the whole KV
-  cache (fixed capacity) with a mask of the visible cached tokens, and the block's RoPE tables;
-  outputs the flow and the block's new K/V, which the caller writes into the cache.
+  inputs the noisy block, the per-frame timestep sinusoid (computed in float64 outside the graph,
+  as Wan does, and fed in as fp32: TensorRT has no float64), the prompt's cross-attention K/V, the
+  whole KV cache (fixed capacity) with a mask of the visible cached tokens, and the block's RoPE
+  tables; outputs the flow and the block's new K/V, which the caller writes into the cache.
 * `VAEDecodeStep` — one latent frame through the Wan decoder with its causal-conv cache as
   explicit tensors in and out (the steady state, from the third latent frame of a video on; the
   first frames run eagerly), so cache slots can be ping-ponged for snapshot/restore.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from sdvg.models.dit import CausalWanDiT, TextKV
+from sdvg.models.dit import CausalWanDiT, TextKV, cache_frame_offset
 
 
 class DiTStep(nn.Module):
@@ -24,9 +25,10 @@ class DiTStep(nn.Module):
         super().__init__()
         self.dit = dit
 
-    def forward(self, latents, timesteps, text_k, text_v, cache_k, cache_v, cache_mask, cos, sin):
-        """latents [1, C, F, H, W]; timesteps [1, F]; text_k/v [L, 1, H, Lt, D]; cache_k/v [L, 1, H, S_cap, D];
-        cache_mask [S_cap] bool (True = visible); cos/sin [S, D/2]
+    def forward(self, latents, t_freq, text_k, text_v, cache_k, cache_v, cache_mask, cos, sin):
+        """latents [1, C, F, H, W]; t_freq [1, F, freq_dim] (`dit.timestep_freqs(timesteps)`);
+        text_k/v [L, 1, H, Lt, D]; cache_k/v [L, 1, H, S_cap, D]; cache_mask [S_cap] bool (True = visible);
+        cos/sin [S, D/2]
         -> flow [1, C, F, H, W], new_k/new_v [L, 1, H, S, D]."""
         new_k, new_v = [], []
 
@@ -38,7 +40,7 @@ class DiTStep(nn.Module):
             mask = torch.cat([cache_mask, torch.ones(k.shape[2], dtype=torch.bool, device=k.device)])[None, :]
             return keys, values, mask
 
-        flow = self.dit.forward_with(latents, timesteps, text_k, text_v, cos, sin, attend)
+        flow = self.dit.forward_with(latents, t_freq, text_k, text_v, cos, sin, attend)
         return flow, torch.stack(new_k), torch.stack(new_v)
 
 
@@ -58,16 +60,18 @@ def static_cache_inputs(cache, tokens_per_frame: int):
 
 
 @torch.no_grad()
-def dit_forward_static(step, dit: CausalWanDiT, latents, timesteps, text: TextKV, frame_offset: int, cache,
+def dit_forward_static(step, dit: CausalWanDiT, latents, timesteps, text: TextKV, frame_offset: int | None, cache,
                        tokens_per_frame: int):
     """The cached DiT forward through a static stage (`step` is a DiTStep, compiled or not, or an
-    engine runner with the same signature): same contract as `dit(..., cache=cache)`."""
+    engine runner with the same signature): same contract as `dit(..., cache=cache)` (without a
+    mask), `frame_offset` included (None: the cache's write position; another value is an error)."""
     _, _, nF, H, W = latents.shape
+    frame_offset = cache_frame_offset(frame_offset, cache)
     cache.begin_write(nF)
     ck, cv, mask = static_cache_inputs(cache, tokens_per_frame)
     cos, sin = dit.rope(frame_offset, nF, H, W, latents.device)
     tk, tv = text_tensors(text)
-    flow, new_k, new_v = step(latents.to(dit.dtype), timesteps, tk, tv, ck, cv, mask, cos, sin)
+    flow, new_k, new_v = step(latents.to(dit.dtype), dit.timestep_freqs(timesteps), tk, tv, ck, cv, mask, cos, sin)
     for layer in range(new_k.shape[0]):
         cache.write(layer, new_k[layer].contiguous(), new_v[layer].contiguous())
     return flow

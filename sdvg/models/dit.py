@@ -6,7 +6,12 @@ index, self-attention covers the block plus every visible cached frame (K stored
 and cross-attention uses text K/V computed once per prompt (`TextKV`).
 
 `forward(..., cache=None, attn_mask=...)` is the plain full-sequence reference (teacher forcing
-with an explicit block-causal mask); `forward(..., cache=kv)` is the incremental path.
+with an explicit block-causal mask); `forward(..., cache=kv)` is the incremental path (its frame
+offset is the cache's write position; a mask over the visible frames may restrict it too).
+
+Conditioning follows Wan2.1 (`wan/modules/model.py`) and Self-Forcing's `CausalWanModel` exactly:
+text embeddings are zero-padded to `text_len` (512) tokens, all of them attended, and the timestep
+sinusoid is computed in float64 (`timestep_sinusoid`) before the fp32 time-embedding MLP.
 """
 from __future__ import annotations
 
@@ -21,6 +26,36 @@ from sdvg.models.rope import apply_rope, rope_angles, rope_cos_sin
 
 # Modules diffusers keeps in fp32 when the rest of the Wan DiT runs in bf16/fp16.
 _FP32_PARTS = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
+
+
+def timestep_sinusoid(timesteps: torch.Tensor, dim: int) -> torch.Tensor:
+    """Wan's `sinusoidal_embedding_1d` in float64: timesteps [...] -> [..., dim], cos half first.
+
+    The layout equals diffusers' `Timesteps(dim, flip_sin_to_cos=True, downscale_freq_shift=0)`;
+    the values differ from it by fp32 rounding (diffusers computes the angles in fp32)."""
+    if dim % 2:
+        raise ValueError(f"timestep embedding width {dim} must be even")
+    half = dim // 2
+    position = timesteps.to(torch.float64)
+    freqs = torch.pow(10000, -torch.arange(half, dtype=torch.float64, device=position.device).div(half))
+    sinusoid = position[..., None] * freqs  # Wan: torch.outer(position, freqs)
+    return torch.cat([torch.cos(sinusoid), torch.sin(sinusoid)], dim=-1)
+
+
+def cache_frame_offset(frame_offset: int | None, cache) -> int:
+    """The absolute frame of a cached forward's first frame: the cache's write position
+    (`cache.committed_frames`). A given `frame_offset` must agree with it, or RoPE would rotate the
+    block's queries and keys for frames other than the ones its K/V are written to."""
+    at = int(cache.committed_frames)
+    if frame_offset is None:
+        return at
+    if int(frame_offset) != at:
+        raise ValueError(
+            f"frame_offset {int(frame_offset)} disagrees with the KV cache's write position {at} (its committed "
+            f"frames): the block's K/V are written from frame {at} on; pass frame_offset=None (or {at}), or "
+            f"commit / roll back the cache to frame {int(frame_offset)} first"
+        )
+    return at
 
 
 @dataclass
@@ -61,9 +96,23 @@ class CausalWanDiT(nn.Module):
     # ------------------------------------------------------------------ text
     @torch.no_grad()
     def encode_text(self, text_embeds: torch.Tensor) -> TextKV:
-        """text_embeds [B, L_text, text_dim] -> per-layer cross-attention K/V."""
+        """text_embeds [B, L_text, text_dim] -> per-layer cross-attention K/V over `text_len` tokens.
+
+        As in Wan, embeddings shorter than `config.text_len` are zero-padded to it; the padded rows go
+        through the text MLP and are attended like the others. Longer ones are refused."""
         m = self.model
-        ctx = m.condition_embedder.text_embedder(text_embeds.to(self.device, self.dtype))  # [B, L, dim]
+        if text_embeds.dim() != 3:
+            raise ValueError(f"text_embeds must be [B, L_text, text_dim], got {list(text_embeds.shape)}")
+        length, text_len = text_embeds.shape[1], self.config.text_len
+        if length > text_len:
+            raise ValueError(
+                f"text embeddings have {length} tokens but this DiT's text_len is {text_len}: Wan checkpoints take "
+                f"the umT5 embeddings of at most {text_len} tokens, zero-padded to {text_len}; truncate the prompt's "
+                f"tokens to {text_len} (sdvg's TextEncoder does) or pass embeddings of at most {text_len} tokens"
+            )
+        if length < text_len:
+            text_embeds = F.pad(text_embeds, (0, 0, 0, text_len - length))  # zero rows after the prompt
+        ctx = m.condition_embedder.text_embedder(text_embeds.to(self.device, self.dtype))  # [B, text_len, dim]
         keys, values = [], []
         heads = self.config.num_heads
         for block in m.blocks:
@@ -76,28 +125,53 @@ class CausalWanDiT(nn.Module):
 
     # --------------------------------------------------------------- forward
     @torch.no_grad()
-    def forward(self, latents: torch.Tensor, timesteps: torch.Tensor, text: TextKV, frame_offset: int = 0,
+    def forward(self, latents: torch.Tensor, timesteps: torch.Tensor, text: TextKV, frame_offset: int | None = None,
                 cache=None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """latents [B, C, F, H, W], timesteps [B, F] -> flow prediction [B, C, F, H, W] (model dtype).
 
         With `cache`, the block's K/V are written into the cache's pending slots (claimed here) and
-        attention covers every visible frame; the caller commits. Without it, attention covers the
-        given frames only, restricted by `attn_mask` ([S, S] bool, True = attend) if given."""
+        attention covers every visible frame (the committed ones kept by the cache, then the block);
+        the caller commits. The block starts at the cache's write position `cache.committed_frames`:
+        `frame_offset` None means that, a different value is an error. `attn_mask` ([S_new, S_visible]
+        bool, True = attend; S_visible counts the block's own tokens) restricts that attention, e.g.
+        a block-causal mask for a context forward over several blocks at once.
+
+        Without a cache, attention covers the given frames only (starting at `frame_offset`, None
+        meaning 0), restricted by `attn_mask` ([S, S] bool, True = attend) if given."""
         _, _, nF, H, W = latents.shape
-        cos, sin = self.rope(frame_offset, nF, H, W, latents.device)
+        p = self.config.patch_size
+        tpf = (H // p[1]) * (W // p[2])
+        mask = None if attn_mask is None else attn_mask.to(latents.device)
         if cache is not None:
+            frame_offset = cache_frame_offset(frame_offset, cache)
             cache.begin_write(nF)
+            if mask is not None:
+                want = (nF * tpf, len(cache.visible_frames()) * tpf)
+                if tuple(mask.shape) != want:
+                    raise ValueError(
+                        f"attn_mask with a cache must be [S_new, S_visible] = {list(want)} ({nF} new frames, "
+                        f"{want[1] // tpf} visible frames of {tpf} tokens), got {list(mask.shape)}; take the rows "
+                        "of the new frames and the columns of the visible ones of the full-sequence mask"
+                    )
 
             def attend(layer, k, v):
                 cache.write(layer, k, v)
                 k_all, v_all = cache.visible(layer)  # [B, H, S_visible, Dh]
-                return k_all, v_all, None
+                return k_all, v_all, mask
         else:
-            mask = None if attn_mask is None else attn_mask.to(latents.device)
+            frame_offset = 0 if frame_offset is None else int(frame_offset)
 
             def attend(layer, k, v):
                 return k, v, mask
-        return self.forward_with(latents, timesteps, text.keys, text.values, cos, sin, attend)
+        cos, sin = self.rope(frame_offset, nF, H, W, latents.device)
+        t_freq = self.timestep_freqs(timesteps)
+        return self.forward_with(latents, t_freq, text.keys, text.values, cos, sin, attend)
+
+    def timestep_freqs(self, timesteps: torch.Tensor) -> torch.Tensor:
+        """timesteps [B, F] -> the float64 sinusoid [B, F, freq_dim] cast to the time embedder's dtype
+        (fp32): the input of the time-embedding MLP, computed outside any exported graph."""
+        dtype = self.model.condition_embedder.time_embedder.linear_1.weight.dtype
+        return timestep_sinusoid(timesteps, self.config.freq_dim).to(dtype)
 
     def rope(self, frame_offset: int, frames: int, height: int, width: int, device):
         """cos/sin [S, head_dim/2] of a block at `frame_offset` (latent height/width)."""
@@ -105,22 +179,23 @@ class CausalWanDiT(nn.Module):
         return rope_cos_sin(self._angles, self.config.head_dim, frame_offset, frames, height // p[1], width // p[2],
                             device)
 
-    def forward_with(self, latents, timesteps, text_keys, text_values, cos, sin, attend) -> torch.Tensor:
+    def forward_with(self, latents, t_freq, text_keys, text_values, cos, sin, attend) -> torch.Tensor:
         """The DiT body with self-attention keys/values supplied by `attend(layer, k, v) -> (k_all,
-        v_all, mask)`: a KV cache, a full-sequence mask, or static cache tensors (engine stages)."""
+        v_all, mask)`: a KV cache, a full-sequence mask, or static cache tensors (engine stages).
+        `t_freq` [B, F, freq_dim] is the timestep sinusoid (`timestep_freqs`)."""
         m, cfg = self.model, self.config
         B, C, nF, H, W = latents.shape
-        if timesteps.shape != (B, nF):
-            raise ValueError(f"timesteps must be [B, F] = [{B}, {nF}], got {list(timesteps.shape)}")
+        if t_freq.shape != (B, nF, cfg.freq_dim):
+            raise ValueError(f"t_freq must be [B, F, freq_dim] = [{B}, {nF}, {cfg.freq_dim}] (timestep_freqs of "
+                             f"[B, F] timesteps), got {list(t_freq.shape)}")
         p_t, p_h, p_w = cfg.patch_size
         gh, gw = H // p_h, W // p_w
         tpf = gh * gw  # tokens per latent frame
         x = m.patch_embedding(latents.to(self.dtype)).flatten(2).transpose(1, 2)  # [B, S, dim]
 
         emb = m.condition_embedder
-        t_freq = emb.timesteps_proj(timesteps.flatten().float())  # [B*F, freq_dim]
-        t_freq = t_freq.to(emb.time_embedder.linear_1.weight.dtype)
-        temb = emb.time_embedder(t_freq).unflatten(0, (B, nF))  # [B, F, dim]
+        t_freq = t_freq.to(emb.time_embedder.linear_1.weight.dtype)  # Wan's fp64 sinusoid, not timesteps_proj
+        temb = emb.time_embedder(t_freq)  # [B, F, dim]
         t_mod = emb.time_proj(emb.act_fn(temb).to(emb.time_proj.weight.dtype))  # [B, F, 6*dim]
         t_mod = t_mod.unflatten(2, (6, -1)).float()  # [B, F, 6, dim]
 
@@ -171,14 +246,27 @@ class CausalWanDiT(nn.Module):
         return (x.float() + per_frame(lambda t: t * c_gate, f.float())).to(x.dtype)
 
 
-def block_causal_mask(num_blocks: int, frames_per_block: int, tokens_per_frame: int, window_frames: int = 0,
-                      sink_frames: int = 0) -> torch.Tensor:
+def block_causal_mask(num_blocks: int | None, frames_per_block: int, tokens_per_frame: int, window_frames: int = 0,
+                      sink_frames: int = 0, *, num_frames: int | None = None) -> torch.Tensor:
     """[S, S] bool mask of the full-sequence reference: a token of block b attends to every frame the
-    KV-cache path keeps visible while block b is processed (True = attend)."""
-    n = num_blocks * frames_per_block
+    KV-cache path keeps visible while block b is processed (True = attend).
+
+    The frames are `num_blocks * frames_per_block`, or `num_frames` (then `num_blocks` may be None):
+    groups of `frames_per_block` frames from frame 0, the last one partial when `num_frames` is not
+    a multiple. Rows [a, b) of it, restricted to the columns of the cache's visible frames, are the
+    `attn_mask` of a cached context forward over those frames."""
+    if num_frames is None:
+        if num_blocks is None:
+            raise ValueError("block_causal_mask needs num_blocks or num_frames")
+        n = num_blocks * frames_per_block
+    else:
+        n = num_frames
+        if num_blocks is not None and num_blocks != -(-n // frames_per_block):
+            raise ValueError(f"num_blocks {num_blocks} disagrees with num_frames {n} in groups of {frames_per_block} "
+                             f"({-(-n // frames_per_block)} blocks); pass num_blocks=None with num_frames")
     q_frame = torch.arange(n)[:, None]
     k_frame = torch.arange(n)[None, :]
-    end = (q_frame // frames_per_block + 1) * frames_per_block  # end of the query's block
+    end = ((q_frame // frames_per_block + 1) * frames_per_block).clamp(max=n)  # end of the query's block
     allowed = k_frame < end
     if window_frames > 0:
         recent = k_frame >= torch.clamp(end - window_frames, min=sink_frames)
