@@ -107,7 +107,7 @@ class RoleModel:
         frames = self.context_frames(block)
         x = torch.cat([f.to(self.device) for f in frames], dim=2)  # [1, C, n, h, w]
         n = x.shape[2]
-        mask = block_causal_mask(0, self.frames_per_block, self.tokens_per_frame, num_frames=n)
+        mask = block_causal_mask(None, self.frames_per_block, self.tokens_per_frame, num_frames=n)
         self.forward(x, torch.zeros((1, n), device=self.device), 0, attn_mask=mask)
         self._count()
         self.cache.commit()
