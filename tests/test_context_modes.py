@@ -189,7 +189,7 @@ def test_run_ahead_queue_is_bounded(ahead):
     it runs exactly `run_ahead_blocks` drafts beyond the block being decided."""
     from sdvg.generation.fake_stages import FakeStages, fake_scheduler
 
-    stages = FakeStages(costs={"target": 0.03, "decode": 0.01})
+    stages = FakeStages(costs={"target": 0.03, "decode": 0.03})  # decode: the window after a draft is taken
     sched = fake_scheduler(stages, GenerationOptions(num_blocks=8, tau=0.0, run_ahead=True, run_ahead_blocks=ahead,
                                                      router="pattern", pattern="0"))
     sched.run()

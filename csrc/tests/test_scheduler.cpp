@@ -47,6 +47,9 @@ struct Fake : Executor {
   std::mutex mu;
   std::vector<std::string> log;
   std::vector<BlockRecord> emitted;
+  int target_sleep_ms = 0;  // a slow target and decode (run-ahead queue test)
+  int decode_sleep_ms = 0;
+  bool log_scores = false;
 
   void note(const std::string& s) {
     std::lock_guard<std::mutex> lk(mu);
@@ -67,6 +70,7 @@ struct Fake : Executor {
   }
   Handle target(int b) override {
     note("target " + std::to_string(b));
+    if (target_sleep_ms) std::this_thread::sleep_for(std::chrono::milliseconds(target_sleep_ms));
     return mk(mix(target_cache.context_hash(2), b));
   }
   void target_commit_forward(int b, const Handle& x) override {
@@ -75,12 +79,14 @@ struct Fake : Executor {
   }
   void target_cache_commit() override { target_cache.committed.push_back(target_cache.pending); }
   Handle decode(const Handle& x) override {
+    if (decode_sleep_ms) std::this_thread::sleep_for(std::chrono::milliseconds(decode_sleep_ms));
     vae.push_back(val(x));
     uint64_t h = 3;
     for (auto v : vae) h = mix(h, v);
     return mk(h);
   }
   Scored score(const Handle& frames) override {
+    if (log_scores) note("score");
     Scored s;
     s.score = static_cast<double>(val(frames) % 1000) / 1000.0;
     s.frame_scores = {s.score, s.score + 1};
@@ -360,7 +366,45 @@ static void test_names() {
   }
   CHECK(why == "unknown router 'oracle'; choose reward, random or pattern");
   CHECK(std::size(kCounterNames) == 10 && std::string(kCounterNames[7]) == "scheduler_wall_s");
-  CHECK(std::size(kConfigFieldNames) == 15 && std::string(kConfigFieldNames[0]) == "mode");
+  CHECK(std::size(kConfigFieldNames) == 19 && std::string(kConfigFieldNames[0]) == "mode");
+}
+
+// A recompute target: each target denoise past block 0 adds one context forward; committing a block
+// hands its latents over (the stage is called) but runs no forward and moves no pointer.
+static void test_recompute_target_counts() {
+  Fake f;
+  SchedulerConfig c = pattern_cfg({false, true, false}, false, true, 3);
+  c.target_recompute = true;
+  c.target_steps = 5;
+  Scheduler s(c, f);
+  s.run();
+  CHECK(s.counters().target_forwards == 5 + (5 + 1));  // block 0 (no context yet), block 2 (rejected)
+  CHECK(f.target_cache.committed.empty());              // no pointer move
+  int tcommits = 0;
+  for (auto& l : f.log) tcommits += l.rfind("tcommit", 0) == 0;
+  CHECK(tcommits == 2);  // blocks 0 and 1 handed over (block 2 is last)
+}
+
+// Under `own` with run-ahead, the drafter runs exactly `run_ahead_blocks` drafts beyond the block
+// the main thread is deciding when the target is slow (and never more).
+static void test_run_ahead_queue_is_bounded() {
+  for (int ahead : {1, 2, 3}) {
+    Fake f;
+    f.target_sleep_ms = 30;
+    f.decode_sleep_ms = 30;  // the main thread takes a draft, then decodes it before scoring it
+    f.log_scores = true;
+    SchedulerConfig c = pattern_cfg({false}, true, true, 8);  // every block rejected: the target always runs
+    c.run_ahead_blocks = ahead;
+    Scheduler s(c, f);
+    s.run();
+    int scored = 0, lead = 0;
+    for (auto& l : f.log) {
+      if (l == "score") ++scored;
+      if (l.rfind("draft ", 0) == 0) lead = std::max(lead, std::stoi(l.substr(6)) - scored);
+    }
+    CHECK(lead == ahead);
+    CHECK(s.counters().redrafts == 0);
+  }
 }
 
 int main() {
@@ -369,6 +413,8 @@ int main() {
   test_run_ahead_equals_sequential(false);
   test_run_ahead_equals_sequential(true);
   test_run_ahead_rolls_back_on_rejection();
+  test_recompute_target_counts();
+  test_run_ahead_queue_is_bounded();
   test_reward_router_and_records();
   test_stage_error_propagates_from_drafter_thread();
   test_trace_spans();
