@@ -59,6 +59,8 @@ def run_once(pipe, mode, num_blocks, pattern=None, variant=("eager", "cpp", Fals
     kw = dict(mode=mode, num_blocks=num_blocks, seed=0, backend=backend, scheduler=scheduler, run_ahead=run_ahead)
     if mode == "sdvg":
         kw.update(router="pattern", pattern=pattern)
+    if backend != "eager":  # the static stages are shaped for a full-history cache (docs/method.md, Context modes)
+        kw.update(target_context="full", drafter_cache="full")
     t0 = time.perf_counter()
     stats = pipe(PROMPT, **kw).stats.as_dict()
     for d in {pipe.components.drafter_device, pipe.components.target_device}:
@@ -76,6 +78,7 @@ def summarise(mode, rate, runs, variant=("eager", "cpp", False)):
     stages["overhead"] = med["wall_s"] - sum(stages.values())
     return {
         "mode": mode, "backend": backend, "scheduler": scheduler, "run_ahead": run_ahead, "acceptance": rate,
+        "target_context": med.get("target_context"), "drafter_context": med.get("drafter_context"),
         "wall_s": statistics.median(walls), "wall_all_s": walls, "stages": stages,
         "decisions": [b["decision"] for b in med["blocks"]],
         "target_forwards": med["target_forwards"], "drafter_forwards": med["drafter_forwards"],
