@@ -61,13 +61,14 @@ def test_rejected_block_starts_from_the_draft_noise(tiny_pipe, monkeypatch):
 @pytest.mark.parametrize("policy", ["committed", "own"])
 def test_drafter_cache_holds_what_the_policy_says(tiny_pipe, policy):
     comps = tiny_pipe.components
-    opts = GenerationOptions(router="pattern", pattern="001", num_blocks=3, seed=7, drafter_context=policy)
+    opts = tiny_pipe.resolve(GenerationOptions(router="pattern", pattern="001", num_blocks=3, seed=7,
+                                               drafter_context=policy))
     report = LoopReport()
     blocks = list(generate_blocks(comps, PROMPT, opts, report))
     assert [b.decision for b in blocks] == ["forced", "rejected", "accepted"]
     cache = report.drafter_cache
     # Rebuild the expected drafter context by committing the latents the policy names.
-    expected = allocate_cache(comps, comps.drafter, comps.drafter_device, 3)
+    expected = allocate_cache(comps, comps.drafter, comps.drafter_device, opts.role_context("drafter"), 3)
     text = comps.drafter.encode_text(comps.text_encoder.encode(PROMPT))
     pick = (lambda blk: blk.latents) if policy == "committed" else (lambda blk: blk.draft_latents)
     assert not torch.equal(blocks[1].latents, blocks[1].draft_latents)
@@ -194,7 +195,10 @@ def test_cli_generate_writes_mp4_and_stats(tmp_path):
     assert r.returncode == 0, r.stderr
     stats = json.loads((tmp_path / "s.json").read_text())
     assert stats["frames"] == 21 and len(stats["blocks"]) == 2
-    assert [(s["block"], s["stage"]) for s in stats["trace"]][:2] == [(0, "target"), (0, "decode")]
+    # the default drafter context `own` drafts block 0 too (the paper's rule), then the target makes it
+    assert [(s["block"], s["stage"]) for s in stats["trace"]][:4] == [(0, "draft"), (0, "decode"), (0, "score"),
+                                                                       (0, "target")]
+    assert stats["drafter_context"] == "own" and stats["target_context"] == "full"
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert read_mp4_frames(tmp_path / "v.mp4").shape[0] == 21
 

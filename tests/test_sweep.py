@@ -254,7 +254,7 @@ def test_calibrate_acceptance_committed_rounds(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cli, "_sweep_pipeline", lambda args: (SimpleNamespace(generate=generate), 0, 1))
     pf = _prompts(tmp_path)
     assert _run("calibrate", "--prompts-file", str(pf), "--acceptance", "0.5", "--quiet",
-                "--out", str(tmp_path / "cal")) == 0
+                "--drafter-context", "committed", "--out", str(tmp_path / "cal")) == 0
     res = json.loads((tmp_path / "cal" / "calibration.json").read_text())
     assert [r["tau"] for r in res["rounds"]] == [0.2, 0.3] and [r["achieved_acceptance"] for r in res["rounds"]] == [
         1.0, 0.5]
