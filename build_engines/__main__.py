@@ -11,7 +11,7 @@ from pathlib import Path
 from build_engines.export import VERIFY_TOLERANCE, export_onnx, verify_onnx
 from build_engines.trt import build_engine
 from sdvg.engines.cache import EngineCache
-from sdvg.engines.signatures import all_stages, stage_key
+from sdvg.engines.signatures import STAGE_NAMES, all_stages, stage_key
 from sdvg.engines.tensorrt import import_tensorrt
 
 
@@ -34,6 +34,12 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default="all", help="comma list of drafter_dit,target_dit,vae_decode,reward")
     ap.add_argument("--out", type=Path, default=Path("engines"))
     args = ap.parse_args(argv)
+    wanted = set(STAGE_NAMES) if args.stages == "all" else {w.strip() for w in args.stages.split(",") if w.strip()}
+    unknown = sorted(wanted - set(STAGE_NAMES))
+    if unknown or not wanted:  # checked before anything is built
+        print(f"error: unknown stage(s) {', '.join(unknown) or '(none given)'} in --stages; the stages are "
+              f"{', '.join(STAGE_NAMES)} (or all)", file=sys.stderr)
+        return 2
 
     from sdvg.config import get_preset
     from sdvg.models.components import build_random
@@ -46,7 +52,6 @@ def main(argv=None) -> int:
     comps = build_random(preset, drafter_device=args.drafter_device, target_device=args.target_device)
     stages = all_stages(comps, args.num_blocks)
     if args.stages != "all":
-        wanted = set(args.stages.split(","))
         stages = [s for s in stages if s.name in wanted]
     cache = EngineCache(args.out)
     tol = VERIFY_TOLERANCE[preset.precision]

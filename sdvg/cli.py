@@ -12,6 +12,7 @@ from pathlib import Path
 
 from sdvg.config import PRESETS, KVWindow, RoleContext
 from sdvg.io import DEFAULT_CRF, DEFAULT_FPS
+from sdvg.io.outputs import write_text_atomic
 from sdvg.options import BACKENDS, PROTOCOLS, add_option_flags, option_type, options_from_args
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "MovieGenVideoBench.txt"
@@ -50,19 +51,21 @@ def _real(low: float = -math.inf, high: float = math.inf):
 
 def read_prompts(path: str | Path) -> list[str]:
     """One prompt per line, UTF-8; blank lines are an error (they would shift prompt indices)."""
+    if not Path(path).is_file():
+        raise ValueError(f"prompts file {path} is not a file; give a text file with one prompt per line")
     raw = Path(path).read_bytes()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise SystemExit(f"error: prompts file {path} is not valid UTF-8 (byte {exc.start}); re-save it as UTF-8")
+        raise ValueError(f"prompts file {path} is not valid UTF-8 (byte {exc.start}); re-save it as UTF-8")
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
     blank = [i + 1 for i, line in enumerate(lines) if not line.strip()]
     if blank:
-        raise SystemExit(f"error: prompts file {path} has blank lines at {blank[:10]}; remove them")
+        raise ValueError(f"prompts file {path} has blank lines at {blank[:10]}; remove them")
     if not lines:
-        raise SystemExit(f"error: prompts file {path} holds no prompt")
+        raise ValueError(f"prompts file {path} holds no prompt")
     return [line.rstrip("\r") for line in lines]
 
 
@@ -105,7 +108,7 @@ def _build_pipeline(args):
     from sdvg.pipeline import SpeculativeVideoPipeline
 
     if args.preset not in PRESETS:
-        raise SystemExit(f"error: unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
+        raise ValueError(f"unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
     preset = get_preset(args.preset)
     paths = dict(drafter=args.drafter, target=args.target, vae=args.vae, text_encoder=args.text_encoder,
                  reward=args.reward, reward_tokenizer=args.reward_tokenizer)
@@ -122,54 +125,100 @@ def _video_path(out: Path, index: int, many: bool) -> Path:
     return out if not many else out.with_name(f"{out.stem}_{index:04d}{out.suffix}")
 
 
-def _done_prompts(stats_path: Path) -> set[int]:
+def _done_prompts(stats_path: Path, prompts: dict[int, str], options: dict) -> set[int]:
+    """Prompts a JSON Lines stats file already holds complete records of. A record counts for prompt i
+    only if its text (hash) is line i's and its options are this run's; a file written for another
+    prompts file or other options is refused, naming what differs (nothing is overwritten)."""
+    from sdvg.io.outputs import prompt_sha256
+
     done = set()
-    if stats_path.is_file():
-        for line in stats_path.read_text(encoding="utf-8").splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut off by an earlier crash
-            if not rec.get("interrupted") and "prompt_index" in rec:
-                done.add(rec["prompt_index"])
+    if not stats_path.is_file():
+        return done
+    for n, line in enumerate(stats_path.read_text(encoding="utf-8").splitlines(), start=1):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            raise ValueError(f"{stats_path} line {n} is not JSON; the file is damaged: move it away or pass "
+                             "another --stats") from None
+        i = rec.get("prompt_index")
+        if i not in prompts or rec.get("interrupted"):
+            continue
+        if rec.get("prompt_sha256", prompt_sha256(rec.get("prompt", ""))) != prompt_sha256(prompts[i]):
+            raise ValueError(f"{stats_path} line {n}: prompt {i} was {rec.get('prompt', '?')!r:.60}, the prompts "
+                             f"file now has {prompts[i]!r:.60} (edited?); pass another --stats or drop --resume")
+        differ = sorted(k for k, v in options.items() if k in rec and rec[k] != v)
+        if differ:
+            raise ValueError(f"{stats_path} line {n}: prompt {i} was generated with other options ("
+                             + ", ".join(f"{k}={rec[k]!r} now {options[k]!r}" for k in differ[:6])
+                             + "); pass another --stats or the same options")
+        done.add(i)
     return done
 
 
 def run_one(pipe, prompt: str, opts, video: Path, progress: bool = True, fps: float = DEFAULT_FPS,
             crf: int = DEFAULT_CRF):
-    """Generate one video, writing the MP4 as blocks arrive; returns its `RunStats`. On Ctrl-C the MP4
-    of the blocks emitted so far is closed (playable) and the stats (same fields) are marked interrupted."""
+    """Generate one video, writing the MP4 as blocks arrive; returns its `RunStats`. On Ctrl-C, SIGTERM or
+    SIGHUP the MP4 of the blocks emitted so far is closed (playable; no file when no block was emitted) and
+    the stats (same fields) are marked interrupted, with `interrupted_by` naming the signal. A failed
+    encode raises `VideoWriteError`."""
     from tqdm import tqdm
 
+    from sdvg.io.interrupts import Interrupted, shielded, signals_interrupt
     from sdvg.io.video_writer import IncrementalMP4Writer
 
     opts = pipe.resolve(opts)
     bar = tqdm(total=opts.num_blocks, desc=video.name, unit="block", disable=not progress, file=sys.stderr)
     counts = {"forced": 0, "accepted": 0, "rejected": 0}
+    writer = IncrementalMP4Writer(video, fps=fps, crf=crf)
     stream = pipe.run(prompt, opts)
-    with IncrementalMP4Writer(video, fps=fps, crf=crf) as writer:
-        try:
-            for block in stream:
-                writer.write(block.frames)
-                if block.decision in counts:
-                    counts[block.decision] += 1
-                    bar.set_postfix(counts)
-                bar.update(1)
-        except KeyboardInterrupt:
-            pass  # the stream is closed below: its stats are marked interrupted
-        finally:
+    signum = None
+    failed = True
+    try:
+        with signals_interrupt():
+            try:
+                for block in stream:
+                    writer.write(block.frames)
+                    if block.decision in counts:
+                        counts[block.decision] += 1
+                        bar.set_postfix(counts)
+                    bar.update(1)
+                failed = False
+            except KeyboardInterrupt as exc:  # the stream is closed below: its stats are marked interrupted
+                signum = exc.signum if isinstance(exc, Interrupted) else 2
+                failed = False
+    finally:
+        with shielded() as later:  # a second Ctrl-C cannot cut the closing short
             bar.close()
             stream.close()  # stops the scheduler thread of an unfinished video
+            if failed:
+                writer._cleanup(keep=False)  # an error: no half-written file under the final name
+            else:
+                writer.close()
+        if signum is None and later:
+            signum = later[0]
     stats = stream.stats  # final: complete, or marked interrupted by close()
-    stats.extra["video"] = str(video)
+    import signal as _signal
+
+    stats.extra["video"] = str(video) if writer.frames_written else None
+    stats.extra["interrupted_by"] = None if signum is None else _signal.Signals(signum).name
     return stats
 
 
+def _exit_code(stats) -> int:
+    """0, or 128 + the signal that interrupted the run (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP)."""
+    import signal as _signal
+
+    by = stats.extra.get("interrupted_by")
+    return 0 if by is None else 128 + int(_signal.Signals[by])
+
+
 def cmd_generate(args) -> int:
+    from sdvg.io.outputs import OutputLock, check_output_paths
+
     if (args.prompt is None) == (args.prompts_file is None):
-        raise SystemExit("error: give either --prompt TEXT or --prompts-file FILE")
+        raise ValueError("give either --prompt TEXT or --prompts-file FILE")
     if args.prompt is not None and not args.prompt.strip():
-        raise SystemExit("error: --prompt is empty; give a non-empty prompt")
+        raise ValueError("--prompt is empty; give a non-empty prompt")
     if args.prompt is not None:
         prompts, first = [args.prompt], 0
     else:
@@ -177,38 +226,58 @@ def cmd_generate(args) -> int:
         first = args.offset
         prompts = every[first:first + args.limit] if args.limit else every[first:]
         if not prompts:
-            raise SystemExit(f"error: --offset {args.offset} leaves no prompt of the {len(every)} in "
-                             f"{args.prompts_file}")
+            raise ValueError(f"--offset {args.offset} leaves no prompt of the {len(every)} in {args.prompts_file}")
     out = Path(args.out)
     many = args.prompts_file is not None  # a prompts file: one video per line, <out>_<line>.mp4, JSON Lines stats
     stats_path = Path(args.stats) if args.stats else out.with_suffix(".jsonl" if many else ".json")
+    if out.suffix.lower() != ".mp4":
+        raise ValueError(f"--out {out} must end in .mp4")
+    videos = {i: _video_path(out, i, many) for i in range(first, first + len(prompts))}
+    check_output_paths(stats=stats_path, timeline=args.timeline,
+                       **{("out" if not many else f"out_{i}"): v for i, v in videos.items()})
     opts = options_from_args(args)
+    with OutputLock(stats_path):
+        if not many:
+            pipe = build_pipeline(args)
+            _announce_protocol(args, pipe.preset, opts)
+            stats = run_one(pipe, prompts[0], opts, out, progress=not args.quiet, fps=args.fps, crf=args.crf)
+            write_text_atomic(stats_path, stats.to_json(indent=2))
+            _timeline(args, stats, 0, many=False)
+            _summary(stats, stats_path)
+            return _exit_code(stats)
+        return _generate_many(args, prompts, first, out, stats_path, opts)
+
+
+def _generate_many(args, prompts: list[str], first: int, out: Path, stats_path: Path, opts) -> int:
+    from sdvg.io.outputs import append_jsonl, prompt_sha256, repair_jsonl
+
+    by_index = dict(enumerate(prompts, start=first))
+    if args.resume:
+        cut = repair_jsonl(stats_path)
+        if cut:
+            print(f"{stats_path}: cut {cut} bytes of a record torn by an earlier crash (that prompt is redone)",
+                  file=sys.stderr)
+    elif stats_path.exists():
+        stats_path.unlink()
     pipe = build_pipeline(args)
     _announce_protocol(args, pipe.preset, opts)
-    if not many:
-        stats = run_one(pipe, prompts[0], opts, out, progress=not args.quiet, fps=args.fps, crf=args.crf)
-        stats_path.parent.mkdir(parents=True, exist_ok=True)
-        stats_path.write_text(stats.to_json(indent=2))
-        _timeline(args, stats, 0, many=False)
-        _summary(stats, stats_path)
-        return 130 if stats.interrupted else 0
-    done = _done_prompts(stats_path) if args.resume else set()
-    if not args.resume and stats_path.exists():
-        stats_path.unlink()
+    resolved = pipe.resolve(opts).as_dict()
+    resolved.pop("backend", None)  # how stages ran does not change the video
+    done = _done_prompts(stats_path, by_index, resolved) if args.resume else set()
     stats_path.parent.mkdir(parents=True, exist_ok=True)
-    for i, prompt in enumerate(prompts, start=first):  # i: the prompt's line in the file (0-based)
+    for i, prompt in by_index.items():  # i: the prompt's line in the file (0-based)
         if i in done:
             continue
         stats = run_one(pipe, prompt, opts, _video_path(out, i, True), progress=not args.quiet, fps=args.fps,
                         crf=args.crf)
         stats.extra["prompt_index"] = i
-        with stats_path.open("a", encoding="utf-8") as f:
-            f.write(stats.to_json() + "\n")
+        stats.extra["prompt_sha256"] = prompt_sha256(prompt)
+        append_jsonl(stats_path, stats.to_json())
         _timeline(args, stats, i, many=True)
         if stats.interrupted:
             print(f"interrupted at prompt {i}; rerun with --resume to continue", file=sys.stderr)
-            return 130
-    written = sum(i not in done for i in range(first, first + len(prompts)))
+            return _exit_code(stats)
+    written = sum(i not in done for i in by_index)
     print(f"wrote {written} video(s); stats in {stats_path}", file=sys.stderr)
     return 0
 
@@ -299,10 +368,7 @@ def _prompts_for_sweep(args) -> tuple[list[tuple[int, str]], dict]:
     path = Path(args.prompts_file) if args.prompts_file else DEFAULT_PROMPTS
     if not path.is_file():
         raise ValueError(f"prompts file {path} not found; pass --prompts-file")
-    try:
-        prompts = read_prompts(path)
-    except SystemExit as exc:  # read_prompts' message, as an error of this command (exit 2)
-        raise ValueError(str(exc.code).removeprefix("error: ")) from None
+    prompts = read_prompts(path)
     selected = list(enumerate(prompts[: args.limit] if args.limit else prompts))
     if not selected:
         raise ValueError(f"no prompt selected from {path}")
@@ -618,14 +684,29 @@ def cmd_config(args) -> int:
     return 0
 
 
+# Exit statuses (README): 0 done; 2 bad arguments or input files (found before or while loading: an
+# option, a path, a prompts file, a checkpoint, a config); 1 a runtime failure (a device, the disk, the
+# encoder); 128 + the signal when interrupted: 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP.
+EXIT_BAD_INPUT, EXIT_RUNTIME = 2, 1
+
+
 def main(argv=None) -> int:
+    from sdvg.io.interrupts import exit_code_of, signals_interrupt
+
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(_config_values(argv)).parse_args(argv)
     try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        with signals_interrupt():  # before the first block too (loading): exit 128 + signal, no traceback
+            return args.func(args)
+    except KeyboardInterrupt as exc:
+        print(f"interrupted ({exc.args[0] if exc.args else 'SIGINT'})", file=sys.stderr)
+        return exit_code_of(exc)
+    except (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
+    except (RuntimeError, OSError, MemoryError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
 
 
 if __name__ == "__main__":

@@ -145,7 +145,15 @@ class EngineCache:
         if built != key:  # a digest collision or an edited manifest
             raise StaleEngineError(f"engine {d} does not match ({'; '.join(key.differences(built))}); rebuild "
                                    f"with: {rebuild_command}")
-        path = d / m["file"]
+        name = m.get("file")
+        if not isinstance(name, str) or name not in ("engine.plan", "model.onnx"):
+            raise CorruptEngineError(f"engine manifest {d / MANIFEST} names the file {name!r}; a manifest may only "
+                                     f"name engine.plan or model.onnx inside its own entry; delete {d} and rebuild "
+                                     f"with: {rebuild_command}")
+        path = d / name
+        if path.is_symlink() or path.resolve().parent != d.resolve():
+            raise CorruptEngineError(f"engine file {path} leads outside its entry {d}; delete {d} and rebuild with: "
+                                     f"{rebuild_command}")
         if not path.is_file():
             raise CorruptEngineError(f"engine file {path} is missing; rebuild with: {rebuild_command}")
         size = path.stat().st_size

@@ -14,6 +14,9 @@ from sdvg.models.kv_cache import KVCacheSpec
 from sdvg.models.components import Components
 from sdvg.engines.stages import DiTStep, RewardStep, VAEDecodeStep
 
+STAGE_NAMES: tuple[str, ...] = ("drafter_dit", "target_dit", "vae_decode", "reward")  # every stage an engine may hold
+
+
 @dataclass
 class StageSpec:
     name: str  # drafter_dit | target_dit | vae_decode | reward

@@ -1,9 +1,19 @@
-"""MP4 written block by block (imageio-ffmpeg), playable whatever happens after each block.
+"""MP4 written block by block through ffmpeg, playable whatever happens after each block.
 
-Each block's frames go straight to ffmpeg; `close()` (also on exceptions, via the context
-manager) finalises the file, so a run interrupted half-way leaves a valid MP4 of what was emitted."""
+Each block's frames go straight to an ffmpeg process (raw RGB on its stdin; the executable comes from
+imageio-ffmpeg, started without a shell). The video is written under a temporary name beside its final
+path (`.<name>.partial.mp4`) and renamed into place when it is closed, so:
+
+- an interrupted run (Ctrl-C, SIGTERM, an exception) still closes the file and renames it: a playable
+  MP4 of the blocks emitted so far, under its final name;
+- a run that produced no frame leaves no video file;
+- a failed encode (disk full, a read-only folder, ffmpeg dying) raises `VideoWriteError` with
+  ffmpeg's own message, and the final path is left untouched (a previous file there survives).
+"""
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -12,40 +22,112 @@ import torch
 from sdvg.io import DEFAULT_CRF, DEFAULT_FPS
 
 
+class VideoWriteError(RuntimeError):
+    """The encoder failed; the message carries ffmpeg's exit status and its last lines."""
+
+
+def partial_path(path: Path) -> Path:
+    """Where a video is written until it is closed."""
+    return path.with_name(f".{path.stem}.partial{path.suffix}")
 
 
 class IncrementalMP4Writer:
-    """fps: frames per second; crf: libx264's constant rate factor, 0 (lossless) to 51."""
+    """fps: frames per second; crf: libx264's constant rate factor, 0 (lossless) to 51. The ffmpeg
+    process starts with the first frames (their size fixes the video's)."""
 
     def __init__(self, path: str | Path, fps: float = DEFAULT_FPS, crf: int = DEFAULT_CRF):
-        import imageio.v2 as imageio
-
-        if not fps > 0:
-            raise ValueError(f"fps {fps} must be > 0")
+        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0 or fps != fps:
+            raise ValueError(f"fps {fps!r} must be a number > 0")
         if isinstance(crf, bool) or not isinstance(crf, int) or not 0 <= crf <= 51:
             raise ValueError(f"crf {crf!r} must be an integer in [0, 51] (libx264; lower is better quality)")
-
         self.path = Path(path)
         if self.path.suffix.lower() != ".mp4":
             raise ValueError(f"output {self.path} must end in .mp4")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._writer = imageio.get_writer(str(self.path), fps=fps, codec="libx264", quality=None,
-                                          output_params=["-crf", str(crf)], macro_block_size=1,
-                                          ffmpeg_log_level="error")
+        self.fps, self.crf = float(fps), crf
+        self.tmp = partial_path(self.path)
+        self._proc: subprocess.Popen | None = None
+        self._stderr = None
+        self._size: tuple[int, int] | None = None
         self.frames_written = 0
+        self.closed = False
+
+    def _start(self, height: int, width: int) -> None:
+        import imageio_ffmpeg
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._stderr = open(self.tmp.with_suffix(".log"), "w+b")  # noqa: SIM115 (closed in close())
+        args = [imageio_ffmpeg.get_ffmpeg_exe(), "-y", "-loglevel", "error", "-f", "rawvideo", "-vcodec", "rawvideo",
+                "-s", f"{width}x{height}", "-pix_fmt", "rgb24", "-r", f"{self.fps:g}", "-i", "-", "-an",
+                "-vcodec", "libx264", "-pix_fmt", "yuv420p", "-crf", str(self.crf), "-movflags", "+faststart",
+                str(self.tmp)]
+        if height % 2 or width % 2:
+            args[-1:-1] = ["-vf", "pad=ceil(iw/2)*2:ceil(ih/2)*2"]  # yuv420p needs even sides
+        # its own session: a Ctrl-C in the terminal reaches sdvg, which then closes the file properly
+        self._proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self._stderr,
+                                      start_new_session=True)
+        self._size = (height, width)
 
     def write(self, frames: torch.Tensor) -> None:
         """frames uint8 [T, H, W, 3]."""
+        if self.closed:
+            raise ValueError(f"{self.path}: write after close")
         if frames.dtype != torch.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
             raise ValueError(f"frames must be uint8 [T, H, W, 3], got {frames.dtype} {list(frames.shape)}")
-        for f in frames.numpy():
-            self._writer.append_data(np.ascontiguousarray(f))
+        if self._proc is None:
+            self._start(frames.shape[1], frames.shape[2])
+        elif tuple(frames.shape[1:3]) != self._size:
+            raise ValueError(f"frames of {tuple(frames.shape[1:3])} in a {self._size} video")
+        data = np.ascontiguousarray(frames.cpu().numpy()).tobytes()
+        try:
+            self._proc.stdin.write(data)
+            self._proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            self._fail("ffmpeg stopped reading frames")
         self.frames_written += frames.shape[0]
 
+    def _ffmpeg_message(self) -> str:
+        if self._stderr is None:
+            return ""
+        self._stderr.seek(0)
+        lines = self._stderr.read().decode("utf-8", "replace").strip().splitlines()
+        return "; ".join(lines[-3:])
+
+    def _fail(self, what: str) -> None:
+        code = self._proc.wait() if self._proc is not None else None
+        msg = self._ffmpeg_message()
+        self._cleanup(keep=False)
+        raise VideoWriteError(f"writing {self.path} failed: {what} (ffmpeg exit status {code}"
+                              + (f": {msg}" if msg else "") + "); check free disk space and that the folder is "
+                              "writable")
+
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        """Finish the file and move it into place (nothing is left when no frame was written)."""
+        if self.closed:
+            return
+        if self._proc is None:
+            self._cleanup(keep=False)
+            return
+        try:
+            self._proc.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass
+        code = self._proc.wait()
+        if code != 0:
+            self._fail("the encoder exited with an error")
+        os.replace(self.tmp, self.path)
+        self._cleanup(keep=True)
+
+    def _cleanup(self, keep: bool) -> None:
+        self.closed = True
+        if self._stderr is not None:
+            self._stderr.close()
+            Path(self._stderr.name).unlink(missing_ok=True)
+            self._stderr = None
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        if not keep and (self.tmp.is_file() or self.tmp.is_symlink()):
+            self.tmp.unlink()
 
     def __enter__(self):
         return self
