@@ -11,12 +11,16 @@ is a run's `quality`, every metric goes into its `metrics`:
 
 - `imagereward`: the mean normalised ImageReward of up to 16 frames. This is the router's own model
   (the score SDVG accepts or rejects drafts on), so it is not an independent judge of the result;
+- `drift`: Speculative Forcing's drift, the spread of MUSIQ over 2-second segments (pyiqa; optional);
+- `vbench[:dim+dim...]`: VBench dimensions through the vbench package in its own interpreter (optional);
+- `visionreward[:<folder>]`: VisionReward-Video from a local folder through transformers (optional);
 - `python:<module>:<name>`: an `Evaluator` instance, or a callable (prompt, frames) returning a float
   (one metric named after it; attributes `positive` / `higher_is_better` declare it) or a dict of
   floats (one metric per key, each with those attributes).
 
-`check_evaluator(spec)` checks names and imports before any model loads (an unknown evaluator is a
-ValueError); `load_evaluator(spec, pipe)` then builds the evaluators (docs/evaluation.md)."""
+`check_evaluator(spec)` checks names, packages and weights before any model loads (an unknown
+evaluator is a ValueError, a missing package or weights an `EvaluatorUnavailable` that says how to get
+them); `load_evaluator(spec, pipe)` then builds the evaluators (docs/evaluation.md)."""
 from __future__ import annotations
 
 import importlib
@@ -159,8 +163,8 @@ def finite_metrics(evaluator: Evaluator, values: dict) -> None:
 
 
 # ---------------------------------------------------------------------------- the --evaluator spec
-BUILTIN = ("imagereward",)
-_TAKES_ARGUMENT: tuple[str, ...] = ()
+BUILTIN = ("imagereward", "drift", "vbench", "visionreward")
+_TAKES_ARGUMENT = ("vbench", "visionreward")
 
 
 def _unique(names: list[str], what: str) -> None:
@@ -207,17 +211,37 @@ def _python_object(arg: str):
 
 
 def check_evaluator(spec: str) -> list[tuple[str, str | None]]:
-    """Everything about `spec` that can be checked before any model loads: the names and the python:
-    imports."""
+    """Everything about `spec` that can be checked before any model loads: the names, the python:
+    imports, the optional packages and weights (one message per evaluator that cannot run)."""
+    from sdvg.evaluation import external
+
     parsed = parse_spec(spec)
     for name, arg in parsed:
         if name == "python":
             _python_object(arg)
+        elif name == "drift":
+            external.check_drift()
+        elif name == "vbench":
+            external.check_vbench(arg)
+        elif name == "visionreward":
+            external.check_visionreward(arg)
     return parsed
+
+
+def evaluator_device(pipe) -> str:
+    """Where the optional evaluators run: the pipeline's drafter device (with the VAE and the reward)."""
+    dev = getattr(getattr(pipe, "components", None), "drafter_device", None)
+    if dev is not None:
+        return str(dev)
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def load_evaluator(spec: str, pipe) -> Evaluator:
     """The evaluators of `spec` (one, or an `EvaluatorSet`), built once the pipeline is loaded."""
+    from sdvg.evaluation import external
+
     parsed = check_evaluator(spec)
     built: list[Evaluator] = []
     for name, arg in parsed:
@@ -228,4 +252,11 @@ def load_evaluator(spec: str, pipe) -> Evaluator:
             built.append(ImageRewardEvaluator(scorer))
         elif name == "python":
             built.append(as_evaluator(_python_object(arg), name=arg.split(":", 1)[1]))
+        elif name == "drift":
+            built.append(external.DriftEvaluator.from_pyiqa(device=evaluator_device(pipe)))
+        elif name == "vbench":
+            built.append(external.VBenchEvaluator(external.check_vbench(arg), device=evaluator_device(pipe)))
+        elif name == "visionreward":
+            built.append(external.VisionRewardEvaluator(external.check_visionreward(arg),
+                                                        device=evaluator_device(pipe)))
     return built[0] if len(built) == 1 else EvaluatorSet(built)
