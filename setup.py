@@ -64,6 +64,9 @@ setup(
     install_requires=["torch>=2.11", "diffusers>=0.42", "transformers>=5", "tokenizers", "safetensors", "numpy",
                       "matplotlib", "imageio", "imageio-ffmpeg", "tqdm"],
     extras_require={
+        # `--evaluator drift`; install with the runtime lock as constraint (requirements-eval.txt). vbench
+        # is no extra: it pins transformers 4.33.2 and numpy < 2 (its own environment: requirements-vbench.txt)
+        "eval": ["pyiqa==0.1.16"],
         "onnx": ["onnx", "onnxruntime", "onnxscript"],
         "tensorrt": ["tensorrt-cu13>=11", "torch-tensorrt"],
     },

@@ -410,10 +410,12 @@ def _sweep_setup(args, opts):
     configuration (its manifest and records). Returns (prompts, manifest)."""
     import sdvg
     from sdvg.config import config_hash, get_preset
+    from sdvg.evaluation.evaluators import check_evaluator
     from sdvg.evaluation.sweep import build_manifest, prepare_folder
 
     if args.preset not in PRESETS:
         raise ValueError(f"unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
+    check_evaluator(args.evaluator)  # names, packages, weights: before the folder or any model
     prompts, source = _prompts_for_sweep(args)
     preset = get_preset(args.preset)
     opts = opts.resolved(preset, BACKENDS[0])
@@ -612,9 +614,11 @@ def build_parser(config: dict | None = None) -> argparse.ArgumentParser:
                              "-1.5 and -2.5 of its seven values; -1.25, -1.75, -2.0 fill the gaps)"
                              + ("" if name == "sweep" else "; used with --quality-drop / --retention"))
         sp.add_argument("--evaluator", default="imagereward",
-                        help="imagereward | python:<module>:<function> (a callable (prompt, frames uint8 [F,H,W,3]) "
-                             "-> float; set its attribute positive = True when its scores are always > 0, so "
-                             "retention is a ratio rather than a difference)")
+                        help="comma list of: imagereward (the router's own model), drift (MUSIQ spread over 2-s "
+                             "segments; pyiqa), vbench[:dim+dim] (the vbench package), visionreward[:<folder>] "
+                             "(VisionReward-Video), python:<module>:<name> (a callable (prompt, frames uint8 "
+                             "[F,H,W,3]) -> float or dict; attribute positive = True makes retention a ratio). "
+                             "The first metric is the quality; see docs/evaluation.md")
         sp.add_argument("--repeats", type=_count(1), default=1,
                         help="timed runs per (prompt, method); min and median wall time are recorded (default: 1)")
         sp.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,

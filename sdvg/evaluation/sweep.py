@@ -1,7 +1,8 @@
 """tau sweeps and calibration.
 
 A sweep runs, for every prompt, the target-only baseline, the drafter alone (draft-only) and SDVG
-at each tau, and records acceptance, wall time and a quality score per run, one JSON line each.
+at each tau, and records acceptance, wall time and the evaluators' metrics per run (`quality` is the
+first metric), one JSON line each.
 Every record carries the full resolved options, the preset's and checkpoints' identities, sdvg's
 version and the prompt with its hash. A folder holds one configuration: `sweep.json` (the
 manifest) is written when the folder is first used, and a rerun resumes into the folder only when
@@ -99,9 +100,17 @@ def variant_options(options: GenerationOptions, variant) -> GenerationOptions:
 
 
 def evaluator_positive(evaluator) -> bool:
-    """Whether the evaluator declares its scores positive (`evaluator.positive = True`): only then is
-    quality retention a ratio q / q_target; otherwise it is the difference q - q_target."""
-    return getattr(evaluator, "positive", False) is True
+    """Whether the evaluator's first metric is declared positive (a plain callable: `positive = True`):
+    only then is its retention a ratio; otherwise it is a difference."""
+    from sdvg.evaluation.evaluators import as_evaluator
+
+    ev = as_evaluator(evaluator)
+    return bool(ev.metrics) and ev.metrics[0].positive
+
+
+def video_name(prompt_index: int, variant) -> str:
+    """The MP4 of a run in `<out>/videos/` (written when an evaluator reads video files)."""
+    return f"p{prompt_index:05d}_" + (variant if variant in VARIANT_KEYS else f"tau{variant:g}") + ".mp4"
 
 
 # ---------------------------------------------------------------------------- records
@@ -247,9 +256,15 @@ def missing_pairs(out: Path, prompts: list, taus: list[float], rank: int = 0, wo
 
 def run_sweep(pipe, prompts: list, taus: list[float], out: Path, evaluator, options: GenerationOptions,
               rank: int = 0, world: int = 1, progress=None, repeats: int = 1, warmup: bool = True,
-              draft: bool = True, evaluator_name: str | None = None) -> list[dict]:
+              draft: bool = True, evaluator_name: str | None = None, fps: float | None = None) -> list[dict]:
     """Target-only, draft-only (unless `draft` is False) and SDVG at each tau for every prompt of this
-    rank, with every other option as given. `prompts`: prompts, or (index, prompt) pairs."""
+    rank, with every other option as given. `prompts`: prompts, or (index, prompt) pairs. `evaluator`:
+    an `Evaluator` (`sdvg.evaluation.evaluators`) or a plain callable (prompt, frames) -> float; `fps`
+    is the videos' frame rate (default: sdvg's MP4 rate, 16)."""
+    from sdvg.evaluation.evaluators import as_evaluator, finite_metrics, primary_metric
+    from sdvg.io import DEFAULT_FPS
+
+    fps = DEFAULT_FPS if fps is None else fps
     if repeats < 1:
         raise ValueError(f"repeats {repeats} must be >= 1")
     out = Path(out)
@@ -259,7 +274,7 @@ def run_sweep(pipe, prompts: list, taus: list[float], out: Path, evaluator, opti
     pending = missing_pairs(out, prompts, taus, rank, world, draft)
     if not pending:
         return []
-    positive = evaluator_positive(evaluator)
+    ev = as_evaluator(evaluator)
     prov = pipe.provenance()
     encode = pipe.components.text_encoder.encode  # caches the embedding: later calls cost a lookup
     if warmup:  # one untimed run per variant still to run, on this rank's first pending prompt
@@ -276,13 +291,20 @@ def run_sweep(pipe, prompts: list, taus: list[float], out: Path, evaluator, opti
             walls = [o.stats.wall_s for o in outs]
             first = outs[0]
             stats = first.stats.as_dict()
+            video = _write_video(out, i, v, first.frames, fps) if ev.needs_video_file else None
+            metrics = ev(prompt, first.frames, fps=fps, video_path=video)
+            finite_metrics(ev, metrics)
+            specs = ev.specs_for(metrics)
+            main = primary_metric(ev, metrics)
             rec = {"prompt_index": i, "prompt": prompt, "prompt_sha256": sha256_text(prompt), "tau": v,
                    "mode": run_opts.mode, "options": first.stats.options.as_dict(),
                    "acceptance_rate": stats["acceptance_rate"], "accepted_blocks": stats["accepted_blocks"],
                    "wall_s": statistics.median(walls), "wall_s_min": min(walls),
                    "wall_s_median": statistics.median(walls), "wall_s_runs": walls, "repeats": repeats,
-                   "warmup": warmup, "quality": float(evaluator(prompt, first.frames)),
-                   "quality_positive": positive, "evaluator": evaluator_name,
+                   "warmup": warmup, "quality": float(metrics[main]), "quality_metric": main,
+                   "quality_positive": specs[main].positive, "quality_higher_is_better": specs[main].higher_is_better,
+                   "metrics": {k: float(x) for k, x in metrics.items()},
+                   "metric_specs": {k: s.as_dict() for k, s in specs.items()}, "evaluator": evaluator_name,
                    "block_scores": [b["score"] for b in stats["blocks"]],
                    "frame_scores": [b["frame_scores"] for b in stats["blocks"]],
                    "decisions": [b["decision"] for b in stats["blocks"]],
@@ -291,12 +313,23 @@ def run_sweep(pipe, prompts: list, taus: list[float], out: Path, evaluator, opti
                    "preset_fingerprint": prov["preset_fingerprint"], "checkpoints": prov["checkpoints"],
                    "devices": prov["devices"], "sdvg_version": prov["sdvg_version"],
                    "torch_version": prov["torch_version"]}
+            if video is not None:
+                rec["video"] = video.relative_to(out).as_posix()
             with path.open("a", encoding="utf-8") as f:
                 f.write(strict_json({**rec, "tau": tau_to_json(v)}) + "\n")
             new.append(rec)
             if progress:
                 progress(rec)
     return new
+
+
+def _write_video(out: Path, i: int, variant, frames, fps: float) -> Path:
+    from sdvg.io.video_writer import IncrementalMP4Writer
+
+    path = out / "videos" / video_name(i, variant)
+    with IncrementalMP4Writer(path, fps=fps) as w:
+        w.write(frames)
+    return path
 
 
 # ---------------------------------------------------------------------------- summary
@@ -306,13 +339,20 @@ def _mean_or_none(values: list) -> float | None:
     return statistics.mean(known) if known else None
 
 
-def retention(q: float, q_target: float, positive: bool) -> float:
-    """Quality retention: q / q_target for a positive metric; q - q_target otherwise (a sign-indefinite
-    score such as normalised ImageReward: a ratio of two negative scores would show a worse one as
-    more than 100 %)."""
+def retention(q: float, q_target: float, positive: bool, higher_is_better: bool = True) -> float:
+    """Quality retention, oriented so that more is better: q / q_target for a positive metric, q - q_target
+    otherwise (a sign-indefinite score such as normalised ImageReward: a ratio of two negative scores
+    would show a worse one as more than 100 %). For a lower-is-better metric (drift) the two swap:
+    q_target / q, or q_target - q."""
+    a, b = (q, q_target) if higher_is_better else (q_target, q)
     if positive:
-        return q / q_target if q_target != 0 else math.nan
-    return q - q_target
+        return a / b if b != 0 else math.nan
+    return a - b
+
+
+def retention_formula(positive: bool, higher_is_better: bool = True) -> str:
+    a, b = ("q", "q_target") if higher_is_better else ("q_target", "q")
+    return f"{a} / {b}" if positive else f"{a} - {b}"
 
 
 def acceptance_by_block(records: list[dict]) -> dict[int, float]:
@@ -325,16 +365,60 @@ def acceptance_by_block(records: list[dict]) -> dict[int, float]:
     return {b: sum(v) / len(v) for b, v in sorted(counts.items())}
 
 
+def _record_metrics(r: dict) -> dict[str, float]:
+    """A record's metrics; a record of an older sdvg has only `quality`."""
+    return r.get("metrics") or {r.get("quality_metric") or "quality": r["quality"]}
+
+
+def _record_specs(r: dict) -> dict[str, dict]:
+    return r.get("metric_specs") or {next(iter(_record_metrics(r))): {
+        "positive": r.get("quality_positive", False) is True,
+        "higher_is_better": r.get("quality_higher_is_better", True) is not False}}
+
+
+def metric_specs(records: list[dict]) -> dict[str, dict]:
+    """Each metric's rule over these records, in first-seen order: positive only when every record
+    declares it so; a metric whose direction differs between records is refused."""
+    specs: dict[str, dict] = {}
+    for r in records:
+        for name, s in _record_specs(r).items():
+            cur = specs.setdefault(name, {"positive": True, "higher_is_better": s.get("higher_is_better", True)})
+            if cur["higher_is_better"] != s.get("higher_is_better", True):
+                raise ValueError(f"metric {name!r} is declared higher-is-better in some records, lower in others")
+            cur["positive"] = cur["positive"] and s.get("positive") is True
+    for s in specs.values():
+        s["retention_kind"] = "ratio" if s["positive"] else "difference"
+        s["retention_formula"] = retention_formula(s["positive"], s["higher_is_better"])
+    return specs
+
+
 def summarise(records: list[dict]) -> dict:
     """Per variant (target-only, draft-only, SDVG at each tau), paired per prompt with target-only:
-    seconds per video, speed-up, acceptance, quality and its retention (a difference, or a ratio for
-    positive metrics)."""
+    seconds per video, speed-up, acceptance, quality (the first metric) and its retention, and each
+    metric with its own retention (a difference, or a ratio for positive metrics; oriented so that
+    more is better)."""
     base = {r["prompt_index"]: r for r in records if r["tau"] == TARGET_KEY}
+    specs = metric_specs(records)
     positive = bool(records) and all(r.get("quality_positive", False) for r in records)
+    higher = all(r.get("quality_higher_is_better", True) is not False for r in records)
+    names = {r.get("quality_metric") or "quality" for r in records}
+    if len(names) > 1:
+        raise ValueError(f"the records' quality is of different metrics: {sorted(names)}")
     by_variant: dict = {}
     for r in records:
         if r["tau"] != TARGET_KEY and r["prompt_index"] in base:
             by_variant.setdefault(r["tau"], []).append(r)
+
+    def metric_rows(rs: list[dict]) -> dict:
+        out = {}
+        for name, spec in specs.items():
+            pairs = [(_record_metrics(r)[name], _record_metrics(base[r["prompt_index"]])[name]) for r in rs
+                     if name in _record_metrics(r) and name in _record_metrics(base[r["prompt_index"]])]
+            if pairs:
+                q, qb = statistics.mean(p[0] for p in pairs), statistics.mean(p[1] for p in pairs)
+                out[name] = {"quality": q, "target_quality": qb, "delta": q - qb, "prompts": len(pairs),
+                             "retention": retention(q, qb, spec["positive"], spec["higher_is_better"])}
+        return out
 
     def row(variant, rs: list[dict]) -> dict:
         t_base = sum(base[r["prompt_index"]]["wall_s"] for r in rs)
@@ -346,14 +430,17 @@ def summarise(records: list[dict]) -> dict:
                 "seconds_min": statistics.mean(r.get("wall_s_min", r["wall_s"]) for r in rs),
                 "speedup": t_base / sum(r["wall_s"] for r in rs),
                 "quality": q, "target_quality": q_base, "quality_delta": q - q_base,
-                "retention": retention(q, q_base, positive),
+                "retention": retention(q, q_base, positive, higher),
+                "metrics": metric_rows(rs),
                 "acceptance_by_block": {str(b): a for b, a in acceptance_by_block(rs).items()}}
 
     taus = sorted((v for v in by_variant if v not in VARIANT_KEYS), key=float)
-    return {"prompts": len(base), "quality_positive": positive,
+    return {"prompts": len(base), "quality_positive": positive, "quality_higher_is_better": higher,
+            "quality_metric": names.pop() if names else None,
             "repeats": sorted({r.get("repeats", 1) for r in records}),
             "warmup": bool(records) and all(r.get("warmup", False) for r in records),
             "retention_kind": "ratio" if positive else "difference",
+            "retention_formula": retention_formula(positive, higher), "metrics": specs,
             "target": row(TARGET_KEY, list(base.values())) if base else None,
             "draft": row(DRAFT_KEY, by_variant[DRAFT_KEY]) if DRAFT_KEY in by_variant else None,
             "taus": [row(t, by_variant[t]) for t in taus]}
@@ -378,12 +465,14 @@ def summary_json(summary: dict) -> str:
                         "taus": [_row_json(r) for r in summary["taus"]]}, indent=2)
 
 
-def pareto(rows: list[dict]) -> list[dict]:
-    """Rows not dominated in (speed-up, quality)."""
+def pareto(rows: list[dict], higher_is_better: bool = True) -> list[dict]:
+    """Rows not dominated in (speed-up, quality); quality counts downwards for a lower-is-better metric."""
+    sign = 1.0 if higher_is_better else -1.0
     keep = []
     for r in rows:
-        if not any(o is not r and o["speedup"] >= r["speedup"] and o["quality"] >= r["quality"]
-                   and (o["speedup"] > r["speedup"] or o["quality"] > r["quality"]) for o in rows):
+        q = sign * r["quality"]
+        if not any(o is not r and o["speedup"] >= r["speedup"] and sign * o["quality"] >= q
+                   and (o["speedup"] > r["speedup"] or sign * o["quality"] > q) for o in rows):
             keep.append(r)
     return sorted(keep, key=lambda r: r["speedup"])
 
@@ -411,10 +500,12 @@ def plot(summary: dict, path: Path) -> None:
         r = summary.get(key)
         if r is not None:
             ax.scatter([r["speedup"]], [r["quality"]], marker=marker, s=120 if marker == "*" else 60, label=label)
-    front = pareto(all_rows(summary))
+    higher = summary.get("quality_higher_is_better", True)
+    front = pareto(all_rows(summary), higher)
     ax.plot([r["speedup"] for r in front], [r["quality"] for r in front], "--", label="Pareto front")
     ax.set_xlabel("speed-up over target-only")
-    ax.set_ylabel("quality (mean evaluator score)")
+    ax.set_ylabel(f"{summary.get('quality_metric') or 'quality'} (mean; "
+                  f"{'higher' if higher else 'lower'} is better)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -449,12 +540,14 @@ def retention_goal(positive: bool, retention: float | None = None, quality_drop:
 
 
 def calibrate_retention(summary: dict, retention: float | None = None, quality_drop: float | None = None) -> dict:
-    """The fastest swept tau whose retention reaches the goal (`retention_goal`'s rule)."""
+    """The fastest swept tau whose retention reaches the goal (`retention_goal`'s rule; retention is
+    oriented so that more is better, also for a lower-is-better metric)."""
     positive = summary.get("quality_positive", False)
     goal = retention_goal(positive, retention, quality_drop)
     ok = [r for r in summary["taus"] if r["retention"] >= goal]
     if not ok:
-        kind = "ratio q / q_target" if positive else "difference q - q_target"
+        formula = summary.get("retention_formula") or retention_formula(positive)
+        kind = f"ratio {formula}" if positive else f"difference {formula}"
         raise ValueError(f"no swept tau reaches a quality retention of {goal:g} (as a {kind}); sweep higher taus"
                          + ("" if positive or goal <= 0 else
                             " (this metric is sign-indefinite: retention is a difference, e.g. -0.01, "
