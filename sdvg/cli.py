@@ -485,8 +485,8 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from sdvg.evaluation.sweep import (calibrate_acceptance, calibrate_retention, read_records, retention_goal,
-                                       summarise)
+    from sdvg.evaluation.sweep import (calibrate_acceptance, calibrate_retention, read_records, retention_formula,
+                                       retention_goal, summarise)
     from sdvg.generation.types import strict_json
 
     goals = [g for g in ("acceptance", "retention", "quality_drop") if getattr(args, g) is not None]
@@ -547,8 +547,9 @@ def cmd_calibrate(args) -> int:
                   {"quality_drop": args.quality_drop},
                   "retention_kind": summary["retention_kind"], "least_retention": goal, "tau": best["tau"],
                   "achieved": best, "prompts": summary["prompts"],
-                  "note": ("retention is q / q_target (the evaluator declares its scores positive)" if positive else
-                           "retention is q - q_target (the evaluator's scores may be negative)"),
+                  "note": f"retention is {summary.get('retention_formula') or retention_formula(positive)}"
+                          + (" (the metric is declared positive)" if positive else
+                             " (the metric's scores may be negative)"),
                   "unpublished_taus": _unpublished(args.taus)}
     (out / "calibration.json").write_text(strict_json(result, indent=2))
     print(strict_json(result, indent=2))
