@@ -29,6 +29,17 @@ def rss_mib() -> float:
     raise RuntimeError("no VmRSS in /proc/self/status (Linux only)")
 
 
+def malloc_trim() -> bool:
+    """Hand freed heap pages back to the OS (glibc); False where unavailable."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return bool(ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -39,6 +50,9 @@ def main(argv=None) -> int:
     ap.add_argument("--num-blocks", type=int, default=3)
     ap.add_argument("--warm", type=int, default=5, help="videos before the RSS baseline (default: 5)")
     ap.add_argument("--out", type=Path, default=Path("results/soak-cpu"))
+    ap.add_argument("--trim", action=argparse.BooleanOptionalAction, default=True,
+                    help="call glibc's malloc_trim(0) after each video before reading RSS (default: on; both values "
+                         "are recorded)")
     args = ap.parse_args(argv)
     if args.videos <= args.warm:
         ap.error("--videos must exceed --warm")
@@ -61,7 +75,11 @@ def main(argv=None) -> int:
             stats = run_one(pipe, f"a paper boat, take {i}", opts, Path(tmp) / f"v{i}.mp4", progress=False)
             (Path(tmp) / f"v{i}.mp4").unlink()
             gc.collect()
-            rows.append({"video": i, **variant, "rss_mib": rss_mib(), "open_fds": open_fds(),
+            before_trim = rss_mib()
+            if args.trim:
+                malloc_trim()
+            rows.append({"video": i, **variant, "rss_mib": rss_mib(), "rss_before_trim_mib": before_trim,
+                         "open_fds": open_fds(),
                          "frames": stats["frames"], "wall_s": stats["wall_s"]})
             print(f"{i:3d} {rows[-1]['rss_mib']:8.1f} MiB {rows[-1]['open_fds']:3d} fds", file=sys.stderr)
     base, last = rows[args.warm - 1]["rss_mib"], rows[-1]["rss_mib"]
