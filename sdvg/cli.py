@@ -236,6 +236,10 @@ def cmd_generate(args) -> int:
     check_output_paths(stats=stats_path, timeline=args.timeline,
                        **{("out" if not many else f"out_{i}"): v for i, v in videos.items()})
     opts = options_from_args(args)
+    if args.preset in PRESETS:  # the rules that need the preset (video length, windows), before any model loads
+        from sdvg.config import get_preset
+
+        opts.resolved(get_preset(args.preset))
     with OutputLock(stats_path):
         if not many:
             pipe = build_pipeline(args)

@@ -265,3 +265,9 @@ def test_exit_statuses_follow_the_convention(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cli, "build_pipeline", disk_full)
     assert _main("generate", "--prompt", PROMPT, "--out", str(tmp_path / "v.mp4")) == 1
     assert "No space left" in capsys.readouterr().err
+
+
+def test_option_rules_needing_the_preset_are_checked_before_loading(tmp_path, no_model_load, capsys):
+    assert _main("generate", "--prompt", PROMPT, "--preset", "tiny", "--target-context", "recompute",
+                 "--kv-cache-frames", "50", "--out", str(tmp_path / "v.mp4")) == 2
+    assert "kv_cache_frames 50 is larger than the video" in capsys.readouterr().err
