@@ -66,6 +66,28 @@ def test_missing_engine_names_the_build_command(tmp_path):
         EngineCache(tmp_path).load(_key(stage="vae_decode"), CMD)
 
 
+def test_onnx_external_weights_are_stored_and_checked(tmp_path):
+    """An ONNX file past 2 GB keeps its weights in `model.onnx.data`: it moves into the entry with the
+    model and is checked by size and SHA-256 like it; a manifest may name no other data file."""
+    key = _key(artifact="onnx", trt_version="none")
+    c = EngineCache(tmp_path / "engines")
+    art = tmp_path / "work" / "model.onnx"
+    art.parent.mkdir()
+    art.write_bytes(b"graph")
+    (tmp_path / "work" / "model.onnx.data").write_bytes(b"weights" * 100)
+    path = c.store(key, art, CMD)
+    data = path.parent / "model.onnx.data"
+    assert c.load(key, CMD) == path and data.is_file() and not art.with_name("model.onnx.data").exists()
+    data.write_bytes(b"weights" * 99 + b"WEIGHTS")
+    with pytest.raises(CorruptEngineError, match="model.onnx.data does not match its SHA-256"):
+        c.load(key, CMD)
+    m = json.loads((path.parent / "manifest.json").read_text())
+    m["data_file"]["file"] = "../../secret"
+    (path.parent / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(CorruptEngineError, match="may only be model.onnx.data"):
+        c.load(key, CMD)
+
+
 def test_weights_fingerprint_tracks_weights():
     m = torch.nn.Linear(4, 4)
     a = weights_fingerprint(m)
