@@ -270,7 +270,7 @@ class SpeculativeVideoPipeline:
         skip_first_draft, lazy_target_commit, score_emitted: see GenerationOptions.
         scheduler: cpp (native) | reference (the Python oracle; bitwise the same video).
         run_ahead: draft ahead while blocks are settled (cpp), at most run_ahead_blocks drafts ahead.
-        backend: eager | compile | tensorrt (None: the pipeline's)."""
+        backend: eager | compile | tensorrt | onnxruntime (None: the pipeline's)."""
         options = _options(locals())
         return self.run(prompt, options)
 

@@ -105,10 +105,12 @@ def test_cli_onnx_verify_and_cache(tmp_path):
     r = _cli("--preset", "tiny", "--format", "onnx", "--verify", "--stages", "target_dit,vae_decode",
              "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count("(ok, tolerance 1e-04)") == 2
+    assert r.stdout.count("(ok, tolerance 1e-04)") == 3  # the cached DiT stage checked at two sizes
     manifests = sorted(tmp_path.glob("*/manifest.json"))
-    assert [m.parent.name.split("-")[0] for m in manifests] == ["target_dit", "vae_decode"]
-    assert json.loads(manifests[0].read_text())["key"]["artifact"] == "onnx"
+    assert [m.parent.name.rsplit("-", 1)[0] for m in manifests] == ["target_dit_3f", "target_dit_3f_cached",
+                                                                     "vae_decode"]
+    m = json.loads(manifests[0].read_text())
+    assert m["key"]["artifact"] == "onnx" and m["rebuild_command"].startswith("python -m build_engines --preset tiny")
 
 
 def test_cli_bad_input():
