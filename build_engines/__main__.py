@@ -1,6 +1,7 @@
 """python -m build_engines --preset tiny --format onnx --verify --out engines/
 
-Builds the preset's pipeline (random weights), derives every stage signature on the meta device (`sdvg.engines.signatures`), exports each stage
+Loads the pipeline exactly as `sdvg generate` does (the same preset, checkpoint and device flags),
+derives every stage signature on the meta device (`sdvg.engines.signatures`), exports each stage
 to ONNX and, for --format tensorrt, builds it into an engine; every artifact goes into the engine
 cache under a key of its config, weights, shapes, precision and device."""
 from __future__ import annotations
@@ -27,13 +28,15 @@ def _positive(text: str) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    from sdvg.cli import add_model_args
+
     ap = argparse.ArgumentParser(prog="python -m build_engines", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--drafter-device", dest="device", default="cpu")
-    ap.add_argument("--target-device", default=None)
+    add_model_args(ap, engines=False)
+    ap.add_argument("--weights-seed", type=int, default=0,
+                    help="seed of a random-weight preset's weights (the API's from_preset(seed=...); default 0)")
     ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
-                    help="default: the preset's precision")
+                    help="default: the preset's precision (the API's torch_dtype)")
     ap.add_argument("--num-blocks", type=_positive, default=None,
                     help="longest video the cached DiT stages' profiles cover, in blocks (default: the preset's; "
                          "ONNX files take any length)")
@@ -48,13 +51,24 @@ def parser() -> argparse.ArgumentParser:
 
 
 def load_pipeline(args):
+    """The pipeline `sdvg generate` builds from the same flags: random weights for a random-weight
+    preset without checkpoint flags, real weights otherwise (the preset's published files, each
+    replaced by its flag when given)."""
     from sdvg.config import get_preset
     from sdvg.pipeline import SpeculativeVideoPipeline
 
     preset = get_preset(args.preset)
     if args.precision:
         preset = preset.replace(precision=args.precision)
-    return SpeculativeVideoPipeline.from_preset(preset, device=args.device, target_device=args.target_device)
+    paths = dict(drafter=args.drafter, target=args.target, vae=args.vae, text_encoder=args.text_encoder,
+                 reward=args.reward, reward_tokenizer=args.reward_tokenizer)
+    if preset.random_weights and not any(paths.values()):
+        return SpeculativeVideoPipeline.from_preset(preset, seed=args.weights_seed, device=args.device,
+                                                    target_device=args.target_device)
+    if args.weights_seed:
+        raise ValueError("--weights-seed sets random weights; it does not go with checkpoint flags")
+    return SpeculativeVideoPipeline.from_pretrained(preset, **paths, drafter_device=args.device,
+                                                    target_device=args.target_device)
 
 
 def main(argv=None) -> int:
@@ -78,7 +92,7 @@ def main(argv=None) -> int:
         import_tensorrt()  # fail before any heavy work, with the install hint
         cpu = [d for d in (args.device, args.target_device) if d is not None and not str(d).startswith("cuda")]
         if cpu:
-            print(f"error: TensorRT engines run on CUDA devices, not {', '.join(cpu)}; pass --drafter-device cuda:0 (and "
+            print(f"error: TensorRT engines run on CUDA devices, not {', '.join(cpu)}; pass --device cuda:0 (and "
                   "--target-device), or --format onnx for the onnxruntime backend", file=sys.stderr)
             return 2
     t0 = time.perf_counter()

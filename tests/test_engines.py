@@ -113,18 +113,33 @@ def test_cli_onnx_verify_and_cache(tmp_path):
     assert m["key"]["artifact"] == "onnx" and m["rebuild_command"].startswith("python -m build_engines --preset tiny")
 
 
-def test_cli_bad_input():
-    pytest.importorskip("onnx")
+def test_cli_bad_input(capsys):
+    from build_engines.__main__ import cli
+
+    def run(*argv):
+        code = cli(list(argv))
+        return code, capsys.readouterr().err
+
     try:
         import tensorrt  # noqa: F401
         have_trt = True
     except Exception:
         have_trt = False
     if not have_trt:
-        r = _cli("--preset", "tiny", "--format", "tensorrt")
-        assert r.returncode == 2 and "pip install 'sdvg[tensorrt]'" in r.stderr
-    r = _cli("--preset", "tiny", "--format", "onnx", "--drafter-device", "cuda:7")
-    assert r.returncode == 2 and "cuda:7" in r.stderr
+        code, err = run("--preset", "tiny", "--format", "tensorrt")
+        assert code == 2 and "pip install 'sdvg[tensorrt]'" in err
+    else:
+        code, err = run("--preset", "tiny", "--format", "tensorrt", "--device", "cpu")
+        assert code == 2 and "TensorRT engines run on CUDA devices" in err
+    for device_flag in ("--drafter-device", "--device", "--target-device"):  # generate's flags and the old one
+        code, err = run("--preset", "tiny", "--format", "onnx", device_flag, "cuda:7", "--out", "/nonexistent/x")
+        assert code == 2 and "cuda:7" in err, err
+        if not torch.cuda.is_available():
+            assert "use --device cpu" in err
+    code, err = run("--preset", "nope", "--format", "onnx")
+    assert code == 2 and "unknown preset 'nope'" in err
+    code, err = run("--preset", "tiny", "--format", "onnx", "--reward", "/no/such/ImageReward.pt")
+    assert code == 2 and "/no/such/ImageReward.pt" in err, err
 
 
 def test_tensorrt_backend_without_tensorrt_is_a_clear_error(tiny_pipe, tmp_path):
