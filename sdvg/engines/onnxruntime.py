@@ -102,4 +102,6 @@ class ORTStage:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the inputs are written on torch's stream
         self.session.run_with_iobinding(binding)
+        if self.device.type == "cuda":
+            binding.synchronize_outputs()  # the outputs are final before torch reads them
         return tuple(outs) if len(outs) > 1 else outs[0]
