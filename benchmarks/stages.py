@@ -39,13 +39,10 @@ def main(argv=None):
     comps = build_random(preset, drafter_device=args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    specs = [dit_stage(comps, "drafter"), dit_stage(comps, "target"), vae_stage(comps), reward_stage(comps)]
     # a realistic visibility: `context_blocks` committed blocks
-    fpb = preset.video.frames_per_block
-    for s in specs[:2]:
-        tpf = preset.video.tokens_per_frame(preset.vae, preset.target)
-        mask = torch.arange(s.inputs[6].shape[0], device=s.inputs[6].device) < args.context_blocks * fpb * tpf
-        s.inputs = s.inputs[:6] + (mask,) + s.inputs[7:]
+    visible = args.context_blocks * preset.video.frames_per_block
+    specs = [dit_stage(comps, "drafter", visible), dit_stage(comps, "target", visible), vae_stage(comps),
+             reward_stage(comps)]
     res = {"preset": preset.name, "device": args.device,
            "device_name": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "stages": {}}

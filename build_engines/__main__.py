@@ -1,4 +1,9 @@
-"""python -m build_engines --preset tiny --format onnx --verify --out engines/"""
+"""python -m build_engines --preset tiny --format onnx --verify --out engines/
+
+Loads the pipeline exactly as `sdvg generate` does (the same preset, checkpoint and device flags),
+derives every stage signature on the meta device (`sdvg.engines.signatures`), exports each stage
+to ONNX and, for --format tensorrt, builds it into an engine; every artifact goes into the engine
+cache under a key of its config, weights, shapes, precision and device."""
 from __future__ import annotations
 
 import argparse
@@ -8,32 +13,69 @@ import time
 from pathlib import Path
 
 
-from build_engines.export import VERIFY_TOLERANCE, export_onnx, verify_onnx
-from build_engines.trt import build_engine
-from sdvg.engines.cache import EngineCache
-from sdvg.engines.signatures import STAGE_NAMES, all_stages, stage_key
-from sdvg.engines.tensorrt import import_tensorrt
-
-
 def rebuild_command(argv: list[str]) -> str:
     return "python -m build_engines " + " ".join(shlex.quote(a) for a in argv)
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog="python -m build_engines", description=__doc__)
-    ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--drafter-device", default="cpu")
-    ap.add_argument("--target-device", default=None)
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
+    return v
+
+
+def parser() -> argparse.ArgumentParser:
+    from sdvg.cli import add_model_args
+
+    ap = argparse.ArgumentParser(prog="python -m build_engines", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap, engines=False)
+    ap.add_argument("--weights-seed", type=int, default=0,
+                    help="seed of a random-weight preset's weights (the API's from_preset(seed=...); default 0)")
     ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
-                    help="default: the preset's precision")
-    ap.add_argument("--num-blocks", type=int, default=None, help="KV capacity in blocks (default: the preset's)")
+                    help="default: the preset's precision (the API's torch_dtype)")
+    ap.add_argument("--num-blocks", type=_positive, default=None,
+                    help="longest video the cached DiT stages' profiles cover, in blocks (default: the preset's; "
+                         "ONNX files take any length)")
+    ap.add_argument("--kv-cache-frames", type=_positive, default=None,
+                    help="recompute context length the context-forward stages are built for (default: the preset's)")
     ap.add_argument("--format", choices=("onnx", "tensorrt"), default="tensorrt")
     ap.add_argument("--verify", action="store_true", help="run every exported stage in onnxruntime against eager")
     ap.add_argument("--timing-cache", type=Path, default=None)
     ap.add_argument("--stages", default="all", help="comma list of drafter_dit,target_dit,vae_decode,reward")
     ap.add_argument("--out", type=Path, default=Path("engines"))
-    args = ap.parse_args(argv)
+    return ap
+
+
+def load_pipeline(args):
+    """The pipeline `sdvg generate` builds from the same flags: random weights for a random-weight
+    preset without checkpoint flags, real weights otherwise (the preset's published files, each
+    replaced by its flag when given)."""
+    from sdvg.config import get_preset
+    from sdvg.pipeline import SpeculativeVideoPipeline
+
+    preset = get_preset(args.preset)
+    if args.precision:
+        preset = preset.replace(precision=args.precision)
+    paths = dict(drafter=args.drafter, target=args.target, vae=args.vae, text_encoder=args.text_encoder,
+                 reward=args.reward, reward_tokenizer=args.reward_tokenizer)
+    if preset.random_weights and not any(paths.values()):
+        return SpeculativeVideoPipeline.from_preset(preset, seed=args.weights_seed, device=args.device,
+                                                    target_device=args.target_device)
+    if args.weights_seed:
+        raise ValueError("--weights-seed sets random weights; it does not go with checkpoint flags")
+    return SpeculativeVideoPipeline.from_pretrained(preset, **paths, drafter_device=args.device,
+                                                    target_device=args.target_device)
+
+
+def main(argv=None) -> int:
+    from sdvg.engines.signatures import STAGE_NAMES
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
     wanted = set(STAGE_NAMES) if args.stages == "all" else {w.strip() for w in args.stages.split(",") if w.strip()}
     unknown = sorted(wanted - set(STAGE_NAMES))
     if unknown or not wanted:  # checked before anything is built
@@ -41,49 +83,62 @@ def main(argv=None) -> int:
               f"{', '.join(STAGE_NAMES)} (or all)", file=sys.stderr)
         return 2
 
-    from sdvg.config import get_preset
-    from sdvg.models.components import build_random
+    from build_engines.export import VERIFY_TOLERANCE, export_onnx, verify_onnx
+    from sdvg.engines.cache import EngineCache
+    from sdvg.engines.signatures import component_signatures, stage_key, stage_spec
+    from sdvg.engines.tensorrt import import_tensorrt
 
     if args.format == "tensorrt":
         import_tensorrt()  # fail before any heavy work, with the install hint
-    preset = get_preset(args.preset)
-    if args.precision:
-        preset = preset.replace(precision=args.precision)
-    comps = build_random(preset, drafter_device=args.drafter_device, target_device=args.target_device)
-    stages = all_stages(comps, args.num_blocks)
-    if args.stages != "all":
-        stages = [s for s in stages if s.name in wanted]
+        cpu = [d for d in (args.device, args.target_device) if d is not None and not str(d).startswith("cuda")]
+        if cpu:
+            print(f"error: TensorRT engines run on CUDA devices, not {', '.join(cpu)}; pass --device cuda:0 (and "
+                  "--target-device), or --format onnx for the onnxruntime backend", file=sys.stderr)
+            return 2
+    t0 = time.perf_counter()
+    comps = load_pipeline(args).components
+    print(f"loaded preset {args.preset!r} ({comps.preset.precision}) in {time.perf_counter() - t0:.1f} s", flush=True)
+    sigs = component_signatures(comps, args.num_blocks, args.kv_cache_frames,
+                                families=tuple(f for f in STAGE_NAMES if f in wanted))
+    missing = sorted(wanted - {s.family for s in sigs})
+    if missing and args.stages != "all":
+        print(f"error: the pipeline has no {', '.join(missing)} (no model loaded for it)", file=sys.stderr)
+        return 2
     cache = EngineCache(args.out)
-    tol = VERIFY_TOLERANCE[preset.precision]
+    tol = VERIFY_TOLERANCE[comps.preset.precision]
     failed = []
-    for st in stages:
+    for sig in sigs:
         t0 = time.perf_counter()
-        onnx_path = args.out / "onnx" / f"{st.name}.onnx"
-        export_onnx(st, onnx_path)
-        msg = f"{st.name}: exported in {time.perf_counter() - t0:.1f} s"
+        spec = stage_spec(comps, sig)
+        onnx_path = export_onnx(spec, args.out / "onnx" / sig.name / "model.onnx")
+        msg = f"{sig.name}: exported in {time.perf_counter() - t0:.1f} s"
         if args.verify:
-            err = verify_onnx(st, onnx_path)
+            err = verify_onnx(spec, onnx_path)
             ok = err <= tol
             msg += f"; onnxruntime vs eager max error {err:.2e} ({'ok' if ok else 'FAIL'}, tolerance {tol:.0e})"
             if not ok:
-                failed.append(st.name)
+                failed.append(sig.name)
         if args.format == "tensorrt":
-            plan = build_engine(onnx_path, onnx_path.with_suffix(".plan"), args.timing_cache)
-            dest = cache.store(stage_key(st, preset.precision, "tensorrt"), plan, rebuild_command(argv))
+            from build_engines.trt import build_engine
+
+            plan = build_engine(onnx_path, onnx_path.with_suffix(".plan"), sig, args.timing_cache)
+            dest = cache.store(stage_key(sig, comps, "tensorrt"), plan, rebuild_command(argv))
             msg += f"; engine {dest}"
         else:
-            dest = cache.store(stage_key(st, preset.precision, "onnx"), onnx_path, rebuild_command(argv))
+            dest = cache.store(stage_key(sig, comps, "onnx"), onnx_path, rebuild_command(argv))
             msg += f"; {dest}"
-        print(msg)
+        print(msg, flush=True)
     if failed:
         print(f"verification failed for: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
 
 
-def cli() -> int:
+def cli(argv=None) -> int:
+    """`main` with errors as one line on stderr and exit status 2 (bad input: an unknown preset, a
+    missing checkpoint, a device that does not exist, TensorRT not installed)."""
     try:
-        return main()
+        return main(argv)
     except (RuntimeError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,7 +1,9 @@
 """TensorRT 11 engine build (optional extra: `pip install 'sdvg[tensorrt]'`).
 
 Networks are strongly typed (TensorRT 11 has no FP16/INT8 builder flags): the precision of an
-engine is the precision of the exported graph. The runtime lives in `sdvg.engines.tensorrt`.
+engine is the precision of the exported graph. A stage with dynamic dimensions (a cached DiT
+stage's visible and cache tokens) gets one optimisation profile over their bounds. The runtime
+lives in `sdvg.engines.tensorrt`.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 from sdvg.engines.tensorrt import import_tensorrt
 
 
-def build_engine(onnx_path: Path, plan_path: Path, timing_cache: Path | None = None,
+def build_engine(onnx_path: Path, plan_path: Path, signature=None, timing_cache: Path | None = None,
                  workspace_gib: float = 8.0) -> Path:
     trt = import_tensorrt()
     logger = trt.Logger(trt.Logger.WARNING)
@@ -22,6 +24,14 @@ def build_engine(onnx_path: Path, plan_path: Path, timing_cache: Path | None = N
         raise RuntimeError(f"TensorRT cannot parse {onnx_path}: {errors}")
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * 2**30))
+    if signature is not None and signature.dynamic:
+        profile = builder.create_optimization_profile()
+        graph_inputs = {network.get_input(i).name for i in range(network.num_inputs)}
+        bounds = [signature.sizes(w) for w in ("min", "opt", "max")]
+        for t in signature.inputs:
+            if t.name in graph_inputs and any(isinstance(d, str) for d in t.shape):
+                profile.set_shape(t.name, *(t.dims(b) for b in bounds))
+        config.add_optimization_profile(profile)
     cache = None
     if timing_cache is not None:
         blob = timing_cache.read_bytes() if timing_cache.is_file() else b""

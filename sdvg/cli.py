@@ -71,6 +71,13 @@ def read_prompts(path: str | Path) -> list[str]:
 
 def add_generation_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
     """Model and placement flags, then one flag per generation option (minus `exclude`)."""
+    add_model_args(p)
+    add_option_flags(p, exclude=exclude)
+
+
+def add_model_args(p: argparse.ArgumentParser, engines: bool = True) -> None:
+    """The preset, checkpoint and device flags (`python -m build_engines` takes the same ones, so an
+    engine folder is built from the weights `generate` loads)."""
     random = sorted(k for k, v in PRESETS.items() if v.random_weights)
     real = sorted(k for k, v in PRESETS.items() if not v.random_weights)
     p.add_argument("--preset", default="tiny", help=f"random weights: {', '.join(random)}; real weights (from the "
@@ -82,11 +89,12 @@ def add_generation_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = (
     p.add_argument("--reward", help="ImageReward.pt" + where)
     p.add_argument("--reward-tokenizer", help="bert-base-uncased tokenizer folder" + where)
     p.add_argument("--text-encoder", help="umT5 encoder folder or a diffusers Wan folder" + where)
-    p.add_argument("--engines", help="engine folder built by `python -m build_engines` (backend tensorrt)")
+    if engines:
+        p.add_argument("--engines", help="engine folder built by `python -m build_engines` from the same preset and "
+                                         "checkpoint flags (backend tensorrt; backend onnxruntime with --format onnx)")
     p.add_argument("--device", "--drafter-device", dest="device", default="cpu",
                    help="drafter, VAE and reward device")
     p.add_argument("--target-device", default=None, help="target device (default: --device)")
-    add_option_flags(p, exclude=exclude)
 
 
 def build_pipeline(args):

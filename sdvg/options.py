@@ -28,7 +28,7 @@ ROUTERS: tuple[str, ...] = ("reward", "random", "pattern")
 AGGREGATIONS: tuple[str, ...] = ("min", "mean", "trimmed_mean", "quantile")
 DRAFTER_CONTEXTS: tuple[str, ...] = ("own", "committed")
 SCHEDULERS: tuple[str, ...] = ("cpp", "reference")
-BACKENDS: tuple[str, ...] = ("eager", "compile", "tensorrt")
+BACKENDS: tuple[str, ...] = ("eager", "compile", "tensorrt", "onnxruntime")
 
 SEED_MAX = 2**63 - 1
 
@@ -89,8 +89,9 @@ class GenerationOptions:
                                   "and committed (scheduler cpp; same output)")
     run_ahead_blocks: int = _opt(2, "run-ahead: drafts the drafter may hold ahead of the block being decided "
                                     "(a bounded queue; the committed context allows one)", metavar="N")
-    backend: str | None = _opt(None, "how stages run: eager, compile (torch.compile'd static stages) or "
-                                     "tensorrt (engines; needs --engines); default: the pipeline's", BACKENDS)
+    backend: str | None = _opt(None, "how stages run: eager, compile (torch.compile'd static stages), tensorrt "
+                                     "(engines; needs --engines) or onnxruntime (the ONNX files of build_engines "
+                                     "--format onnx; needs --engines); default: the pipeline's", BACKENDS)
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (normalised values)

@@ -131,13 +131,15 @@ class SpeculativeVideoPipeline:
         self.default_backend = backend
         self.engines = engines
         self.sources = dict(sources or {})  # component -> checkpoint fingerprint (or random:preset:seed)
+        self.build_flags: list[str] = []  # the `python -m build_engines` flags that load these weights
 
     def runners(self, backend: str | None = None):
         from sdvg.generation.backends import StageRunners
 
         backend = backend or self.default_backend
         if backend not in self._runners:
-            self._runners[backend] = StageRunners(self.components, backend, self.engines)
+            self._runners[backend] = StageRunners(self.components, backend, self.engines,
+                                                   build_flags=self.build_flags)
         return self._runners[backend]
 
     @classmethod
@@ -153,8 +155,10 @@ class SpeculativeVideoPipeline:
             preset = dataclasses.replace(preset, **preset_changes)
         preset.validate()
         sources = {role: random_fingerprint(preset.name, seed) for role in COMPONENT_ROLES}
-        return cls(build_random(preset, seed=seed, drafter_device=device, target_device=target_device), backend,
+        pipe = cls(build_random(preset, seed=seed, drafter_device=device, target_device=target_device), backend,
                    engines, sources)
+        pipe.build_flags = ["--weights-seed", str(seed)] if seed else []
+        return pipe
 
     @classmethod
     def from_pretrained(cls, preset: str | Preset = "wan2.1", *, drafter=None, target=None, vae=None, reward=None,
@@ -178,9 +182,12 @@ class SpeculativeVideoPipeline:
                              "or hub repos), or use from_preset() for random weights")
         sources = {role: file_fingerprint(path) for role, path in paths.items()
                    if path is not None and role != "reward_tokenizer"}
-        return cls(load_pretrained(preset, paths["drafter"], paths["target"], paths["vae"], paths["reward"],
+        pipe = cls(load_pretrained(preset, paths["drafter"], paths["target"], paths["vae"], paths["reward"],
                                    paths["text_encoder"], paths["reward_tokenizer"], drafter_device, target_device),
                    backend, engines, sources)
+        pipe.build_flags = [a for role, path in paths.items() if path is not None
+                            for a in (f"--{role.replace('_', '-')}", str(path))]
+        return pipe
 
     # ------------------------------------------------------------------ placement
     def to(self, device) -> "SpeculativeVideoPipeline":
@@ -270,7 +277,7 @@ class SpeculativeVideoPipeline:
         skip_first_draft, lazy_target_commit, score_emitted: see GenerationOptions.
         scheduler: cpp (native) | reference (the Python oracle; bitwise the same video).
         run_ahead: draft ahead while blocks are settled (cpp), at most run_ahead_blocks drafts ahead.
-        backend: eager | compile | tensorrt (None: the pipeline's)."""
+        backend: eager | compile | tensorrt | onnxruntime (None: the pipeline's)."""
         options = _options(locals())
         return self.run(prompt, options)
 

@@ -66,6 +66,28 @@ def test_missing_engine_names_the_build_command(tmp_path):
         EngineCache(tmp_path).load(_key(stage="vae_decode"), CMD)
 
 
+def test_onnx_external_weights_are_stored_and_checked(tmp_path):
+    """An ONNX file past 2 GB keeps its weights in `model.onnx.data`: it moves into the entry with the
+    model and is checked by size and SHA-256 like it; a manifest may name no other data file."""
+    key = _key(artifact="onnx", trt_version="none")
+    c = EngineCache(tmp_path / "engines")
+    art = tmp_path / "work" / "model.onnx"
+    art.parent.mkdir()
+    art.write_bytes(b"graph")
+    (tmp_path / "work" / "model.onnx.data").write_bytes(b"weights" * 100)
+    path = c.store(key, art, CMD)
+    data = path.parent / "model.onnx.data"
+    assert c.load(key, CMD) == path and data.is_file() and not art.with_name("model.onnx.data").exists()
+    data.write_bytes(b"weights" * 99 + b"WEIGHTS")
+    with pytest.raises(CorruptEngineError, match="model.onnx.data does not match its SHA-256"):
+        c.load(key, CMD)
+    m = json.loads((path.parent / "manifest.json").read_text())
+    m["data_file"]["file"] = "../../secret"
+    (path.parent / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(CorruptEngineError, match="may only be model.onnx.data"):
+        c.load(key, CMD)
+
+
 def test_weights_fingerprint_tracks_weights():
     m = torch.nn.Linear(4, 4)
     a = weights_fingerprint(m)
@@ -83,24 +105,41 @@ def test_cli_onnx_verify_and_cache(tmp_path):
     r = _cli("--preset", "tiny", "--format", "onnx", "--verify", "--stages", "target_dit,vae_decode",
              "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count("(ok, tolerance 1e-04)") == 2
+    assert r.stdout.count("(ok, tolerance 1e-04)") == 3  # the cached DiT stage checked at two sizes
     manifests = sorted(tmp_path.glob("*/manifest.json"))
-    assert [m.parent.name.split("-")[0] for m in manifests] == ["target_dit", "vae_decode"]
-    assert json.loads(manifests[0].read_text())["key"]["artifact"] == "onnx"
+    assert [m.parent.name.rsplit("-", 1)[0] for m in manifests] == ["target_dit_3f", "target_dit_3f_cached",
+                                                                     "vae_decode"]
+    m = json.loads(manifests[0].read_text())
+    assert m["key"]["artifact"] == "onnx" and m["rebuild_command"].startswith("python -m build_engines --preset tiny")
 
 
-def test_cli_bad_input():
-    pytest.importorskip("onnx")
+def test_cli_bad_input(capsys):
+    from build_engines.__main__ import cli
+
+    def run(*argv):
+        code = cli(list(argv))
+        return code, capsys.readouterr().err
+
     try:
         import tensorrt  # noqa: F401
         have_trt = True
     except Exception:
         have_trt = False
     if not have_trt:
-        r = _cli("--preset", "tiny", "--format", "tensorrt")
-        assert r.returncode == 2 and "pip install 'sdvg[tensorrt]'" in r.stderr
-    r = _cli("--preset", "tiny", "--format", "onnx", "--drafter-device", "cuda:7")
-    assert r.returncode == 2 and "cuda:7" in r.stderr
+        code, err = run("--preset", "tiny", "--format", "tensorrt")
+        assert code == 2 and "pip install 'sdvg[tensorrt]'" in err
+    else:
+        code, err = run("--preset", "tiny", "--format", "tensorrt", "--device", "cpu")
+        assert code == 2 and "TensorRT engines run on CUDA devices" in err
+    for device_flag in ("--drafter-device", "--device", "--target-device"):  # generate's flags and the old one
+        code, err = run("--preset", "tiny", "--format", "onnx", device_flag, "cuda:7", "--out", "/nonexistent/x")
+        assert code == 2 and "cuda:7" in err, err
+        if not torch.cuda.is_available():
+            assert "use --device cpu" in err
+    code, err = run("--preset", "nope", "--format", "onnx")
+    assert code == 2 and "unknown preset 'nope'" in err
+    code, err = run("--preset", "tiny", "--format", "onnx", "--reward", "/no/such/ImageReward.pt")
+    assert code == 2 and "/no/such/ImageReward.pt" in err, err
 
 
 def test_tensorrt_backend_without_tensorrt_is_a_clear_error(tiny_pipe, tmp_path):

@@ -49,3 +49,59 @@ def test_real_size_streaming_vae_decode_on_meta():
         frames.append(out.shape[2])
         assert out.shape[-2:] == (PRESET.video.height, PRESET.video.width)
     assert frames == [1 + 4 * (fpb - 1), 4 * fpb, 4 * fpb]  # 9, then 12 per block
+
+
+# ------------------------------------------------------------------ engine stage signatures
+REAL_STAGES = {  # name: (largest tensor at the profiles' upper bounds, its name)
+    "drafter_dit_3f": (215_654_400, "new_k"),  # [30, 1, 12, 4680, 128]
+    "drafter_dit_3f_cached": (215_654_400, "new_k"),  # kv_l [2, 1, 12, <=42120, 128]: 129 M
+    "target_dit_3f": (958_464_000, "new_k"),  # [40, 1, 40, 4680, 128]
+    "target_dit_3f_cached": (958_464_000, "new_k"),  # kv_l [2, 1, 40, <=42120, 128]: 431 M
+    "vae_decode": (76_677_120, "cache_in_25"),  # [1, 96, 2, 480, 832] (and its cache_out)
+    "reward_9f": (1_354_752, "images"),
+    "reward_12f": (1_806_336, "images"),
+}
+
+
+def test_real_size_stage_signatures_on_meta():
+    """Every engine stage of the real-size preset (both context modes, the preset's 9 blocks), from the
+    configs on the meta device in well under a second: no tensor reaches 2^31 elements, the cache goes
+    in one layer at a time and is read over the visible tokens only."""
+    import time
+
+    from diffusers import AutoencoderKLWan  # noqa: F401  (imported before the clock: an import is no derivation)
+
+    from sdvg.engines.signatures import (CACHE_TOKENS, MAX_ELEMENTS, VISIBLE_TOKENS, preset_signatures,
+                                         vae_cache_structure)
+
+    vae_cache_structure.cache_clear()
+    t0 = time.perf_counter()
+    sigs = preset_signatures(PRESET)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 1.0, elapsed
+    by_name = {s.name: s for s in sigs}
+    assert list(by_name) == list(REAL_STAGES)
+    table = []
+    for s in sigs:
+        top = s.sizes("max")
+        biggest = max(s.inputs + s.outputs, key=lambda t: t.numel(top))
+        assert (biggest.numel(top), biggest.name) == REAL_STAGES[s.name], (s.name, biggest)
+        assert s.max_elements() <= MAX_ELEMENTS
+        for t in s.inputs:
+            table.append((s.name, t.name, t.shape, t.dtype, t.nbytes(top)))
+    tgt = by_name["target_dit_3f_cached"]
+    assert dict((d, (lo, hi)) for d, lo, _, hi in tgt.dynamic) == {
+        VISIBLE_TOKENS: (1560, 24 * 1560),  # 1 to 24 visible frames: the 9th block of a full context
+        CACHE_TOKENS: (1560, 27 * 1560),  # up to the 27-frame full cache (a recompute cache holds 6)
+    }
+    kv = [t for t in tgt.inputs if t.name.startswith("kv_")]
+    assert len(kv) == 40 and kv[0].shape == (2, 1, 40, CACHE_TOKENS, 128) and kv[0].dtype == "bfloat16"
+    assert kv[0].nbytes(tgt.sizes("max")) == 2 * 40 * 42120 * 128 * 2  # one layer's K and V: 0.86 GB
+    whole_cache = 40 * 2 * 40 * 42120 * 128  # what the old stage took as one input: 8.6e9 elements
+    assert whole_cache > MAX_ELEMENTS and all(t.numel(tgt.sizes("max")) < whole_cache / 20 for t in tgt.inputs)
+    assert [t.name for t in by_name["target_dit_3f"].inputs] == ["latents", "t_freq", "text_k", "text_v", "cos",
+                                                                 "sin"]
+    assert by_name["reward_9f"].inputs[0].shape == (9, 3, 224, 224)
+    inputs = {name: sum(1 for row in table if row[0] == name) for name in by_name}
+    assert inputs == {"drafter_dit_3f": 6, "drafter_dit_3f_cached": 6 + 1 + 30, "target_dit_3f": 6,
+                      "target_dit_3f_cached": 6 + 1 + 40, "vae_decode": 1 + 32, "reward_9f": 3, "reward_12f": 3}

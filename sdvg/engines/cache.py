@@ -18,6 +18,7 @@ from pathlib import Path
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
+DATA_FILE = "model.onnx.data"  # the external weights of an ONNX file past 2 GB
 
 
 class EngineCacheError(RuntimeError):
@@ -103,17 +104,25 @@ class EngineCache:
         return self.root / f"{key.stage}-{key.digest()[:16]}"
 
     def store(self, key: EngineKey, artifact: Path, rebuild_command: str) -> Path:
-        """Move a built artifact into the cache and write its manifest (atomically)."""
+        """Move a built artifact into the cache and write its manifest (atomically). An ONNX file's
+        external weights (`<artifact>.data`, written for models past 2 GB) move with it."""
         d = self.entry_dir(key)
         d.mkdir(parents=True, exist_ok=True)
         name = "engine.plan" if key.artifact == "tensorrt" else "model.onnx"
         dest = d / name
+        data = Path(str(artifact) + ".data")
         if Path(artifact).resolve() != dest.resolve():
             os.replace(artifact, dest)
         manifest = {"manifest_version": MANIFEST_VERSION, "key": key.as_json(), "digest": key.digest(),
                     "file": name, "size": dest.stat().st_size, "sha256": _sha256(dest),
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "rebuild_command": rebuild_command}
+        if key.artifact == "onnx" and data.is_file():
+            data_dest = d / DATA_FILE
+            if data.resolve() != data_dest.resolve():
+                os.replace(data, data_dest)
+            manifest["data_file"] = {"file": DATA_FILE, "size": data_dest.stat().st_size,
+                                     "sha256": _sha256(data_dest)}
         tmp = d / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps(manifest, indent=2))
         os.replace(tmp, d / MANIFEST)
@@ -151,16 +160,27 @@ class EngineCache:
                                      f"name engine.plan or model.onnx inside its own entry; delete {d} and rebuild "
                                      f"with: {rebuild_command}")
         path = d / name
+        self._check_file(d, path, m["size"], m["sha256"], rebuild_command)
+        data = m.get("data_file")
+        if data is not None:
+            if not isinstance(data, dict) or data.get("file") != DATA_FILE:
+                raise CorruptEngineError(f"engine manifest {d / MANIFEST} names the data file {data!r}; it may only "
+                                         f"be {DATA_FILE} inside its own entry; delete {d} and rebuild with: "
+                                         f"{rebuild_command}")
+            self._check_file(d, d / DATA_FILE, data.get("size"), data.get("sha256"), rebuild_command)
+        return path
+
+    @staticmethod
+    def _check_file(d: Path, path: Path, size_want, sha_want, rebuild_command: str) -> None:
         if path.is_symlink() or path.resolve().parent != d.resolve():
             raise CorruptEngineError(f"engine file {path} leads outside its entry {d}; delete {d} and rebuild with: "
                                      f"{rebuild_command}")
         if not path.is_file():
             raise CorruptEngineError(f"engine file {path} is missing; rebuild with: {rebuild_command}")
         size = path.stat().st_size
-        if size != m["size"]:
-            raise CorruptEngineError(f"engine file {path} is {size} bytes, the manifest says {m['size']} (truncated "
+        if size != size_want:
+            raise CorruptEngineError(f"engine file {path} is {size} bytes, the manifest says {size_want} (truncated "
                                      f"or overwritten); rebuild with: {rebuild_command}")
-        if _sha256(path) != m["sha256"]:
+        if _sha256(path) != sha_want:
             raise CorruptEngineError(f"engine file {path} does not match its SHA-256; rebuild with: "
                                      f"{rebuild_command}")
-        return path

@@ -1,120 +1,394 @@
-"""Stage signatures: each static stage of a pipeline (module, example inputs, input/output names,
-device, what its engine depends on) and the engine-cache key derived from it."""
+"""Stage signatures: every static stage of a pipeline (name, input and output names, shapes and
+dtypes, the bounds of its dynamic dimensions), derived from the configs alone on the meta device
+(nothing is allocated: the real-size set takes a fraction of a second), and the engine-cache key.
+
+The stages of a pipeline (`preset_signatures` / `component_signatures`):
+
+* `<role>_dit_<F>f` — a DiT forward of F new frames with no cached frame visible: block 0, or a
+  recompute context forward (F = its context length, block-causal among its frames).
+* `<role>_dit_<F>f_cached` — a DiT forward of F new frames over the visible cached frames. Two
+  dynamic dimensions: `visible_tokens` (the visible cached tokens, a multiple of the tokens per
+  frame) and `cache_tokens` (the capacity of the cache buffers, whatever the number of blocks or
+  the context mode). One stage serves every block of a full context and every denoising step of a
+  recompute context.
+* `vae_decode` — one steady-state latent frame through the VAE decoder.
+* `reward_<N>f` — ImageReward over the N frames of a block (block 0 has fewer frames).
+
+The families `drafter_dit`, `target_dit`, `vae_decode` and `reward` (`STAGE_NAMES`) name what
+`python -m build_engines --stages` selects.
+"""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
 
 from sdvg._native import _C
-from sdvg.config import config_hash
+from sdvg.config import Preset, RoleContext, config_hash, torch_dtype
 from sdvg.engines.cache import EngineKey, weights_fingerprint
-from sdvg.models.kv_cache import KVCacheSpec
-from sdvg.models.components import Components
 from sdvg.engines.stages import DiTStep, RewardStep, VAEDecodeStep
+from sdvg.models.kv_cache import KVCacheSpec
 
-STAGE_NAMES: tuple[str, ...] = ("drafter_dit", "target_dit", "vae_decode", "reward")  # every stage an engine may hold
+STAGE_NAMES: tuple[str, ...] = ("drafter_dit", "target_dit", "vae_decode", "reward")  # the families --stages selects
+VISIBLE_TOKENS, CACHE_TOKENS = "visible_tokens", "cache_tokens"  # the dynamic dimensions of a cached DiT stage
+MAX_ELEMENTS = 2**31 - 1  # what one engine tensor may hold (TensorRT's int32 volume)
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@dataclass(frozen=True)
+class TensorSig:
+    name: str
+    shape: tuple  # ints, or the name of a dynamic dimension
+    dtype: str  # "float32", "bfloat16", "int64", ...
+
+    def dims(self, sizes: dict[str, int]) -> tuple[int, ...]:
+        return tuple(sizes[d] if isinstance(d, str) else d for d in self.shape)
+
+    def numel(self, sizes: dict[str, int]) -> int:
+        return math.prod(self.dims(sizes))
+
+    def nbytes(self, sizes: dict[str, int]) -> int:
+        return self.numel(sizes) * torch.empty((), dtype=getattr(torch, self.dtype), device="meta").element_size()
+
+
+@dataclass(frozen=True)
+class StageSignature:
+    name: str  # e.g. target_dit_3f_cached
+    family: str  # drafter_dit | target_dit | vae_decode | reward
+    inputs: tuple[TensorSig, ...]
+    outputs: tuple[TensorSig, ...]
+    dynamic: tuple = ()  # ((dimension, min, opt, max), ...)
+    frames: int = 0  # DiT: new latent frames; reward: frames scored
+    cached: bool = False  # DiT: visible cached frames come in
+
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.outputs]
+
+    def sizes(self, which: str = "opt") -> dict[str, int]:
+        """A value for every dynamic dimension: its min, opt or max bound."""
+        col = {"min": 1, "opt": 2, "max": 3}[which]
+        return {d[0]: d[col] for d in self.dynamic}
+
+    def shapes(self) -> tuple:
+        """((input name, dims, dtype), ...): what an engine key records (dynamic dimensions by name)."""
+        return tuple((t.name, tuple(t.shape), t.dtype) for t in self.inputs)
+
+    def max_elements(self) -> int:
+        """The largest tensor (input or output) at the dynamic dimensions' upper bounds."""
+        top = self.sizes("max")
+        return max(t.numel(top) for t in self.inputs + self.outputs)
+
+    def example_inputs(self, device="meta", seed: int = 0, which: str = "opt") -> tuple[torch.Tensor, ...]:
+        """Inputs of this signature at the `which` bounds: random values (a valid token index for
+        `cache_index`), or empty tensors on the meta device."""
+        sizes = self.sizes(which)
+        g = torch.Generator().manual_seed(seed)
+        out = []
+        for t in self.inputs:
+            dims, dtype = t.dims(sizes), getattr(torch, t.dtype)
+            if torch.device(device).type == "meta":
+                out.append(torch.empty(dims, dtype=dtype, device="meta"))
+            elif t.name == "cache_index":
+                out.append(torch.arange(dims[0], dtype=dtype).to(device))
+            elif dtype.is_floating_point:
+                out.append(torch.randn(dims, generator=g).to(device, dtype))
+            else:
+                out.append(torch.ones(dims, dtype=dtype, device=device))
+        return tuple(out)
+
+    def dynamic_shapes(self):
+        """`dynamic_shapes` for torch.export / torch.onnx.export of the stage module's forward."""
+        if not self.dynamic:
+            return None
+        dims = {name: torch.export.Dim(name, min=lo, max=hi) for name, lo, _, hi in self.dynamic}
+        specs = [{i: dims[d] for i, d in enumerate(t.shape) if isinstance(d, str)} or None for t in self.inputs]
+        if self.family.endswith("_dit"):  # forward(latents, t_freq, text_k, text_v, cos, sin, *cache)
+            return tuple(specs[:6]) + (tuple(specs[6:]),)
+        return tuple(specs)
+
+
+# ---------------------------------------------------------------------------------------- DiT
+def dit_stage_name(role: str, frames: int, cached: bool) -> str:
+    return f"{role}_dit_{frames}f" + ("_cached" if cached else "")
+
+
+@dataclass(frozen=True)
+class ContextBounds:
+    """What a role's stages must cover for `num_blocks` blocks under both context modes."""
+
+    frames: tuple[int, ...]  # new-frame counts of the uncached forwards (block 0, context forwards)
+    max_visible_frames: int  # most committed frames a forward sees
+    max_cache_frames: int  # most slots a cache holds
+
+
+def context_bounds(preset: Preset, role: str, num_blocks: int | None = None,
+                   kv_cache_frames: int | None = None, modes=("full", "recompute")) -> ContextBounds:
+    """Replays the slot table of each context mode (no tensors): the visible committed frames before
+    every block of a full context (with the preset's window), and the context lengths of a
+    recompute context (`min(kv_cache_frames, committed frames)`)."""
+    dit = getattr(preset, role)
+    fpb = preset.video.frames_per_block
+    n = num_blocks or preset.video.num_blocks
+    kv = kv_cache_frames or preset.kv_cache_frames
+    frames, visible, capacity = {fpb}, 0, 0
+    if "full" in modes:
+        spec = KVCacheSpec.for_context(preset, dit, RoleContext("full", kv, window=preset.kv_window), n)
+        table = _C.FrameSlotTable(spec.layout())
+        capacity = max(capacity, table.num_slots)
+        for _ in range(n):
+            table.write(fpb)
+            visible = max(visible, len(table.visible_frames()) - fpb)
+            table.commit()
+    if "recompute" in modes:
+        spec = KVCacheSpec.for_context(preset, dit, RoleContext("recompute", kv), n)
+        capacity = max(capacity, _C.FrameSlotTable(spec.layout()).num_slots)
+        lengths = {min(kv, b * fpb) for b in range(1, n)}
+        frames |= lengths
+        visible = max([visible, *lengths])
+    return ContextBounds(tuple(sorted(frames)), visible, capacity)
+
+
+def dit_signature(preset: Preset, role: str, frames: int, cached: bool, dtype=None,
+                  bounds: ContextBounds | None = None) -> StageSignature:
+    """One DiT stage of `role` (see the module docstring); `bounds` set the dynamic dimensions'
+    ranges (default: the preset's blocks under both context modes)."""
+    cfg = getattr(preset, role)
+    dt = _dtype_name(dtype or torch_dtype(preset.precision))
+    lh, lw = preset.video.latent_hw(preset.vae)
+    tpf = preset.video.tokens_per_frame(preset.vae, cfg)
+    L, H, D = cfg.num_layers, cfg.num_heads, cfg.head_dim
+    S = frames * tpf
+    inputs = [TensorSig("latents", (1, cfg.in_channels, frames, lh, lw), dt),
+              TensorSig("t_freq", (1, frames, cfg.freq_dim), "float32"),
+              TensorSig("text_k", (L, 1, H, cfg.text_len, D), dt),
+              TensorSig("text_v", (L, 1, H, cfg.text_len, D), dt),
+              TensorSig("cos", (S, D // 2), "float32"),
+              TensorSig("sin", (S, D // 2), "float32")]
+    dynamic = ()
+    if cached:
+        b = bounds or context_bounds(preset, role)
+        if b.max_visible_frames < 1:
+            raise ValueError(f"{role}: no forward sees a cached frame with these bounds ({b}); a one-block video "
+                             "needs no cached stage")
+        lo = max(2, tpf)  # torch.export specialises sizes 0 and 1
+        vis_max = max(lo, b.max_visible_frames * tpf)
+        cap_max = max(vis_max, b.max_cache_frames * tpf)
+        dynamic = ((VISIBLE_TOKENS, lo, vis_max, vis_max), (CACHE_TOKENS, lo, cap_max, cap_max))
+        inputs.append(TensorSig("cache_index", (VISIBLE_TOKENS,), "int64"))
+        inputs += [TensorSig(f"kv_{i}", (2, 1, H, CACHE_TOKENS, D), dt) for i in range(L)]
+    outputs = (TensorSig("flow", (1, cfg.out_channels, frames, lh, lw), dt),
+               TensorSig("new_k", (L, 1, H, S, D), dt), TensorSig("new_v", (L, 1, H, S, D), dt))
+    return StageSignature(dit_stage_name(role, frames, cached), f"{role}_dit", tuple(inputs), outputs, dynamic,
+                          frames, cached)
+
+
+def dit_signatures(preset: Preset, role: str, dtype=None, num_blocks: int | None = None,
+                   kv_cache_frames: int | None = None) -> list[StageSignature]:
+    """Every DiT stage `role` needs for `num_blocks` blocks under a full or a recompute context."""
+    b = context_bounds(preset, role, num_blocks, kv_cache_frames)
+    out = [dit_signature(preset, role, f, False, dtype, b) for f in b.frames]
+    if b.max_visible_frames:
+        out.append(dit_signature(preset, role, preset.video.frames_per_block, True, dtype, b))
+    return out
+
+
+# ---------------------------------------------------------------------------------------- VAE
+@functools.lru_cache(maxsize=8)
+def vae_cache_structure(vae, latent_hw: tuple[int, int]) -> tuple[int, tuple, tuple]:
+    """(cache entries, ((slot, shape), ...) of the tensors the steady state holds, pixel shape of
+    one latent frame): two latent frames through the Wan decoder on the meta device."""
+    from sdvg.models.vae import StreamingVAEDecoder, build_vae
+
+    with torch.device("meta"):
+        dec = StreamingVAEDecoder(build_vae(vae))
+    cache = dec.new_cache()
+    dec.decode(torch.empty(1, vae.z_dim, 2, *latent_hw, device="meta"), cache)
+    slots = tuple((i, tuple(e.shape)) for i, e in enumerate(cache.entries) if isinstance(e, torch.Tensor))
+    pixels = dec.decode(torch.empty(1, vae.z_dim, 1, *latent_hw, device="meta"), cache).shape
+    return len(cache.entries), slots, tuple(pixels)
+
+
+def vae_signature(preset: Preset, dtype=None) -> StageSignature:
+    dt = _dtype_name(dtype or torch_dtype(preset.precision))
+    lh, lw = preset.video.latent_hw(preset.vae)
+    _, slots, pixels = vae_cache_structure(preset.vae, (lh, lw))
+    inputs = (TensorSig("latent_frame", (1, preset.vae.z_dim, 1, lh, lw), "float32"),
+              *(TensorSig(f"cache_in_{i}", shape, dt) for i, shape in slots))
+    outputs = (TensorSig("pixels", pixels, "float32"), *(TensorSig(f"cache_out_{i}", shape, dt) for i, shape in slots))
+    return StageSignature("vae_decode", "vae_decode", inputs, outputs)
+
+
+def vae_tensor_slots(preset: Preset) -> tuple[int, list[int]]:
+    n, slots, _ = vae_cache_structure(preset.vae, preset.video.latent_hw(preset.vae))
+    return n, [i for i, _ in slots]
+
+
+# ------------------------------------------------------------------------------------- reward
+def reward_frame_counts(preset: Preset) -> tuple[int, ...]:
+    """Pixel frames of block 0 and of every later block (9 and 12 for three latent frames a block)."""
+    first = preset.video.pixel_frames(preset.vae, 1)
+    later = preset.video.pixel_frames(preset.vae, 2) - first
+    return tuple(sorted({first, later}))
+
+
+def reward_signature(preset: Preset, frames: int, dtype=None) -> StageSignature:
+    r = preset.reward
+    dt = _dtype_name(dtype or torch_dtype(preset.precision))
+    inputs = (TensorSig("images", (frames, 3, r.image_size, r.image_size), dt),
+              TensorSig("ids", (1, r.max_text_len), "int64"), TensorSig("mask", (1, r.max_text_len), "int64"))
+    return StageSignature(f"reward_{frames}f", "reward", inputs, (TensorSig("scores", (frames,), "float32"),),
+                          frames=frames)
+
+
+# ------------------------------------------------------------------------------------ the set
+def preset_signatures(preset: Preset, num_blocks: int | None = None, kv_cache_frames: int | None = None,
+                      dtypes: dict | None = None, families=STAGE_NAMES) -> list[StageSignature]:
+    """Every stage of `preset` for `num_blocks` blocks (default: the preset's) under both context
+    modes, on the meta device. `dtypes` maps a family to its dtype (default: the preset's precision)."""
+    dtypes = dtypes or {}
+    out = []
+    for role in ("drafter", "target"):
+        if f"{role}_dit" in families:
+            out += dit_signatures(preset, role, dtypes.get(f"{role}_dit"), num_blocks, kv_cache_frames)
+    if "vae_decode" in families:
+        out.append(vae_signature(preset, dtypes.get("vae_decode")))
+    if "reward" in families:
+        out += [reward_signature(preset, n, dtypes.get("reward")) for n in reward_frame_counts(preset)]
+    return out
+
+
+def component_dtypes(comps) -> dict:
+    out = {"vae_decode": comps.vae.dtype}
+    for role in ("drafter", "target"):
+        if getattr(comps, role) is not None:
+            out[f"{role}_dit"] = getattr(comps, role).dtype
+    if comps.scorer is not None:
+        out["reward"] = comps.scorer.dtype
+    return out
+
+
+def component_families(comps) -> tuple[str, ...]:
+    return tuple(f for f in STAGE_NAMES if f in component_dtypes(comps))
+
+
+def component_signatures(comps, num_blocks: int | None = None, kv_cache_frames: int | None = None,
+                         families=STAGE_NAMES) -> list[StageSignature]:
+    """The stages of a pipeline's components (their dtypes; the models not loaded left out)."""
+    fams = tuple(f for f in families if f in component_families(comps))
+    return preset_signatures(comps.preset, num_blocks, kv_cache_frames, component_dtypes(comps), fams)
+
+
+# ------------------------------------------------------------------------- modules and keys
+def family_parts(comps, family: str):
+    """(device, config, weights module) of a stage family in `comps`."""
+    p = comps.preset
+    if family.endswith("_dit"):
+        role = family[: -len("_dit")]
+        dit = getattr(comps, role)
+        return (comps.drafter_device if role == "drafter" else comps.target_device), dataclasses.replace(dit.config), \
+            dit.model
+    if family == "vae_decode":
+        return comps.vae.device, p.vae, comps.vae.vae
+    if family == "reward":
+        return comps.scorer.device, p.reward, comps.scorer.model
+    raise ValueError(f"unknown stage family {family!r}; the families are {', '.join(STAGE_NAMES)}")
+
+
+def stage_module(comps, sig: StageSignature) -> torch.nn.Module:
+    if sig.family.endswith("_dit"):
+        dit = getattr(comps, sig.family[: -len("_dit")])
+        return DiTStep(dit, comps.preset.video.frames_per_block).eval()
+    if sig.family == "vae_decode":
+        n, slots = vae_tensor_slots(comps.preset)
+        return VAEDecodeStep(comps.vae, n, slots).eval()
+    return RewardStep(comps.scorer).eval()
 
 
 @dataclass
 class StageSpec:
-    name: str  # drafter_dit | target_dit | vae_decode | reward
+    """A stage ready to export: its signature, module and example inputs on its device."""
+
+    signature: StageSignature
     module: torch.nn.Module
-    inputs: tuple  # example inputs (the static shapes)
-    input_names: list[str]
-    output_names: list[str]
+    inputs: tuple
     device: torch.device
     config: object  # what the config hash covers
     weights: torch.nn.Module
 
+    @property
+    def name(self) -> str:
+        return self.signature.name
+
+    @property
+    def input_names(self) -> list[str]:
+        return self.signature.input_names
+
+    @property
+    def output_names(self) -> list[str]:
+        return self.signature.output_names
+
     def shapes(self) -> tuple:
-        return tuple((n, tuple(t.shape), str(t.dtype).replace("torch.", ""))
-                     for n, t in zip(self.input_names, self.inputs))
+        return self.signature.shapes()
 
     def config_hash(self) -> str:
         return config_hash(self.config) if dataclasses.is_dataclass(self.config) else str(self.config)
 
 
-def dit_stage(comps: Components, role: str, num_blocks: int | None = None) -> StageSpec:
+def stage_spec(comps, sig: StageSignature, seed: int = 0, which: str = "opt") -> StageSpec:
+    """The stage of `sig` over `comps` with example inputs (random values on the stage's device; the
+    reward stage gets a real prompt's token ids and mask)."""
+    device, config, weights = family_parts(comps, sig.family)
+    inputs = sig.example_inputs(device, seed, which)
+    if sig.family == "reward":
+        tok = comps.scorer.tokens("a calibration prompt")
+        inputs = (inputs[0], tok.ids, tok.mask)
+    return StageSpec(sig, stage_module(comps, sig), inputs, device, config, weights)
+
+
+def dit_stage(comps, role: str, visible_frames: int = 0) -> StageSpec:
+    """The block stage of `role` with `visible_frames` committed frames visible (benchmarks)."""
     p = comps.preset
-    dit = comps.drafter if role == "drafter" else comps.target
-    dev = comps.drafter_device if role == "drafter" else comps.target_device
-    n = num_blocks or p.video.num_blocks
     fpb = p.video.frames_per_block
-    lh, lw = p.video.latent_hw(p.vae)
-    tpf = p.video.tokens_per_frame(p.vae, dit.config)
-    spec = KVCacheSpec.for_preset(p, dit.config, n)
-    slots = _C.FrameSlotTable(spec.layout()).num_slots
-    L, H, D = dit.config.num_layers, dit.config.num_heads, dit.config.head_dim
-    dt = dit.dtype
-    g = torch.Generator().manual_seed(0)
-    S = fpb * tpf
-    cos, sin = dit.rope(fpb, fpb, lh, lw, dev)
-    inputs = (
-        torch.randn(1, p.vae.z_dim, fpb, lh, lw, generator=g).to(dev, dt),
-        dit.timestep_freqs(torch.full((1, fpb), 937.5, device=dev)),  # the fp64 sinusoid, fed in as fp32
-        torch.randn(L, 1, H, p.text_encoder.text_len, D, generator=g).to(dev, dt),
-        torch.randn(L, 1, H, p.text_encoder.text_len, D, generator=g).to(dev, dt),
-        torch.randn(L, 1, H, slots * tpf, D, generator=g).to(dev, dt),
-        torch.randn(L, 1, H, slots * tpf, D, generator=g).to(dev, dt),
-        (torch.arange(slots * tpf, device=dev) < fpb * tpf),
-        cos, sin,
-    )
-    if inputs[-1].shape[0] != S:
-        raise AssertionError("RoPE table does not match the block's token count")
-    return StageSpec(f"{role}_dit", DiTStep(dit).eval(), inputs,
-                     ["latents", "t_freq", "text_k", "text_v", "cache_k", "cache_v", "cache_mask", "cos", "sin"],
-                     ["flow", "new_k", "new_v"], dev, dataclasses.replace(dit.config), dit.model)
+    sig = dit_signature(p, role, fpb, visible_frames > 0, getattr(comps, role).dtype,
+                        ContextBounds((fpb,), visible_frames, visible_frames + fpb) if visible_frames else None)
+    return stage_spec(comps, sig)
 
 
-def vae_stage(comps: Components) -> StageSpec:
-    p = comps.preset
-    dec = comps.vae
-    lh, lw = p.video.latent_hw(p.vae)
-    cache = dec.new_cache()
-    g = torch.Generator().manual_seed(1)
-    dec.decode(torch.randn(1, p.vae.z_dim, 2, lh, lw, generator=g), cache)  # reach the steady state
-    frame = torch.randn(1, p.vae.z_dim, 1, lh, lw, generator=g).to(dec.device)
-    step = VAEDecodeStep.for_cache(dec, cache).eval()
-    tensors = [cache.entries[i] for i in step.tensor_slots]
-    names = ["latent_frame"] + [f"cache_in_{i}" for i in step.tensor_slots]
-    outs = ["pixels"] + [f"cache_out_{i}" for i in step.tensor_slots]
-    return StageSpec("vae_decode", step, (frame, *tensors), names, outs, dec.device, p.vae, dec.vae)
+def vae_stage(comps) -> StageSpec:
+    return stage_spec(comps, vae_signature(comps.preset, comps.vae.dtype))
 
 
-def reward_stage(comps: Components, frames: int | None = None) -> StageSpec:
-    p = comps.preset
-    sc = comps.scorer
-    n = frames or p.video.pixel_frames(p.vae, 2) - p.video.pixel_frames(p.vae, 1)  # frames of a later block
-    g = torch.Generator().manual_seed(2)
-    images = torch.randn(n, 3, p.reward.image_size, p.reward.image_size, generator=g).to(sc.device, sc.dtype)
-    tok = sc.tokens("a calibration prompt")
-    return StageSpec("reward", RewardStep(sc).eval(), (images, tok.ids, tok.mask), ["images", "ids", "mask"],
-                     ["scores"], sc.device, p.reward, sc.model)
-
-
-def all_stages(comps: Components, num_blocks: int | None = None) -> list[StageSpec]:
-    out = [dit_stage(comps, "drafter", num_blocks), dit_stage(comps, "target", num_blocks), vae_stage(comps)]
-    if comps.scorer is not None:
-        out.append(reward_stage(comps))
-    return out
-
-
+def reward_stage(comps, frames: int | None = None) -> StageSpec:
+    return stage_spec(comps, reward_signature(comps.preset, frames or reward_frame_counts(comps.preset)[-1],
+                                              comps.scorer.dtype))
 
 
 def device_identity(device: torch.device) -> tuple[str, str]:
+    device = torch.device(device)
     if device.type == "cuda":
         cap = torch.cuda.get_device_capability(device)
         return torch.cuda.get_device_name(device), f"{cap[0]}.{cap[1]}"
     return "cpu", "none"
 
 
-def stage_key(stage: StageSpec, precision: str, artifact: str) -> EngineKey:
+def stage_key(sig: StageSignature, comps, artifact: str) -> EngineKey:
     """Everything the stage's engine depends on (see `sdvg.engines.cache`)."""
     from sdvg.engines.tensorrt import trt_version
 
-    gpu, cc = device_identity(stage.device)
-    return EngineKey(stage=stage.name, config_hash=stage.config_hash(), weights_hash=weights_fingerprint(stage.weights),
-                     shapes=stage.shapes(), precision=precision, gpu_name=gpu, compute_capability=cc,
+    device, config, weights = family_parts(comps, sig.family)
+    gpu, cc = device_identity(device)
+    chash = config_hash(config) if dataclasses.is_dataclass(config) else str(config)
+    return EngineKey(stage=sig.name, config_hash=chash, weights_hash=weights_fingerprint(weights), shapes=sig.shapes(),
+                     precision=comps.preset.precision, gpu_name=gpu, compute_capability=cc,
                      trt_version=trt_version() if artifact == "tensorrt" else "none", artifact=artifact)

@@ -1,43 +1,85 @@
 """Stage modules with static shapes: what gets exported, compiled or built into engines.
 
-* `DiTStep` — one DiT forward of a block (a denoising step at t > 0, or the commit at t = 0):
-  inputs the noisy block, the per-frame timestep sinusoid (computed in float64 outside the graph,
-  as Wan does, and fed in as fp32: TensorRT has no float64), the prompt's cross-attention K/V, the
-  whole KV cache (fixed capacity) with a mask of the visible cached tokens, and the block's RoPE
-  tables; outputs the flow and the block's new K/V, which the caller writes into the cache.
+* `DiTStep` — one DiT forward of F new latent frames (a denoising step at t > 0, the commit at
+  t = 0, or a recompute context forward over several clean frames): inputs the new frames, their
+  per-frame timestep sinusoid (computed in float64 outside the graph, as Wan does, and fed in as
+  fp32: TensorRT has no float64), the prompt's cross-attention K/V and the frames' RoPE tables,
+  then, when cached frames are visible, the token index of the visible cached frames and each
+  layer's K/V buffer as it lies in the cache (`KVCache.layer_buffer`, no copy). The stage gathers
+  the visible tokens itself and attends over them and the new frames only (never over the whole
+  capacity); outputs the flow and the new frames' K/V, which the caller writes into the pending
+  slots of the cache. No input holds more than one layer's buffer (the 14B target's whole cache is
+  8.6e9 elements, past the 2^31 an engine tensor may hold).
 * `VAEDecodeStep` — one latent frame through the Wan decoder with its causal-conv cache as
   explicit tensors in and out (the steady state, from the third latent frame of a video on; the
   first frames run eagerly), so cache slots can be ping-ponged for snapshot/restore.
 * `RewardStep` — preprocessed frames and the prompt's token ids/mask -> per-frame scores.
 
-Each equals the eager path (tests/test_stages.py).
+Each equals the eager path (tests/test_stages.py). Their signatures (names, shapes, dtypes, the
+dynamic dimensions of a cached DiT stage) live in `sdvg.engines.signatures`.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-from sdvg.models.dit import CausalWanDiT, TextKV, cache_frame_offset
+from sdvg.models.dit import CausalWanDiT, TextKV, block_causal_mask, cache_frame_offset
+
+
+def new_frames_mask(frames: int, tokens_per_frame: int, frames_per_block: int | None):
+    """[S, S] bool (True = attend) among the F new frames of a forward: block-causal in groups of
+    `frames_per_block` from the first new frame (a recompute context forward over more than one
+    block), or None when they form one group (every block forward)."""
+    if frames_per_block is None or frames <= frames_per_block:
+        return None
+    return block_causal_mask(None, frames_per_block, tokens_per_frame, num_frames=frames)
+
+
+def dit_stage_mask(frames: int, visible_frames: int, tokens_per_frame: int, frames_per_block: int | None):
+    """The attention mask a DiT stage applies ([S_new, S_visible + S_new] bool, True = attend): every
+    visible cached token, and the new frames block-causally (`new_frames_mask`); None = no mask."""
+    m = new_frames_mask(frames, tokens_per_frame, frames_per_block)
+    if m is None:
+        return None
+    return torch.cat([torch.ones(m.shape[0], visible_frames * tokens_per_frame, dtype=torch.bool), m], dim=1)
 
 
 class DiTStep(nn.Module):
-    def __init__(self, dit: CausalWanDiT):
+    """See the module docstring. `frames_per_block` sets the block-causal grouping of the new frames
+    (None: one group, whatever their number)."""
+
+    def __init__(self, dit: CausalWanDiT, frames_per_block: int | None = None):
         super().__init__()
         self.dit = dit
+        self.frames_per_block = frames_per_block
 
-    def forward(self, latents, t_freq, text_k, text_v, cache_k, cache_v, cache_mask, cos, sin):
+    def forward(self, latents, t_freq, text_k, text_v, cos, sin, *cache):
         """latents [1, C, F, H, W]; t_freq [1, F, freq_dim] (`dit.timestep_freqs(timesteps)`);
-        text_k/v [L, 1, H, Lt, D]; cache_k/v [L, 1, H, S_cap, D]; cache_mask [S_cap] bool (True = visible);
-        cos/sin [S, D/2]
-        -> flow [1, C, F, H, W], new_k/new_v [L, 1, H, S, D]."""
+        text_k/v [L, 1, H, Lt, D]; cos/sin [S, D/2] (S = F x tokens per frame); `cache` empty (no
+        visible cached frame) or (cache_index [N_vis] int64: the buffer positions of the visible
+        cached tokens in frame order, kv_0 .. kv_{L-1}: each layer's buffer [2, 1, H, S_cap, D],
+        0 = K, 1 = V) -> flow [1, C, F, H, W], new_k/new_v [L, 1, H, S, D]."""
+        num_layers = text_k.shape[0]
+        if cache and len(cache) != num_layers + 1:
+            raise ValueError(f"a cached DiT stage takes cache_index and {num_layers} layer buffers, got "
+                             f"{len(cache)} cache inputs")
+        index, buffers = (cache[0], cache[1:]) if cache else (None, ())
+        S, F = cos.shape[0], latents.shape[2]
+        mask = new_frames_mask(F, S // F, self.frames_per_block)
+        if mask is not None:
+            mask = mask.to(latents.device)
+            if index is not None:
+                mask = torch.cat([mask.new_ones(S, index.shape[0]), mask], dim=1)
         new_k, new_v = [], []
 
         def attend(layer, k, v):
             new_k.append(k)
             new_v.append(v)
-            keys = torch.cat([cache_k[layer].to(k.dtype), k], dim=2)  # [1, H, S_cap + S, D]
-            values = torch.cat([cache_v[layer].to(v.dtype), v], dim=2)
-            mask = torch.cat([cache_mask, torch.ones(k.shape[2], dtype=torch.bool, device=k.device)])[None, :]
+            if index is None:
+                return k, v, mask
+            buf = buffers[layer]  # [2, 1, H, S_cap, D]
+            keys = torch.cat([buf[0].index_select(2, index).to(k.dtype), k], dim=2)  # [1, H, N_vis + S, D]
+            values = torch.cat([buf[1].index_select(2, index).to(v.dtype), v], dim=2)
             return keys, values, mask
 
         flow = self.dit.forward_with(latents, t_freq, text_k, text_v, cos, sin, attend)
@@ -48,32 +90,51 @@ def text_tensors(text: TextKV) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(text.keys), torch.stack(text.values)  # [L, 1, H, Lt, D]
 
 
-def static_cache_inputs(cache, tokens_per_frame: int):
-    """The cache's K/V buffers and the mask of its visible *committed* tokens (the pending block's
-    slots excluded: a static step appends the block's fresh K/V itself)."""
-    buf = cache.buffer  # [L, 2, B, H, S_cap, D]
+def visible_cache_index(cache, tokens_per_frame: int) -> torch.Tensor | None:
+    """Buffer positions [N_vis] (int64, on the cache's device) of the visible *committed* tokens in
+    frame order (the pending block's slots excluded: a stage appends the block's fresh K/V itself),
+    or None when no committed frame is visible."""
     committed = len(cache.visible_frames()) - cache.pending_frames  # pending frames come last
-    mask = torch.zeros(buf.shape[4], dtype=torch.bool)
-    for slot in cache.visible_slots()[:committed]:
-        mask[slot * tokens_per_frame:(slot + 1) * tokens_per_frame] = True
-    return buf[:, 0], buf[:, 1], mask.to(buf.device)
+    slots = cache.visible_slots()[:committed]
+    if not slots:
+        return None
+    index = (torch.tensor(slots, dtype=torch.int64)[:, None] * tokens_per_frame
+             + torch.arange(tokens_per_frame, dtype=torch.int64)).reshape(-1)
+    return index.to(cache.buffer.device)
 
 
 @torch.no_grad()
 def dit_forward_static(step, dit: CausalWanDiT, latents, timesteps, text: TextKV, frame_offset: int | None, cache,
-                       tokens_per_frame: int):
-    """The cached DiT forward through a static stage (`step` is a DiTStep, compiled or not, or an
-    engine runner with the same signature): same contract as `dit(..., cache=cache)` (without a
-    mask), `frame_offset` included (None: the cache's write position; another value is an error)."""
+                       tokens_per_frame: int, attn_mask=None, frames_per_block: int | None = None, text_kv=None):
+    """The cached DiT forward through a static stage (`step`: a DiTStep, compiled or not, or an
+    engine runner with its signature): same contract as `dit(..., cache=cache, attn_mask=...)`,
+    `frame_offset` included (None: the cache's write position; another value is an error).
+
+    The stage reads the cache's layer buffers in place and the new frames' K/V are copied into the
+    pending slots (`KVCache.write`): no copy of the cache is made. `attn_mask` must be the stage's
+    own (`dit_stage_mask` with `frames_per_block`: block-causal new frames, every visible cached
+    token), e.g. a recompute context forward's; another mask is refused. `text_kv` is the stacked
+    (text_k, text_v) of `text` when the caller keeps it."""
     _, _, nF, H, W = latents.shape
     frame_offset = cache_frame_offset(frame_offset, cache)
     cache.begin_write(nF)
-    ck, cv, mask = static_cache_inputs(cache, tokens_per_frame)
+    index = visible_cache_index(cache, tokens_per_frame)
+    visible = 0 if index is None else index.shape[0] // tokens_per_frame
+    if attn_mask is not None:
+        want = dit_stage_mask(nF, visible, tokens_per_frame, frames_per_block)
+        shape = (nF * tokens_per_frame, (visible + nF) * tokens_per_frame)
+        ok = tuple(attn_mask.shape) == shape and (bool(attn_mask.all()) if want is None
+                                                   else torch.equal(attn_mask.cpu().bool(), want))
+        if not ok:
+            raise ValueError(f"the static DiT stages take no free attention mask: they attend to every visible "
+                             f"cached frame and block-causally (groups of {frames_per_block} frames) among the "
+                             f"{nF} new ones; this {list(attn_mask.shape)} mask differs; use backend 'eager'")
     cos, sin = dit.rope(frame_offset, nF, H, W, latents.device)
-    tk, tv = text_tensors(text)
-    flow, new_k, new_v = step(latents.to(dit.dtype), dit.timestep_freqs(timesteps), tk, tv, ck, cv, mask, cos, sin)
+    tk, tv = text_kv if text_kv is not None else text_tensors(text)
+    cached = () if index is None else (index, *(cache.layer_buffer(i) for i in range(tk.shape[0])))
+    flow, new_k, new_v = step(latents.to(dit.dtype), dit.timestep_freqs(timesteps), tk, tv, cos, sin, *cached)
     for layer in range(new_k.shape[0]):
-        cache.write(layer, new_k[layer].contiguous(), new_v[layer].contiguous())
+        cache.write(layer, new_k[layer], new_v[layer])
     return flow
 
 

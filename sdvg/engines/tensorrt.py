@@ -1,9 +1,10 @@
 """TensorRT 11 engine runtime (optional extra: `pip install 'sdvg[tensorrt]'`); engines are built by
 `python -m build_engines`.
 
-The runtime binds every I/O tensor with
-`set_tensor_address`, runs with `execute_async_v3` on the caller's current CUDA stream (the
-scheduler's role stream) and can capture the static-shape launch in a CUDA graph.
+The runtime binds every I/O tensor with `set_tensor_address` (the KV cache's layer buffers by
+address, no copy), sets the dynamic input shapes of a cached DiT stage per call, runs with
+`execute_async_v3` on the caller's current CUDA stream (the scheduler's role stream) and can
+capture a static-shape launch in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -44,12 +45,15 @@ def _torch_dtype(trt, dt):
 
 
 class TRTStage:
-    """A deserialised engine called like the stage module it was built from (positional inputs in
-    the exported order). Outputs are preallocated and returned as fresh tensors per call."""
+    """A deserialised engine called like the stage module it was built from (positional inputs in the
+    signature's order). Dynamic dimensions (a cached DiT stage's visible and cache tokens) are set
+    per call; outputs are allocated per call. `cuda_graph` captures the launch (static-shape
+    engines only)."""
 
-    def __init__(self, plan_path: Path, device: torch.device, input_names: list[str], cuda_graph: bool = False):
+    def __init__(self, plan_path: Path, signature, device: torch.device, cuda_graph: bool = False):
         trt = import_tensorrt()
         self.trt = trt
+        self.signature = signature
         self.device = torch.device(device)
         self.runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         self.engine = self.runtime.deserialize_cuda_engine(Path(plan_path).read_bytes())
@@ -57,39 +61,53 @@ class TRTStage:
             raise RuntimeError(f"TensorRT could not deserialise {plan_path} (built for another TensorRT or GPU?)")
         self.context = self.engine.create_execution_context()
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
-        self.inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
-        self.outputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
-        self.input_names = [n for n in input_names if n in self.inputs]  # exporters may drop unused inputs
-        self.all_input_names = list(input_names)
+        inputs = {n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT}
+        self.inputs = [t for t in signature.inputs if t.name in inputs]  # exporters may drop unused inputs
+        outputs = {n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT}
+        if outputs != set(signature.output_names):
+            raise RuntimeError(f"engine {plan_path} has outputs {sorted(outputs)}, stage {signature.name!r} "
+                               f"{signature.output_names}; rebuild the engine folder")
+        self.outputs = list(signature.output_names)  # in the module's order
+        if cuda_graph and signature.dynamic:
+            raise ValueError(f"stage {signature.name!r} has dynamic dimensions; CUDA graphs need static shapes")
         self.cuda_graph = cuda_graph
         self._graph = None
         self._static_in: dict[str, torch.Tensor] = {}
-        self._out = {n: torch.empty(tuple(self.engine.get_tensor_shape(n)),
-                                    dtype=_torch_dtype(trt, self.engine.get_tensor_dtype(n)), device=self.device)
-                     for n in self.outputs}
+        self._static_out: dict[str, torch.Tensor] = {}
 
-    def _bind(self, feeds: dict[str, torch.Tensor]) -> None:
+    def _bind(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for n, t in feeds.items():
-            want = tuple(self.engine.get_tensor_shape(n))
-            if tuple(t.shape) != want:
-                raise ValueError(f"engine input {n!r} expects shape {list(want)}, got {list(t.shape)}")
+            if not self.context.set_input_shape(n, tuple(t.shape)):
+                raise ValueError(f"engine input {n!r}: shape {list(t.shape)} is outside the engine's profile "
+                                 f"({list(self.engine.get_tensor_shape(n))}); rebuild the engines with a larger "
+                                 "--num-blocks")
             self.context.set_tensor_address(n, t.data_ptr())
-        for n, t in self._out.items():
-            self.context.set_tensor_address(n, t.data_ptr())
+        outs = {}
+        for n in self.outputs:
+            outs[n] = torch.empty(tuple(self.context.get_tensor_shape(n)),
+                                  dtype=_torch_dtype(self.trt, self.engine.get_tensor_dtype(n)), device=self.device)
+            self.context.set_tensor_address(n, outs[n].data_ptr())
+        return outs
 
     def __call__(self, *args):
-        dtypes = {n: _torch_dtype(self.trt, self.engine.get_tensor_dtype(n)) for n in self.inputs}
-        feeds = {n: a.to(self.device, dtypes[n]).contiguous() for n, a in zip(self.all_input_names, args)
-                 if n in self.inputs}
+        by_name = dict(zip(self.signature.input_names, args))
+        feeds = {}
+        for t in self.inputs:
+            a = by_name[t.name]
+            want = _torch_dtype(self.trt, self.engine.get_tensor_dtype(t.name))
+            if a.device != self.device or a.dtype != want:
+                a = a.to(self.device, want)
+            feeds[t.name] = a if a.is_contiguous() else a.contiguous()
         stream = torch.cuda.current_stream(self.device)
         if not self.cuda_graph:
-            self._bind(feeds)
+            outs = self._bind(feeds)
             if not self.context.execute_async_v3(stream.cuda_stream):
                 raise RuntimeError("TensorRT execute_async_v3 failed")
+            result = tuple(outs[n] for n in self.outputs)
         else:
             if self._graph is None:
                 self._static_in = {n: t.clone() for n, t in feeds.items()}
-                self._bind(self._static_in)
+                self._static_out = self._bind(self._static_in)
                 self.context.execute_async_v3(stream.cuda_stream)  # warm-up outside the capture
                 self._graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(self._graph, stream=stream):
@@ -97,5 +115,5 @@ class TRTStage:
             for n, t in feeds.items():
                 self._static_in[n].copy_(t, non_blocking=True)
             self._graph.replay()
-        outs = tuple(self._out[n].clone() for n in self.outputs)
-        return outs if len(outs) > 1 else outs[0]
+            result = tuple(self._static_out[n].clone() for n in self.outputs)
+        return result if len(result) > 1 else result[0]

@@ -1,99 +1,162 @@
 """How stages execute: `eager` (the modules as they are), `compile` (the static stage modules through
-torch.compile) or `tensorrt` (engines from the engine cache, validated against this setup).
+torch.compile), `tensorrt` (engines from the engine cache) or `onnxruntime` (the ONNX files of
+`python -m build_engines --format onnx` from the same cache); engines are validated against this
+setup (config, weights, shapes, precision, device) before they run.
 
 A `StageRunners` object is built once per pipeline and backend and holds the compiled modules or
-engines explicitly; the loops call `dit_forward`, `decode` and `score` through it."""
+engines explicitly, one per stage (`sdvg.engines.signatures`), each loaded when first needed; the
+loops call `dit_forward`, `decode` and `score` through it."""
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import torch
 
-from sdvg.engines.stages import DiTStep, RewardStep, VAEDecodeStep, dit_forward_static, vae_cache_is_steady, \
-    vae_decode_static
+from sdvg.engines.stages import (DiTStep, RewardStep, VAEDecodeStep, dit_forward_static, text_tensors,
+                                 vae_cache_is_steady, vae_decode_static)
 
-STAGE_BACKENDS = ("eager", "compile", "tensorrt")
+STAGE_BACKENDS = ("eager", "compile", "tensorrt", "onnxruntime")
+ENGINE_ARTIFACTS = {"tensorrt": "tensorrt", "onnxruntime": "onnx"}  # backend -> what the engine cache holds
 
 
 class StageRunners:
+    """`build_flags`: the `python -m build_engines` flags that load these components' weights (the
+    checkpoint flags, or --weights-seed), for the rebuild command an engine error names."""
+
     def __init__(self, comps, backend: str = "eager", engines: str | Path | None = None,
-                 compile_mode: str | None = None):
+                 compile_mode: str | None = None, build_flags=()):
         if backend not in STAGE_BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {STAGE_BACKENDS}")
         self.comps, self.backend = comps, backend
+        self.build_flags = list(build_flags)
         p = comps.preset
+        self._fpb = p.video.frames_per_block
         self._tpf = {role: p.video.tokens_per_frame(p.vae, dit.config)
                      for role, dit in (("drafter", comps.drafter), ("target", comps.target)) if dit is not None}
-        self._dit_steps: dict = {}
-        self._vae_step = None
-        self._reward_step = None
-        if backend == "compile":
-            for role, dit in (("drafter", comps.drafter), ("target", comps.target)):
-                if dit is not None:
-                    self._dit_steps[role] = torch.compile(DiTStep(dit).eval(), mode=compile_mode, dynamic=False)
-            if comps.scorer is not None:
-                self._reward_step = torch.compile(RewardStep(comps.scorer).eval(), mode=compile_mode, dynamic=False)
-            self._compile_mode = compile_mode
-        elif backend == "tensorrt":
+        self._compile_mode = compile_mode
+        self._stages: dict = {}  # stage name -> callable (compiled module or engine)
+        self._text: dict = {}  # role -> (TextKV, stacked K, stacked V) of its last prompt (one thread per role)
+        self._cache = None
+        if backend in ENGINE_ARTIFACTS:
             if engines is None:
-                raise ValueError("backend 'tensorrt' needs engines=<folder built by python -m build_engines>")
-            self._load_engines(Path(engines))
+                fmt = " --format onnx" if backend == "onnxruntime" else ""
+                raise ValueError(f"backend {backend!r} needs engines=<folder built by python -m build_engines{fmt}> "
+                                 "(CLI: --engines DIR)")
+            if backend == "tensorrt":
+                from sdvg.engines.tensorrt import import_tensorrt
+
+                import_tensorrt()
+            else:
+                from sdvg.engines.onnxruntime import import_onnxruntime
+
+                import_onnxruntime()
+            from sdvg.engines.cache import EngineCache
+
+            self.engines = Path(engines)
+            self._cache = EngineCache(self.engines)
+
+    @property
+    def static(self) -> bool:
+        return self.backend != "eager"
 
     # ------------------------------------------------------------------ DiT
     def dit_forward(self, role: str, dit, latents, timesteps, text, frame_offset: int, cache, attn_mask=None):
-        step = self._dit_steps.get(role)
-        if step is None:
+        if not self.static:
             return dit(latents, timesteps, text, frame_offset=frame_offset, cache=cache, attn_mask=attn_mask)
-        if attn_mask is not None:
-            raise ValueError(f"backend {self.backend!r}: the static stages take no attention mask (a recompute "
-                             "context forward); use backend 'eager'")
-        return dit_forward_static(step, dit, latents, timesteps, text, frame_offset, cache, self._tpf[role])
+        memo = self._text.get(role)
+        if memo is None or memo[0] is not text:
+            memo = self._text[role] = (text, *text_tensors(text))
+
+        def step(*args):
+            return self._dit_stage(role, args[0].shape[2], len(args) > 6)(*args)
+
+        return dit_forward_static(step, dit, latents, timesteps, text, frame_offset, cache, self._tpf[role],
+                                  attn_mask=attn_mask, frames_per_block=self._fpb, text_kv=memo[1:])
+
+    def _dit_stage(self, role: str, frames: int, cached: bool):
+        from sdvg.engines.signatures import dit_signature, dit_stage_name
+
+        name = dit_stage_name(role, frames, cached)
+        if name not in self._stages:
+            dit = getattr(self.comps, role)
+            if self.backend == "compile":
+                # the cached stage's visible and cache lengths vary: automatic dynamic shapes after the first
+                self._stages[name] = torch.compile(DiTStep(dit, self._fpb).eval(), mode=self._compile_mode,
+                                                   dynamic=None if cached else False)
+            else:
+                extra = () if frames == self._fpb else ("--kv-cache-frames", str(frames))
+                self._stages[name] = self._engine(dit_signature(self.comps.preset, role, frames, cached, dit.dtype),
+                                                  extra)
+        return self._stages[name]
 
     # ------------------------------------------------------------------ VAE
     def decode(self, latents, cache):
         dec = self.comps.vae
-        if self.backend == "eager":
+        if not self.static:
             return dec.decode(latents, cache)
-        if self._vae_step is None:
-            if not vae_cache_is_steady(cache):  # the steady-state step is built at the third latent frame
-                first = 2 - cache.frames_decoded
-                head = dec.decode(latents[:, :, :first], cache)
-                return torch.cat([head, self.decode(latents[:, :, first:], cache)], dim=2) \
-                    if latents.shape[2] > first else head
+        return vae_decode_static(lambda *args: self._vae_stage(cache)(*args), dec, latents, cache)
+
+    def _vae_stage(self, cache):
+        if "vae_decode" not in self._stages:
+            dec = self.comps.vae
             step = VAEDecodeStep.for_cache(dec, cache).eval()
-            self._vae_step = torch.compile(step, mode=self._compile_mode, dynamic=False)
-        return vae_decode_static(self._vae_step, dec, latents, cache)
+            if self.backend == "compile":
+                self._stages["vae_decode"] = torch.compile(step, mode=self._compile_mode, dynamic=False)
+            else:
+                from sdvg.engines.signatures import vae_signature, vae_tensor_slots
+
+                if vae_tensor_slots(self.comps.preset) != (step.num_entries, step.tensor_slots):
+                    raise RuntimeError("the VAE decoder's cache differs from the one its engine signature was derived "
+                                       "from; rebuild the engines")
+                self._stages["vae_decode"] = self._engine(vae_signature(self.comps.preset, dec.dtype))
+        return self._stages["vae_decode"]
 
     # --------------------------------------------------------------- reward
     def score(self, prompt: str, unit_frames):
         sc = self.comps.scorer
-        if self._reward_step is None:
+        if not self.static:
             return sc.score(prompt, unit_frames)
         tok = sc.tokens(prompt)
+        images = sc.preprocess(unit_frames)
         with torch.no_grad():
-            return self._reward_step(sc.preprocess(unit_frames), tok.ids, tok.mask)
+            return self._reward_stage(images.shape[0])(images, tok.ids, tok.mask)
+
+    def _reward_stage(self, frames: int):
+        name = f"reward_{frames}f"
+        if name not in self._stages:
+            sc = self.comps.scorer
+            if self.backend == "compile":
+                self._stages[name] = torch.compile(RewardStep(sc).eval(), mode=self._compile_mode, dynamic=False)
+            else:
+                from sdvg.engines.signatures import reward_signature
+
+                self._stages[name] = self._engine(reward_signature(self.comps.preset, frames, sc.dtype))
+        return self._stages[name]
 
     # -------------------------------------------------------------- engines
-    def _load_engines(self, folder: Path) -> None:
-        from sdvg.engines.cache import EngineCache
-        from sdvg.engines.signatures import dit_stage, reward_stage, stage_key, vae_stage
-        from sdvg.engines.tensorrt import TRTStage, import_tensorrt
+    def rebuild_command(self, extra=()) -> str:
+        """The `python -m build_engines` command that builds this setup's engines into the folder."""
+        c, p = self.comps, self.comps.preset
+        argv = ["--preset", p.name, *self.build_flags, "--device", str(c.drafter_device),
+                "--target-device", str(c.target_device), "--precision", p.precision]
+        if self.backend == "onnxruntime":
+            argv += ["--format", "onnx"]
+        argv += [*extra, "--out", str(self.engines)]
+        return "python -m build_engines " + " ".join(shlex.quote(a) for a in argv)
 
-        import_tensorrt()
-        cache = EngineCache(folder)
-        p = self.comps.preset
-        cmd = (f"python -m build_engines --preset {p.name} --drafter-device {self.comps.drafter_device} "
-               f"--target-device {self.comps.target_device} --precision {p.precision} --out {folder}")
-        for role in ("drafter", "target"):
-            if getattr(self.comps, role) is None:
-                continue
-            spec = dit_stage(self.comps, role)
-            plan = cache.load(stage_key(spec, p.precision, "tensorrt"), cmd)
-            self._dit_steps[role] = TRTStage(plan, spec.device, spec.input_names)
-        spec = vae_stage(self.comps)
-        self._vae_step = TRTStage(cache.load(stage_key(spec, p.precision, "tensorrt"), cmd), spec.device,
-                                  spec.input_names)
-        if self.comps.scorer is not None:
-            spec = reward_stage(self.comps)
-            self._reward_step = TRTStage(cache.load(stage_key(spec, p.precision, "tensorrt"), cmd), spec.device,
-                                         spec.input_names)
+    def _engine(self, sig, extra=()):
+        """The validated engine of stage `sig` (refused, with the rebuild command, when stale, foreign,
+        damaged or missing), ready to call."""
+        from sdvg.engines.signatures import family_parts, stage_key
+
+        artifact = ENGINE_ARTIFACTS[self.backend]
+        path = self._cache.load(stage_key(sig, self.comps, artifact), self.rebuild_command(extra))
+        device = family_parts(self.comps, sig.family)[0]
+        if self.backend == "tensorrt":
+            from sdvg.engines.tensorrt import TRTStage
+
+            return TRTStage(path, sig, device)
+        from sdvg.engines.onnxruntime import ORTStage
+
+        return ORTStage(path, sig, device)
