@@ -168,3 +168,159 @@ def test_the_finite_check_is_one_sum_when_clean():
     check_weights({"a": torch.ones(3), "b": torch.zeros(2, dtype=torch.bfloat16)}, "x")
     with pytest.raises(CheckpointError, match=r"x: 1 unusable tensor\(s\): 'b': dtype torch.bool"):
         check_weights({"a": torch.ones(3), "b": torch.zeros(2, dtype=torch.bool)}, "x")
+
+
+# ----------------------------------------------------------------------------- runtime guard
+from contextlib import contextmanager  # noqa: E402
+
+from sdvg.generation.guard import NonFiniteDraftWarning, NonFiniteError  # noqa: E402
+from sdvg.generation.native import generate_blocks_native  # noqa: E402
+from sdvg.generation.reference import generate_blocks  # noqa: E402
+from sdvg.options import GenerationOptions  # noqa: E402
+
+PROMPT = "a red fox running through fresh snow"
+NB = 4
+SCHEDULERS = [("reference", False), ("cpp", False), ("cpp", True)]  # (scheduler, run_ahead)
+
+
+@contextmanager
+def poisoned_output(dit, block, frames_per_block=3, count=12):
+    """NaN in the first `count` values of `dit`'s last denoising forward of `block` (full context: the
+    block sits at its absolute frame; the last step's output becomes the latents elementwise)."""
+    from sdvg.config import RoleContext
+    from sdvg.generation.prepare import role_schedule
+
+    last_t = float(torch.tensor(role_schedule(get_preset("tiny"), RoleContext()).timesteps[-1]))  # as fed (fp32)
+
+    def hook(module, args, kwargs, out):
+        if kwargs.get("frame_offset") == block * frames_per_block and float(args[1].flatten()[0]) == last_t:
+            out = out.clone()
+            out.view(-1)[:count] = math.nan
+            return out
+        return None
+
+    handle = dit.register_forward_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _blocks(pipe, opts, scheduler, run_ahead=False, comps=None, runners=None):
+    comps = comps or pipe.components
+    opts = pipe.resolve(opts)
+    if scheduler == "reference":
+        return list(generate_blocks(comps, PROMPT, opts, runners=runners))
+    return list(generate_blocks_native(comps, PROMPT, opts.replace(run_ahead=run_ahead), runners=runners))
+
+
+@pytest.mark.parametrize("scheduler,run_ahead", SCHEDULERS)
+def test_nan_in_the_target_output_names_the_stage_and_block(tiny_pipe, scheduler, run_ahead):
+    opts = GenerationOptions(num_blocks=NB, seed=3, tau=math.inf)
+    with poisoned_output(tiny_pipe.components.target, 2), \
+            pytest.raises(NonFiniteError, match=r"^target output of block 2 holds 12 NaN values; ") as err:
+        _blocks(tiny_pipe, opts, scheduler, run_ahead)
+    assert (err.value.stage, err.value.block) == ("target", 2)
+
+
+@pytest.mark.parametrize("policy,pattern,rejected", [("committed", "0101", [2]), ("own", "0100", [2, 3])])
+@pytest.mark.parametrize("scheduler,run_ahead", SCHEDULERS)
+def test_nan_draft_is_rejected_with_a_warning_and_the_target_makes_the_block(tiny_pipe, scheduler, run_ahead, policy,
+                                                                             pattern, rejected):
+    """tau = -inf accepts every draft; the poisoned draft of block 2 is rejected instead (under `own` the
+    drafter's context then holds it, so block 3's draft is non-finite and rejected too). The video is
+    the one a clean run with those decisions fixed (pattern router) makes."""
+    opts = GenerationOptions(num_blocks=NB, seed=3, tau=-math.inf, drafter_context=policy)
+    with poisoned_output(tiny_pipe.components.drafter, 2), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _blocks(tiny_pipe, opts, scheduler, run_ahead)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, NonFiniteDraftWarning)]
+    assert msgs[0].startswith("drafter output of block 2 holds 12 NaN values: the draft is rejected and the target "
+                              "makes block 2.")
+    assert len(msgs) == len(rejected) and all(f"block {b} holds" in m for b, m in zip(rejected, msgs))
+    clean = _blocks(tiny_pipe, GenerationOptions(num_blocks=NB, seed=3, router="pattern", pattern=pattern,
+                                                 drafter_context=policy), "reference")
+    assert [b.decision for b in got] == [b.decision for b in clean] == \
+        ["forced"] + ["rejected" if b in rejected else "accepted" for b in range(1, NB)]
+    for a, b in zip(got, clean):
+        assert torch.equal(a.latents, b.latents) and torch.equal(a.frames, b.frames)
+    for b in rejected:
+        assert math.isnan(got[b].score) and got[b].frame_scores == []  # neither decoded nor scored
+        assert torch.isnan(got[b].draft_latents).sum() > 0
+
+
+def test_both_schedulers_agree_on_a_poisoned_draft(tiny_pipe):
+    opts = GenerationOptions(num_blocks=NB, seed=3, tau=-math.inf, score_emitted=True)
+    with poisoned_output(tiny_pipe.components.drafter, 2), warnings.catch_warnings():
+        warnings.simplefilter("ignore", NonFiniteDraftWarning)
+        ref = _blocks(tiny_pipe, opts, "reference")
+        cpp = _blocks(tiny_pipe, opts, "cpp", run_ahead=True)
+    for a, b in zip(ref, cpp):
+        assert (a.index, a.decision) == (b.index, b.decision)
+        assert torch.equal(a.latents, b.latents) and torch.equal(a.frames, b.frames)
+        assert a.frame_scores == b.frame_scores and a.emitted_scores == b.emitted_scores
+        assert a.score == b.score or (math.isnan(a.score) and math.isnan(b.score))
+        assert torch.equal(a.draft_latents.nan_to_num(7.0), b.draft_latents.nan_to_num(7.0))
+
+
+def _poison_calls(runners, name, calls, value=math.nan):
+    """Wrap `runners.<name>` so that its `calls`-th calls (1-based) return a NaN in their output."""
+    real, n = getattr(runners, name), [0]
+
+    def wrapped(*args, **kwargs):
+        out = real(*args, **kwargs)
+        n[0] += 1
+        if n[0] in calls:
+            out = out.clone()
+            out.view(-1)[0] = value
+        return out
+
+    setattr(runners, name, wrapped)
+    return runners
+
+
+@pytest.mark.parametrize("scheduler", ["reference", "cpp"])
+def test_nan_in_the_decode_and_the_scores(tiny_pipe, scheduler):
+    from sdvg.generation.backends import StageRunners
+
+    comps = tiny_pipe.components
+    # mode target: the decode of block 1 is the emitted block
+    runners = _poison_calls(StageRunners(comps), "decode", {2})
+    with pytest.raises(NonFiniteError, match=r"^decode output of block 1 holds 1 NaN value; "):
+        _blocks(tiny_pipe, GenerationOptions(mode="target", num_blocks=NB, seed=3), scheduler, runners=runners)
+    # committed context, tau = -inf: decode calls are target 0, draft 1, draft 2, ...: the draft of block 2
+    # decodes to NaN -> rejected, the target makes it (decode call 4)
+    opts = GenerationOptions(num_blocks=NB, seed=3, tau=-math.inf, drafter_context="committed")
+    runners = _poison_calls(StageRunners(comps), "decode", {3})
+    with pytest.warns(NonFiniteDraftWarning, match="VAE decode of the draft of block 2 holds 1 NaN value: the draft"):
+        got = _blocks(tiny_pipe, opts, scheduler, runners=runners)
+    assert [b.decision for b in got] == ["forced", "accepted", "rejected", "accepted"]
+    assert math.isnan(got[2].score) and got[2].frame_scores == []
+    # the scores: a draft's NaN score rejects it (its frame scores are kept); an emitted frame's raises
+    runners = _poison_calls(StageRunners(comps), "score", {2})  # score calls: draft 1, draft 2, ...
+    with pytest.warns(NonFiniteDraftWarning, match="reward scores of the draft of block 2 hold 1 NaN value"):
+        got = _blocks(tiny_pipe, opts, scheduler, runners=runners)
+    assert got[2].decision == "rejected" and math.isnan(got[2].frame_scores[0]) and math.isnan(got[2].score)
+    runners = _poison_calls(StageRunners(comps), "score", {1}, math.inf)  # score_emitted: block 0's frames
+    with pytest.raises(NonFiniteError, match=r"^reward scores of the emitted frames of block 0 hold 1 inf value"):
+        _blocks(tiny_pipe, opts.replace(score_emitted=True, tau=math.inf), scheduler, runners=runners)
+
+
+@pytest.mark.parametrize("scheduler", ["reference", "cpp"])
+def test_routers_without_scores_and_draft_mode(tiny_pipe, scheduler):
+    """random / pattern decide in advance: a NaN draft they reject anyway is rejected with the warning
+    (also without a reward model), one they would accept is an error; in mode draft it is an error."""
+    import dataclasses
+
+    no_reward = dataclasses.replace(tiny_pipe.components, scorer=None)
+    drafter = tiny_pipe.components.drafter
+    with poisoned_output(drafter, 2), pytest.warns(NonFiniteDraftWarning, match="drafter output of block 2"):
+        got = _blocks(tiny_pipe, GenerationOptions(num_blocks=NB, seed=3, router="pattern", pattern="0101",
+                                                   drafter_context="committed"), scheduler, comps=no_reward)
+    assert [b.decision for b in got] == ["forced", "accepted", "rejected", "accepted"] and got[2].score is None
+    with poisoned_output(drafter, 2), pytest.raises(
+            NonFiniteError, match=r"drafter output of block 2 holds 12 NaN values; router 'random' accepts block 2"):
+        _blocks(tiny_pipe, GenerationOptions(num_blocks=NB, seed=3, router="random", accept_prob=1.0), scheduler)
+    with poisoned_output(drafter, 1), pytest.raises(
+            NonFiniteError, match=r"drafter output of block 1 holds 12 NaN values; in mode 'draft' the draft is"):
+        _blocks(tiny_pipe, GenerationOptions(mode="draft", num_blocks=NB, seed=3), scheduler)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from sdvg.config import RoleContext
+from sdvg.generation.guard import StageGuard
 from sdvg.generation.noise import gaussian
 from sdvg.generation.schedule import FlowSchedule
 from sdvg.models.components import Components
@@ -164,6 +165,7 @@ class Setup:
     block_shape: tuple
     runners: object
     emitted_pixels: deque  # the last emitted pixel frames ([1, 3, 1, H, W] each) a recompute role re-encodes
+    guard: StageGuard  # the NaN/inf checks of every stage output (both schedulers)
 
     def observe(self, pixels: torch.Tensor) -> None:
         """Record a block's emitted pixels [1, 3, T, H, W] (call once per block, in order, before the next
@@ -211,7 +213,7 @@ def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, s
     target = role_model("target", comps.target, comps.target_device, 0) if need_target else None
     lh, lw = p.video.latent_hw(p.vae)
     return Setup(Aggregator(opts.aggregation), drafter, target, comps.vae.new_cache(), zf,
-                 (1, p.vae.z_dim, zf, lh, lw), runners, emitted_pixels)
+                 (1, p.vae.z_dim, zf, lh, lw), runners, emitted_pixels, StageGuard(opts))
 
 
 def role_schedule(preset, context: RoleContext) -> FlowSchedule:
