@@ -121,14 +121,16 @@ def setup_scheduler_config(opts: GenerationOptions, setup):
 
 
 def generate_blocks_native(comps: Components, prompt: str, opts: GenerationOptions, report: LoopReport | None = None,
-                           runners=None, threaded: bool = True) -> Iterator[BlockRecord]:
+                           runners=None, threaded: bool = True,
+                           memory_budget_gib: float | None = None) -> Iterator[BlockRecord]:
     """Same contract as `reference.generate_blocks`, run by the native scheduler.
 
     threaded=True runs the scheduler on a worker thread and yields each block as it is emitted;
     threaded=False runs it on the calling thread and yields the blocks at the end (CPU compute on a
     thread other than the main one measured 15-20% slower here, so whole-video calls use this)."""
     counters = Counters()  # the prepared models count nothing here: the scheduler keeps the counts
-    setup = prepare(comps, prompt, opts, counters, slack_frames=setup_slack(comps, opts.run_ahead), runners=runners)
+    setup = prepare(comps, prompt, opts, counters, slack_frames=setup_slack(comps, opts.run_ahead), runners=runners,
+                    memory_budget_gib=memory_budget_gib)
     sink: queue.Queue = queue.Queue()
     stages = _Stages(comps, prompt, opts, setup, sink)
     sched = _C.Scheduler(
