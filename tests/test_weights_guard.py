@@ -3,15 +3,20 @@ file's key name; NaN/inf in a stage output is an error naming the stage and the 
 draft, which is rejected (with a warning) and replaced by the target's block, in both schedulers."""
 import math
 import warnings
+from contextlib import contextmanager
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from sdvg.config import get_preset
+from sdvg.generation.guard import NonFiniteDraftWarning, NonFiniteError
+from sdvg.generation.native import generate_blocks_native
+from sdvg.generation.reference import generate_blocks
 from sdvg.models.checkpoints import (CheckpointError, check_dit_checkpoint, check_weights, load_dit,
                                      nonfinite_counts, save_dit)
 from sdvg.models.dit import CausalWanDiT
+from sdvg.options import GenerationOptions
 
 from conftest import randomize, write_real_checkpoints
 
@@ -171,13 +176,6 @@ def test_the_finite_check_is_one_sum_when_clean():
 
 
 # ----------------------------------------------------------------------------- runtime guard
-from contextlib import contextmanager  # noqa: E402
-
-from sdvg.generation.guard import NonFiniteDraftWarning, NonFiniteError  # noqa: E402
-from sdvg.generation.native import generate_blocks_native  # noqa: E402
-from sdvg.generation.reference import generate_blocks  # noqa: E402
-from sdvg.options import GenerationOptions  # noqa: E402
-
 PROMPT = "a red fox running through fresh snow"
 NB = 4
 SCHEDULERS = [("reference", False), ("cpp", False), ("cpp", True)]  # (scheduler, run_ahead)
