@@ -123,15 +123,31 @@ class BlockStream:
 
 
 class SpeculativeVideoPipeline:
+    """`memory_budget_gib`: before each video allocates its KV caches, they are checked per device
+    against the device's free memory (None, the default) or against this many GiB per device for
+    everything the pipeline holds there (weights included, as `sdvg memory --budget-gib` counts);
+    a video that does not fit raises `MemoryBudgetError` before anything of it is allocated."""
+
     def __init__(self, components: Components, backend: str = "eager", engines=None,
-                 sources: dict[str, str] | None = None):
+                 sources: dict[str, str] | None = None, memory_budget_gib: float | None = None):
         self.components = components
+        self.memory_budget_gib = memory_budget_gib
         self.preset = components.preset
         self._runners: dict = {}  # stage backend -> StageRunners (compiled modules / engines), built on first use
         self.default_backend = backend
         self.engines = engines
         self.sources = dict(sources or {})  # component -> checkpoint fingerprint (or random:preset:seed)
         self.build_flags: list[str] = []  # the `python -m build_engines` flags that load these weights
+
+    @property
+    def memory_budget_gib(self) -> float | None:
+        return self._memory_budget_gib
+
+    @memory_budget_gib.setter
+    def memory_budget_gib(self, value: float | None) -> None:
+        from sdvg.models.memory import check_budget_gib
+
+        self._memory_budget_gib = check_budget_gib(value)
 
     def runners(self, backend: str | None = None):
         from sdvg.generation.backends import StageRunners
@@ -145,9 +161,13 @@ class SpeculativeVideoPipeline:
     @classmethod
     def from_preset(cls, name: str | Preset = "tiny", seed: int = 0, device: str = "cpu",
                     target_device: str | None = None, backend: str = "eager", engines=None, torch_dtype=None,
-                    **preset_changes) -> "SpeculativeVideoPipeline":
+                    memory_budget_gib: float | None = None, **preset_changes) -> "SpeculativeVideoPipeline":
         """A pipeline with random weights of a named preset (`tiny`, `cpu-bench`, `real-size`).
-        torch_dtype (torch.float32 / bfloat16 / float16) overrides the preset's precision."""
+        torch_dtype (torch.float32 / bfloat16 / float16) overrides the preset's precision;
+        memory_budget_gib: see the class."""
+        from sdvg.models.memory import check_budget_gib
+
+        check_budget_gib(memory_budget_gib)  # before any weights are built
         preset = get_preset(name) if isinstance(name, str) else name
         if torch_dtype is not None:
             preset_changes["precision"] = precision_of(torch_dtype)
@@ -156,19 +176,24 @@ class SpeculativeVideoPipeline:
         preset.validate()
         sources = {role: random_fingerprint(preset.name, seed) for role in COMPONENT_ROLES}
         pipe = cls(build_random(preset, seed=seed, drafter_device=device, target_device=target_device), backend,
-                   engines, sources)
+                   engines, sources, memory_budget_gib)
         pipe.build_flags = ["--weights-seed", str(seed)] if seed else []
         return pipe
 
     @classmethod
     def from_pretrained(cls, preset: str | Preset = "wan2.1", *, drafter=None, target=None, vae=None, reward=None,
                         text_encoder=None, reward_tokenizer=None, drafter_device="cuda:0", target_device=None,
-                        backend: str = "eager", engines=None, torch_dtype=None) -> "SpeculativeVideoPipeline":
+                        backend: str = "eager", engines=None, torch_dtype=None,
+                        memory_budget_gib: float | None = None) -> "SpeculativeVideoPipeline":
         """Real weights. Each component is a local path (see docs/checkpoints.md for the formats), a
         hub repo `org/name[@revision][/path/in/repo]`, or None: the file the preset publishes for it
         (`Preset.sources`; `from_pretrained("wan2.1")` finds everything in the HF cache). Missing files
         are reported together, with the command that fetches them. torch_dtype overrides the preset's
-        precision. `reward=None` on a random-weight preset builds no reward model."""
+        precision. `reward=None` on a random-weight preset builds no reward model. memory_budget_gib: see
+        the class."""
+        from sdvg.models.memory import check_budget_gib
+
+        check_budget_gib(memory_budget_gib)  # before any weights are read
         preset = get_preset(preset) if isinstance(preset, str) else preset
         if torch_dtype is not None:
             preset = preset.replace(precision=precision_of(torch_dtype))
@@ -184,7 +209,7 @@ class SpeculativeVideoPipeline:
                    if path is not None and role != "reward_tokenizer"}
         pipe = cls(load_pretrained(preset, paths["drafter"], paths["target"], paths["vae"], paths["reward"],
                                    paths["text_encoder"], paths["reward_tokenizer"], drafter_device, target_device),
-                   backend, engines, sources)
+                   backend, engines, sources, memory_budget_gib)
         pipe.build_flags = [a for role, path in paths.items() if path is not None
                             for a in (f"--{role.replace('_', '-')}", str(path))]
         return pipe
@@ -246,11 +271,12 @@ class SpeculativeVideoPipeline:
             from sdvg.generation.native import generate_blocks_native
 
             blocks = generate_blocks_native(self.components, prompt, opts, report, runners=runners,
-                                            threaded=threaded)
+                                            threaded=threaded, memory_budget_gib=self.memory_budget_gib)
         else:
             from sdvg.generation.reference import generate_blocks
 
-            blocks = generate_blocks(self.components, prompt, opts, report, runners=runners)
+            blocks = generate_blocks(self.components, prompt, opts, report, runners=runners,
+                                     memory_budget_gib=self.memory_budget_gib)
         return BlockStream(blocks, RunStats(prompt, self.preset.name, opts, self.provenance()), report)
 
     def stream(self, prompt: str, *, mode: str = D.mode, tau: float = D.tau, num_blocks: int | None = D.num_blocks,

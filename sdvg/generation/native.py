@@ -3,7 +3,9 @@
 The scheduler decides, orders and times everything, owns the KV-cache pointer moves and runs the
 drafter ahead on its own thread when asked (`run_ahead`); Python is entered only for the stage
 calls below, which are the very primitives of the reference loop, so the outputs are identical.
-Blocks come back through a queue as soon as the scheduler emits them.
+Blocks come back through a queue as soon as the scheduler emits them. The stage outputs go through
+the video's `StageGuard` as in the reference loop: the scheduler rejects a non-finite draft on its
+NaN score, and a non-finite target or emitted output raises from the stage call.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ class _Stages:
 
     def __init__(self, comps: Components, prompt: str, opts: GenerationOptions, setup, sink: queue.Queue):
         self.comps, self.prompt, self.opts, self.setup, self.sink = comps, prompt, opts, setup, sink
-        self.F = setup.frames_per_block
+        self.F, self.guard = setup.frames_per_block, setup.guard
         self.transfer = LatentTransfer([comps.drafter_device, comps.target_device])
         self.drafter_dev, self.target_dev, self.vae_dev = comps.drafter_device, comps.target_device, comps.vae.device
 
@@ -47,7 +49,7 @@ class _Stages:
         x = self.setup.drafter.denoise(self._noise(b), b, b * self.F, self.opts.seed)
         if self.setup.target is not None:
             self.transfer.prefetch(x, self.target_dev)  # an accepted draft goes into the target's cache
-        return self._done(x)
+        return self._done(self.guard.draft(x, b))
 
     def drafter_commit(self, b, x):
         self._done(self.setup.drafter.commit_forward(self.transfer.get(x, self.drafter_dev), b * self.F))
@@ -55,20 +57,25 @@ class _Stages:
     def target(self, b):
         x = self.setup.target.denoise(self._noise(b), b, b * self.F, self.opts.seed)
         self.transfer.prefetch(x, self.vae_dev)  # decoded, and committed into the drafter, over there
-        return self._done(x)
+        return self._done(self.guard.target(x, b))
 
     def target_commit(self, b, x):
         self._done(self.setup.target.commit_forward(self.transfer.get(x, self.target_dev), b * self.F))
 
     def decode(self, x):
-        return self._done(self.setup.runners.decode(self.transfer.get(x, self.vae_dev), self.setup.vae_cache))
+        return self._done(self.guard.decode(
+            lambda: self.setup.runners.decode(self.transfer.get(x, self.vae_dev), self.setup.vae_cache), x))
+
+    def _score_frames(self, pixels):
+        s = self.setup.runners.score(self.prompt, to_unit_frames(pixels))
+        self._done()
+        return s
 
     def score(self, pixels):
         if self.comps.scorer is None:
+            self.guard.judge(pixels)  # a non-finite draft: rejected (or an error) as with a reward model
             return None
-        s = self.setup.runners.score(self.prompt, to_unit_frames(pixels))
-        self._done()
-        return self.setup.aggregator(s), [float(v) for v in s.cpu()]
+        return self.guard.score(self._score_frames, pixels, self.setup.aggregator)
 
     def vae_snapshot(self):
         return self.setup.vae_cache.snapshot()
@@ -114,14 +121,16 @@ def setup_scheduler_config(opts: GenerationOptions, setup):
 
 
 def generate_blocks_native(comps: Components, prompt: str, opts: GenerationOptions, report: LoopReport | None = None,
-                           runners=None, threaded: bool = True) -> Iterator[BlockRecord]:
+                           runners=None, threaded: bool = True,
+                           memory_budget_gib: float | None = None) -> Iterator[BlockRecord]:
     """Same contract as `reference.generate_blocks`, run by the native scheduler.
 
     threaded=True runs the scheduler on a worker thread and yields each block as it is emitted;
     threaded=False runs it on the calling thread and yields the blocks at the end (CPU compute on a
     thread other than the main one measured 15-20% slower here, so whole-video calls use this)."""
     counters = Counters()  # the prepared models count nothing here: the scheduler keeps the counts
-    setup = prepare(comps, prompt, opts, counters, slack_frames=setup_slack(comps, opts.run_ahead), runners=runners)
+    setup = prepare(comps, prompt, opts, counters, slack_frames=setup_slack(comps, opts.run_ahead), runners=runners,
+                    memory_budget_gib=memory_budget_gib)
     sink: queue.Queue = queue.Queue()
     stages = _Stages(comps, prompt, opts, setup, sink)
     sched = _C.Scheduler(
@@ -154,7 +163,7 @@ def generate_blocks_native(comps: Components, prompt: str, opts: GenerationOptio
         finally:
             sched.cancel()  # no-op when finished; stops the scheduler if the consumer went away
             worker.join()
-    if errors and not sched.cancelled():
+    if errors:  # a consumer that left early never gets here (GeneratorExit at its yield): the run's own error
         raise errors[0]
     if report is not None:
         report.counters = sched.counters()

@@ -9,11 +9,14 @@ from dataclasses import dataclass
 import torch
 
 from sdvg.config import RoleContext
+from sdvg.generation.guard import StageGuard
 from sdvg.generation.noise import gaussian
 from sdvg.generation.schedule import FlowSchedule
 from sdvg.models.components import Components
 from sdvg.models.dit import block_causal_mask
 from sdvg.models.kv_cache import KVCacheSpec
+from sdvg.models.memory import (MemoryItem, check_budget, device_key, kv_arithmetic, prompt_kv_bytes,
+                                resident_items)
 from sdvg.models.reward import Aggregator
 from sdvg.options import GenerationOptions
 
@@ -140,8 +143,9 @@ class RoleModel:
             self.cache.commit()
 
 
-def allocate_cache(comps: Components, dit, device, context: RoleContext, num_blocks: int, slack_frames: int = 0,
-                   runners=None):
+def cache_spec(comps: Components, dit, context: RoleContext, num_blocks: int, slack_frames: int = 0,
+               runners=None) -> KVCacheSpec:
+    """The KV cache one role gets for a video (what `allocate_cache` allocates and the budget check counts)."""
     p = comps.preset
     if runners is not None and runners.backend != "eager":
         if context.recompute:
@@ -149,7 +153,87 @@ def allocate_cache(comps: Components, dit, device, context: RoleContext, num_blo
                              "recompute context runs on backend 'eager' (or pass --target-context full / "
                              "--drafter-cache full)")
         num_blocks = max(num_blocks, p.video.num_blocks)  # static stages were shaped for the preset's capacity
-    return KVCacheSpec.for_context(p, dit.config, context, num_blocks, slack_frames).allocate(dit.dtype, device)
+    return KVCacheSpec.for_context(p, dit.config, context, num_blocks, slack_frames)
+
+
+def allocate_cache(comps: Components, dit, device, context: RoleContext, num_blocks: int, slack_frames: int = 0,
+                   runners=None):
+    return cache_spec(comps, dit, context, num_blocks, slack_frames, runners).allocate(dit.dtype, device)
+
+
+def _role_names(mode: str) -> list[str]:
+    return [r for r, runs in (("drafter", mode in ("sdvg", "draft")), ("target", mode in ("sdvg", "target"))) if runs]
+
+
+def _roles(comps: Components, opts: GenerationOptions) -> list[tuple[str, object, torch.device]]:
+    """(role, DiT, device) of each role the mode runs."""
+    return [(role, getattr(comps, role), getattr(comps, f"{role}_device")) for role in _role_names(opts.mode)]
+
+
+def video_memory(comps: Components, opts: GenerationOptions, slack_frames: int = 0, runners=None) -> list[MemoryItem]:
+    """What `prepare` allocates for one video, per device: each role's KV cache (the very spec it
+    allocates; `KVCacheSpec.nbytes`) and its prompt K/V. `opts` are resolved options."""
+    items = []
+    text_len = comps.preset.text_encoder.text_len
+    for role, dit, device in _roles(comps, opts):
+        context = opts.role_context(role)
+        slack = slack_frames if role == "drafter" else 0
+        nbytes, how = kv_arithmetic(cache_spec(comps, dit, context, opts.num_blocks, slack, runners), context,
+                                    dit.dtype)
+        dev = device_key(device)
+        items.append(MemoryItem(dev, f"{role} KV cache", nbytes, how))
+        items.append(MemoryItem(dev, f"{role} prompt K/V", *prompt_kv_bytes(dit.config, text_len, dit.dtype)))
+    return items
+
+
+def resident_components(comps: Components) -> list[MemoryItem]:
+    """The weights a pipeline already holds, per device (measured)."""
+    return resident_items({"drafter": comps.drafter, "target": comps.target, "umT5 text encoder":
+                           comps.text_encoder.model, "VAE": comps.vae.vae,
+                           "ImageReward": comps.scorer.model if comps.scorer is not None else None})
+
+
+def _fixes(opts: GenerationOptions) -> str:
+    fixes = [f"fewer blocks (num_blocks is {opts.num_blocks})"]
+    full = [r for r in _role_names(opts.mode) if not opts.role_context(r).recompute]
+    if full:
+        flags = " / ".join({"drafter": "drafter_cache='recompute'", "target": "target_context='recompute'"}[r]
+                           for r in full)
+        fixes.append(f"the recompute context ({flags}: kv_cache_frames context frames + one block, whatever the "
+                     "video's length)")
+        fixes.append("a local window for a full context (window_frames=..., sink_frames=...)")
+    fixes.append("or a larger budget (memory_budget_gib=... / --memory-budget-gib; None: the device's free memory)")
+    return ", ".join(fixes)
+
+
+def text_encoder_visit(comps: Components, prompt: str | None) -> list[MemoryItem]:
+    """An offloaded umT5 visits its execution device to encode a prompt it has not cached (its weights
+    come over, then leave before the caches are allocated): that visit, or nothing."""
+    te = comps.text_encoder
+    if prompt is None or te.execution_device is None or te.execution_device == te.offload_device \
+            or prompt in te.cache:
+        return []
+    (item,) = resident_items({"umT5 text encoder": te.model})
+    return [MemoryItem(device_key(te.execution_device), "umT5 text encoder (visits to encode the prompt)",
+                       item.nbytes, item.arithmetic.replace("resident", "offloaded"))]
+
+
+def check_memory(comps: Components, opts: GenerationOptions, slack_frames: int = 0, runners=None,
+                 memory_budget_gib: float | None = None, prompt: str | None = None) -> list[MemoryItem]:
+    """The budget check of one video, before anything of it is allocated (the weights are already
+    resident): with `memory_budget_gib` None, what this video allocates against each device's free
+    memory now; with a budget, the resident weights plus this video against it. An offloaded text
+    encoder's visit to encode `prompt` comes first in `prepare` and is checked on its own. Returns the
+    video's items; raises `MemoryBudgetError`."""
+    resident = resident_components(comps) if memory_budget_gib is not None else None
+    visit = text_encoder_visit(comps, prompt)
+    if visit:
+        check_budget(visit, memory_budget_gib, resident, "keep the text encoder off this device "
+                     "(TextEncoder.enable_offload with an execution device that has room), free memory on it, or a "
+                     "larger budget (memory_budget_gib=... / --memory-budget-gib)")
+    needs = video_memory(comps, opts, slack_frames, runners)
+    check_budget(needs, memory_budget_gib, resident, _fixes(opts))
+    return needs
 
 
 @dataclass
@@ -164,6 +248,7 @@ class Setup:
     block_shape: tuple
     runners: object
     emitted_pixels: deque  # the last emitted pixel frames ([1, 3, 1, H, W] each) a recompute role re-encodes
+    guard: StageGuard  # the NaN/inf checks of every stage output (both schedulers)
 
     def observe(self, pixels: torch.Tensor) -> None:
         """Record a block's emitted pixels [1, 3, T, H, W] (call once per block, in order, before the next
@@ -173,8 +258,10 @@ class Setup:
 
 
 def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, slack_frames: int = 0,
-            runners=None) -> Setup:
-    """`opts` are resolved options (num_blocks set); `counters` a `Counters` that the models count into."""
+            runners=None, memory_budget_gib: float | None = None) -> Setup:
+    """`opts` are resolved options (num_blocks set); `counters` a `Counters` that the models count into.
+    Before anything is allocated, the video's KV caches and prompt K/V are checked against each
+    device's free memory, or against `memory_budget_gib` (`check_memory`; `MemoryBudgetError`)."""
     if opts.num_blocks is None:
         raise ValueError("prepare() needs resolved options: call opts.resolved(preset) first")
     if runners is None:
@@ -192,6 +279,7 @@ def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, s
         raise ValueError(f"mode {opts.mode!r} needs a target, but none is loaded")
     if opts.mode == "sdvg" and opts.router == "reward" and comps.scorer is None:
         raise ValueError("router 'reward' needs the ImageReward model; load one or use router 'random'/'pattern'")
+    check_memory(comps, opts, slack_frames, runners, memory_budget_gib, prompt)
     emb = comps.text_encoder.encode(prompt)
     zf = p.video.frames_per_block
     roles = [r for r, needed in (("drafter", need_drafter), ("target", need_target)) if needed]
@@ -211,7 +299,7 @@ def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, s
     target = role_model("target", comps.target, comps.target_device, 0) if need_target else None
     lh, lw = p.video.latent_hw(p.vae)
     return Setup(Aggregator(opts.aggregation), drafter, target, comps.vae.new_cache(), zf,
-                 (1, p.vae.z_dim, zf, lh, lw), runners, emitted_pixels)
+                 (1, p.vae.z_dim, zf, lh, lw), runners, emitted_pixels, StageGuard(opts))
 
 
 def role_schedule(preset, context: RoleContext) -> FlowSchedule:

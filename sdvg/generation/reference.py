@@ -11,7 +11,9 @@ Per block b (docs/method.md):
      draft (`own`, the paper's rule) or x_b (`committed`); the target takes x_b (a t = 0 forward
      under a full context; under recompute its latents join the context and the next target
      denoise rebuilds the cache from them).
-Modes `target` and `draft` run the same code with only one model.
+Modes `target` and `draft` run the same code with only one model. Every stage output goes through
+the video's `StageGuard` (`guard.py`): NaN/inf is an error naming the stage and the block, except in
+a draft, which is then rejected with a warning (its score is NaN) and the target makes the block.
 """
 from __future__ import annotations
 
@@ -30,14 +32,14 @@ from sdvg.options import GenerationOptions
 
 
 def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, report: LoopReport | None = None,
-                    runners=None) -> Iterator[BlockRecord]:
+                    runners=None, memory_budget_gib: float | None = None) -> Iterator[BlockRecord]:
     """Yields each block as soon as its frames are final; `report` is filled at the end.
-    `opts` are resolved options (num_blocks set)."""
+    `opts` are resolved options (num_blocks set); `memory_budget_gib`: see `prepare`."""
     counters = Counters()
     router = Router.from_options(opts)
-    setup = prepare(comps, prompt, opts, counters, runners=runners)
+    setup = prepare(comps, prompt, opts, counters, runners=runners, memory_budget_gib=memory_budget_gib)
     run = setup.runners
-    agg, drafter, target = setup.aggregator, setup.drafter, setup.target
+    agg, drafter, target, guard = setup.aggregator, setup.drafter, setup.target, setup.guard
     vae_cache = setup.vae_cache
     zf, shape = setup.frames_per_block, setup.block_shape
     pending_target_commits: list[tuple[torch.Tensor, int]] = []  # accepted blocks not yet in the target
@@ -57,6 +59,19 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
                       "end_s": t1 - t_start})
         return out
 
+    # the stage calls, each through the guard (NaN/inf checks), as the native scheduler's `_Stages`
+    def denoise_draft(noise, b, frame0):
+        return guard.draft(drafter.denoise(noise, b, frame0, opts.seed), b)
+
+    def denoise_target(noise, b, frame0):
+        return guard.target(target.denoise(noise, b, frame0, opts.seed), b)
+
+    def decode(latents):
+        return guard.decode(lambda: run.decode(latents, vae_cache), latents)
+
+    def score_frames(pixels):
+        return run.score(prompt, to_unit_frames(pixels))
+
     def flush_target_commits(times):
         while pending_target_commits:
             lat, f0 = pending_target_commits.pop(0)
@@ -72,12 +87,12 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
 
         if opts.mode == "target":
             flush_target_commits(times)
-            x_b = timed(times, "target", target.device, lambda: target.denoise(noise, b, frame0, opts.seed))
-            pixels = timed(times, "decode", comps.vae.device, lambda: run.decode(x_b, vae_cache))
+            x_b = timed(times, "target", target.device, lambda: denoise_target(noise, b, frame0))
+            pixels = timed(times, "decode", comps.vae.device, lambda: decode(x_b))
             decision = "target"
         elif opts.mode == "draft":
-            x_b = timed(times, "draft", drafter.device, lambda: drafter.denoise(noise, b, frame0, opts.seed))
-            pixels = timed(times, "decode", comps.vae.device, lambda: run.decode(x_b, vae_cache))
+            x_b = timed(times, "draft", drafter.device, lambda: denoise_draft(noise, b, frame0))
+            pixels = timed(times, "decode", comps.vae.device, lambda: decode(x_b))
             decision = "draft"
         else:
             forced = b == 0 and opts.force_first_reject
@@ -85,14 +100,14 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
             if forced and opts.skips_first_draft:
                 counters.skipped_drafter_forwards += drafter.schedule.num_steps
             else:
-                draft = timed(times, "draft", drafter.device, lambda: drafter.denoise(noise, b, frame0, opts.seed))
+                draft = timed(times, "draft", drafter.device, lambda: denoise_draft(noise, b, frame0))
                 snap = vae_cache.snapshot()
-                pixels_hat = timed(times, "decode", comps.vae.device, lambda: run.decode(draft, vae_cache))
+                pixels_hat = timed(times, "decode", comps.vae.device, lambda: decode(draft))
                 if comps.scorer is not None:
-                    scores = timed(times, "score", comps.vae.device,
-                                   lambda: run.score(prompt, to_unit_frames(pixels_hat)))
-                    frame_scores = [float(s) for s in scores.cpu()]
-                    score = agg(scores)
+                    score, frame_scores = timed(times, "score", comps.vae.device,
+                                                lambda: guard.score(score_frames, pixels_hat, agg))
+                else:
+                    guard.judge(pixels_hat)  # no score: a non-finite draft is rejected (or refused) all the same
             accepted = (not forced) and router.accept(b, score, opts.seed)
             if accepted:
                 decision, x_b, pixels = "accepted", draft, pixels_hat
@@ -101,12 +116,11 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
                 if pixels_hat is not None:
                     vae_cache.restore(snap)
                 flush_target_commits(times)
-                x_b = timed(times, "target", target.device, lambda: target.denoise(noise, b, frame0, opts.seed))
-                pixels = timed(times, "decode", comps.vae.device, lambda: run.decode(x_b, vae_cache))
+                x_b = timed(times, "target", target.device, lambda: denoise_target(noise, b, frame0))
+                pixels = timed(times, "decode", comps.vae.device, lambda: decode(x_b))
                 if opts.score_emitted and comps.scorer is not None:
-                    s = timed(times, "score", comps.vae.device,
-                              lambda: run.score(prompt, to_unit_frames(pixels)))
-                    emitted_scores = [float(v) for v in s.cpu()]
+                    emitted_scores = timed(times, "score", comps.vae.device,
+                                           lambda: guard.score(score_frames, pixels, agg))[1]
             if accepted and opts.score_emitted:
                 emitted_scores = list(frame_scores)
 

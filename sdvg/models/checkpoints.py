@@ -4,6 +4,10 @@ Formats: Self-Forcing `.pt` (dict with `generator_ema`/`generator`, keys prefixe
 Krea-style `.safetensors` (prefix `model.`), original Wan keys (`blocks.N.self_attn.q.weight`),
 and diffusers folders (config.json + diffusion_pytorch_model*.safetensors). Files are read with
 safetensors or `torch.load(weights_only=True)`; nothing else is ever unpickled.
+
+Every tensor a loader takes from a file is checked as it is read (`check_weights`): a floating dtype
+(an int8 tensor would otherwise be cast to float silently) and finite values (one `sum` per tensor
+when it is clean, a count when it is not). Errors name the file and the file's own key names.
 """
 from __future__ import annotations
 
@@ -78,6 +82,87 @@ def diffusers_to_original(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
+# ------------------------------------------------------------------- values
+_COUNT_CHUNK = 1 << 24  # elements per step of the NaN/inf count (bounded extra memory on a bad tensor)
+_SHOWN = 3  # bad keys named in an error (the count names the rest)
+FIX = "re-download / re-export the checkpoint"
+
+
+def nonfinite_counts(t: torch.Tensor) -> tuple[int, int]:
+    """(NaN count, inf count) of a floating tensor. A clean tensor costs one `sum` (NaN and inf
+    propagate through a sum; on the CPU it runs ~10x faster than `isfinite().all()`); only when the
+    sum is not finite (a bad value, or an overflow of finite ones) are the values counted, in chunks.
+    The result is a Python int: on CUDA this synchronises with the tensor's stream."""
+    if t.numel() == 0:
+        return 0, 0
+    try:
+        if bool(torch.isfinite(t.sum())):
+            return 0, 0
+    except (RuntimeError, NotImplementedError):  # a dtype without a sum kernel here (float8): count
+        pass
+    nan = inf = 0
+    for chunk in t.reshape(-1).split(_COUNT_CHUNK):
+        if chunk.dtype not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+            chunk = chunk.float()
+        nan += int(torch.isnan(chunk).sum())
+        inf += int(torch.isinf(chunk).sum())
+    return nan, inf
+
+
+def tensor_problem(t: torch.Tensor) -> str | None:
+    """What makes a tensor unusable as weights (None: nothing): a non-floating dtype or non-finite values."""
+    if not t.is_floating_point():
+        return f"dtype {t.dtype}, not a floating dtype (it would be cast to float silently)"
+    nan, inf = nonfinite_counts(t)
+    if nan or inf:
+        return f"non-finite values ({nan} NaN, {inf} inf)"
+    return None
+
+
+def _raise_problems(source, problems: list[tuple[str, str]]) -> None:
+    if not problems:
+        return
+    shown = "; ".join(f"{k!r}: {why}" for k, why in problems[:_SHOWN])
+    more = f"; and {len(problems) - _SHOWN} more" if len(problems) > _SHOWN else ""
+    raise CheckpointError(f"{source}: {len(problems)} unusable tensor(s): {shown}{more}. The file is damaged or "
+                          f"was exported wrongly; {FIX}")
+
+
+def check_weights(state: dict[str, torch.Tensor], source) -> None:
+    """Refuse a state dict read from `source` that holds a non-floating tensor or a NaN/inf, naming the
+    first keys (as the file spells them) and how many there are. One pass over every tensor."""
+    _raise_problems(source, [(k, why) for k, t in state.items()
+                             if isinstance(t, torch.Tensor) and (why := tensor_problem(t)) is not None])
+
+
+def check_module_weights(module: torch.nn.Module, source) -> None:
+    """`check_weights` for a module another library loaded (its parameter and buffer names)."""
+    _raise_problems(source, [(k, why) for k, t in module.state_dict().items()
+                             if t.is_floating_point() and (why := tensor_problem(t)) is not None])
+
+
+def _is_float_tag(tag: str) -> bool:
+    return tag.startswith(("F", "BF"))  # safetensors: F16, BF16, F32, F64, F8_E4M3, ...; I8, U8, BOOL, ...
+
+
+def check_file_dtypes(files) -> None:
+    """Refuse weight files that hold a non-floating tensor, reading only their headers (`.safetensors`)
+    or a memory map (`torch.load(mmap=True)`), for loaders that cast to float as they read."""
+    for f in files:
+        f = Path(f)
+        if f.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(f), "pt") as h:
+                bad = [(k, f"dtype {tag}, not a floating dtype (it would be cast to float silently)")
+                       for k in h.keys() if not _is_float_tag(tag := h.get_slice(k).get_dtype())]
+        else:
+            state = _unwrap(_read_file(f), str(f))
+            bad = [(k, f"dtype {t.dtype}, not a floating dtype (it would be cast to float silently)")
+                   for k, t in state.items() if not t.is_floating_point()]
+        _raise_problems(f, bad)
+
+
 # ------------------------------------------------------------------- reading
 def _read_file(path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
@@ -108,7 +193,9 @@ def _read_sharded(index: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{index} is not a valid shard index: {exc}") from exc
     state = {}
     for shard in sorted(set(weight_map.values())):
-        state.update(_read_file(index.parent / shard))
+        part = _read_file(index.parent / shard)
+        check_weights(part, index.parent / shard)
+        state.update(part)
     return state
 
 
@@ -152,14 +239,18 @@ def read_dit_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict
         elif files:
             state = {}
             for f in files:
-                state.update(_read_file(f))
+                part = _read_file(f)
+                check_weights(part, f)
+                state.update(part)
         else:
             raise CheckpointError(f"{folder} holds no .safetensors weights")
+        state = _unwrap(state, str(path))
     elif path.name.endswith(".index.json"):
-        state = _read_sharded(path)
+        state = _unwrap(_read_sharded(path), str(path))
     else:
-        state = _read_file(path)
-    state = _strip_prefix(_unwrap(state, str(path)))
+        state = _unwrap(_read_file(path), str(path))
+        check_weights(state, path)  # the file's own key names (generator_ema's, for Self-Forcing)
+    state = _strip_prefix(state)
     if is_original_format(state):
         state = original_to_diffusers(state)
     return state, config
@@ -186,9 +277,13 @@ def _mismatches(own_shapes: dict, state: dict[str, torch.Tensor], source: str, d
 
 def load_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], source: str,
                 describe_size=None) -> None:
-    """Copy `state` into `module`, refusing missing, unexpected and mis-shaped keys."""
+    """Copy `state` into `module`, refusing missing, unexpected and mis-shaped keys, and a non-floating
+    tensor for a floating parameter (the values were checked when the file was read: `check_weights`)."""
     own = module.state_dict()
     _mismatches({k: tuple(v.shape) for k, v in own.items()}, state, source, describe_size)
+    _raise_problems(source, [(k, f"dtype {state[k].dtype}, not a floating dtype (it would be cast to float "
+                                 "silently)") for k, t in own.items()
+                             if t.is_floating_point() and not state[k].is_floating_point()])
     with torch.no_grad():
         for k, t in own.items():
             t.copy_(state[k].to(t.dtype))

@@ -10,7 +10,9 @@ from sdvg.config import DiTConfig, KVWindow, RoleContext
 
 
 class MemoryBudgetError(MemoryError):
-    """The requested cache does not fit the given memory budget."""
+    """What is about to be allocated does not fit the device's free memory or the given budget; raised
+    before allocating (`KVCacheSpec.allocate`, and `sdvg.models.memory.check_budget`, which `prepare`
+    runs for each video)."""
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,22 @@
-"""What one pipeline keeps resident, per device, computed before anything is allocated.
+"""What one pipeline keeps resident, per device, computed before anything is allocated, and the
+budget check each video passes before its KV caches are allocated.
 
 Parameter counts come from the real classes built on the meta device (no memory, no download); KV
-caches from `KVCacheSpec` under each role's context mode. `sdvg memory` prints this plan."""
+caches from `KVCacheSpec` under each role's context mode (`KVCacheSpec.nbytes`, the one place their
+bytes are computed, for the plan and for the check alike). `sdvg memory` prints the plan;
+`check_budget` is what `prepare()` runs before allocating a video's caches."""
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 
 from sdvg.config import Preset, RoleContext, torch_dtype
-from sdvg.models.kv_cache import KVCacheSpec
+from sdvg.models.kv_cache import KVCacheSpec, MemoryBudgetError
 
 GIB = 2**30
 
@@ -58,16 +64,38 @@ def component_params(preset: Preset) -> dict[str, int]:
     return {"vae": count(vae), "text_encoder": count(umt5), "reward": count(reward)}
 
 
-def kv_bytes(preset: Preset, role: str, context: RoleContext, num_blocks: int) -> tuple[int, str]:
-    dit = getattr(preset, role)
-    spec = KVCacheSpec.for_context(preset, dit, context, num_blocks)
-    elem = torch.empty((), dtype=torch_dtype(preset.precision)).element_size()
-    frames = context.cache_frames(num_blocks, preset.video.frames_per_block)
-    kept = f"window {context.window.window_frames} + sink {context.window.sink_frames}" \
-        if context.window.window_frames else f"{frames} frames"
-    how = (f"{context.mode}: {kept} x {spec.tokens_per_frame} tokens x {dit.num_layers} layers x 2 (K, V) x "
-           f"{dit.dim} x {elem} B")
-    return spec.nbytes(torch_dtype(preset.precision)), how
+def _elem(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def kv_arithmetic(spec: KVCacheSpec, context: RoleContext, dtype: torch.dtype) -> tuple[int, str]:
+    """(bytes, how they add up) of the cache `spec` describes: `spec.nbytes` and its factors."""
+    nbytes, elem = spec.nbytes(dtype), _elem(dtype)
+    per_frame = spec.num_layers * 2 * spec.batch * spec.heads * spec.head_dim * spec.tokens_per_frame * elem
+    slots = nbytes // per_frame
+    w = spec.window
+    kept = f"{slots} frames"
+    if w.window_frames:
+        kept = f"window {w.window_frames} + sink {w.sink_frames}" + (f" + slack {w.slack_frames}" if w.slack_frames
+                                                                      else "")
+    batch = f" x batch {spec.batch}" if spec.batch != 1 else ""
+    how = (f"{context.mode}: {kept} x {spec.tokens_per_frame} tokens x {spec.num_layers} layers x 2 (K, V) x "
+           f"{spec.heads * spec.head_dim}{batch} x {elem} B")
+    return nbytes, how
+
+
+def kv_bytes(preset: Preset, role: str, context: RoleContext, num_blocks: int,
+             slack_frames: int = 0) -> tuple[int, str]:
+    """(bytes, arithmetic) of `role`'s KV cache for `num_blocks` blocks under `context`."""
+    spec = KVCacheSpec.for_context(preset, getattr(preset, role), context, num_blocks, slack_frames)
+    return kv_arithmetic(spec, context, torch_dtype(preset.precision))
+
+
+def prompt_kv_bytes(dit, text_len: int, dtype: torch.dtype) -> tuple[int, str]:
+    """(bytes, arithmetic) of one DiT's cross-attention K/V of one prompt (`CausalWanDiT.encode_text`)."""
+    elem = _elem(dtype)
+    return (dit.num_layers * 2 * text_len * dit.dim * elem,
+            f"{dit.num_layers} layers x 2 x {text_len} tokens x {dit.dim} x {elem} B")
 
 
 def plan_memory(preset: Preset, contexts: dict[str, RoleContext], num_blocks: int, drafter_device: str,
@@ -84,9 +112,8 @@ def plan_memory(preset: Preset, contexts: dict[str, RoleContext], num_blocks: in
         items.append(MemoryItem(device, f"{role} weights", n * elem, f"{n / 1e9:.2f}B params x {elem} B"))
         nbytes, how = kv_bytes(preset, role, contexts[role], num_blocks)
         items.append(MemoryItem(device, f"{role} KV cache", nbytes, how))
-        text = dit.num_layers * 2 * preset.text_encoder.text_len * dit.dim * elem
-        items.append(MemoryItem(device, f"{role} prompt K/V", text, f"{dit.num_layers} layers x 2 x "
-                                f"{preset.text_encoder.text_len} tokens x {dit.dim} x {elem} B"))
+        text, how = prompt_kv_bytes(dit, preset.text_encoder.text_len, torch_dtype(preset.precision))
+        items.append(MemoryItem(device, f"{role} prompt K/V", text, how))
     params = component_params(preset)
     for name, device in (("vae", drafter_device), ("reward", drafter_device), ("text_encoder", text_encoder_device)):
         n = params[name]
@@ -115,3 +142,121 @@ def format_plan(items: list[MemoryItem], budget_gib: float | None) -> list[str]:
                        f"   EXCEEDS the budget of {budget_gib:.1f} GiB by {total / GIB - budget_gib:.2f} GiB")
         lines.append(f"  {'total':<28} {total / GIB:8.2f} GiB" + verdict)
     return lines
+
+
+# ------------------------------------------------------------------ the budget check of one video
+def device_key(device) -> str:
+    """'cpu', 'cuda:0', ...: a CUDA device without an index is the current one."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return str(d)
+
+
+def check_budget_gib(budget_gib) -> float | None:
+    """A memory budget in GiB: None (each device's free memory) or a positive finite number."""
+    if budget_gib is None:
+        return None
+    if isinstance(budget_gib, bool) or not isinstance(budget_gib, (int, float)):
+        raise TypeError(f"memory_budget_gib must be a number of GiB or None, got {type(budget_gib).__name__}")
+    if not math.isfinite(budget_gib) or budget_gib <= 0:
+        raise ValueError(f"memory_budget_gib must be a positive finite number of GiB (or None: each device's free "
+                         f"memory), got {budget_gib}")
+    return float(budget_gib)
+
+
+def _count(n: int) -> str:
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+def resident_items(modules: dict[str, torch.nn.Module | None]) -> list[MemoryItem]:
+    """The bytes of each named module's parameters and buffers, per device they sit on (measured)."""
+    items = []
+    for name, module in modules.items():
+        if module is None:
+            continue
+        per_device: dict[str, dict[int, int]] = {}  # device -> element size -> values
+        seen = set()
+        for t in (*module.parameters(), *module.buffers()):
+            if id(t) in seen:  # tied weights count once
+                continue
+            seen.add(id(t))
+            sizes = per_device.setdefault(device_key(t.device), {})
+            sizes[t.element_size()] = sizes.get(t.element_size(), 0) + t.numel()
+        for device, sizes in per_device.items():
+            nbytes = sum(elem * n for elem, n in sizes.items())
+            how = " + ".join(f"{_count(n)} x {elem} B" for elem, n in sorted(sizes.items(), key=lambda x: -x[1]))
+            items.append(MemoryItem(device, f"{name} weights", nbytes, f"resident: {how}"))
+    return items
+
+
+_MEMINFO = Path("/proc/meminfo")
+_NOTED: set = set()
+
+
+def available_bytes(device) -> tuple[int | None, str]:
+    """(bytes a new allocation on `device` can take now, where the number comes from). CUDA: the
+    driver's free memory plus what PyTorch's caching allocator holds unused (an earlier video's
+    caches). CPU: MemAvailable of /proc/meminfo, else psutil's available memory, else None."""
+    d = torch.device(device)
+    if d.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(d)
+        cached = torch.cuda.memory_reserved(d) - torch.cuda.memory_allocated(d)
+        return free + cached, "free memory (torch.cuda.mem_get_info, plus PyTorch's cached blocks)"
+    if d.type == "cpu":
+        try:
+            for line in _MEMINFO.read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "available RAM (MemAvailable, /proc/meminfo)"
+        except OSError:
+            pass
+        try:
+            import psutil
+
+            return int(psutil.virtual_memory().available), "available RAM (psutil)"
+        except ImportError:
+            pass
+    return None, f"unknown on {d} (no /proc/meminfo, no psutil)"
+
+
+def check_budget(needs: list[MemoryItem], budget_gib: float | None = None,
+                 resident: list[MemoryItem] | None = None, fixes: str = "") -> None:
+    """Refuse, before anything is allocated, what does not fit, per device.
+
+    budget_gib None: `needs` (what is about to be allocated) against what the device has free now
+    (`available_bytes`; a device whose free memory is unknown is skipped, with a warning, once).
+    budget_gib set: the memory the pipeline may hold on each device, as `sdvg memory --budget-gib`
+    reads it: `resident` (what is already there) plus `needs`. Activations and the CUDA context come
+    on top of either. Raises MemoryBudgetError naming the device, each item with its arithmetic, the
+    budget and `fixes`."""
+    budget_gib = check_budget_gib(budget_gib)
+    resident = resident or []
+    for device in dict.fromkeys(it.device for it in needs):
+        items = [it for it in needs if it.device == device]
+        need = sum(it.nbytes for it in items)
+        if budget_gib is None:
+            limit, source = available_bytes(device)
+            if limit is None:
+                if device not in _NOTED:
+                    _NOTED.add(device)
+                    warnings.warn(f"memory check skipped on {device}: its free memory is {source}; pass "
+                                  "memory_budget_gib to check against a budget", RuntimeWarning, stacklevel=3)
+                continue
+            held = []
+            what = f"this video needs {need / GIB:.2f} GiB but {limit / GIB:.2f} GiB is {source}"
+        else:
+            held = [it for it in resident if it.device == device]
+            limit, source = int(budget_gib * GIB), f"the budget of {budget_gib:g} GiB (memory_budget_gib)"
+            total = need + sum(it.nbytes for it in held)
+            what = (f"it would hold {total / GIB:.2f} GiB ({sum(it.nbytes for it in held) / GIB:.2f} GiB resident + "
+                    f"{need / GIB:.2f} GiB for this video), over {source}")
+            need = total
+        if need <= limit:
+            continue
+        width = max(len(it.what) for it in (*held, *items))
+        lines = [f"  {it.what:<{width}} {it.gib:9.2f} GiB  ({it.arithmetic})" for it in (*held, *items)]
+        raise MemoryBudgetError(f"device {device}: {what}; nothing was allocated:\n" + "\n".join(lines)
+                                + f"\nFix: {fixes or 'a larger budget'}")

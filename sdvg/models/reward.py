@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sdvg.config import RewardConfig
-from sdvg.models.checkpoints import CheckpointError, _mismatches, _read_file, _unwrap, load_strict
+from sdvg.models.checkpoints import CheckpointError, _mismatches, _read_file, _unwrap, check_weights, load_strict
 from sdvg.models.tokenizers import (BERT_BASE_UNCASED_VOCAB, add_blip_tokens, check_vocab_size, load_bert_tokenizer,
                                     tiny_bert_tokenizer)
 
@@ -218,7 +218,8 @@ def _size_hint(cfg: RewardConfig) -> str:
 
 def load_image_reward_weights(model: ImageRewardModel, path: str | Path) -> None:
     """ImageReward.pt from a local path (weights_only), renamed by `KEY_MAP`, strictly: every model key
-    present, no key the map does not name, every shape equal. Errors name the file's keys."""
+    present, no key the map does not name, every shape equal, every loaded tensor floating and finite.
+    Errors name the file's keys."""
     state = dict(_unwrap(_read_file(Path(path)), str(path)))
     if not any(k.startswith("blip.visual_encoder.") for k in state):
         raise CheckpointError(f"{path} is not an ImageReward checkpoint (no blip.visual_encoder.* keys)")
@@ -227,6 +228,7 @@ def load_image_reward_weights(model: ImageRewardModel, path: str | Path) -> None
         raise CheckpointError(f"{path}: {POSITION_IDS} is not 0, 1, 2, ...; sdvg uses absolute positions")
     for k in [k for k in state if k.startswith(UNUSED_PREFIXES)]:
         del state[k]
+    check_weights(state, path)
     own = model.state_dict()
     _mismatches({sdvg_to_package(k): tuple(v.shape) for k, v in own.items()}, state, str(path), _size_hint(model.config))
     load_strict(model, {package_to_sdvg(k): v for k, v in state.items()}, str(path), _size_hint(model.config))

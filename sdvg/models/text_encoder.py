@@ -43,8 +43,11 @@ class TextEncoder:
     @classmethod
     def from_pretrained(cls, folder: str | Path, tokenizer_folder: str | Path | None = None,
                         config: TextEncoderConfig | None = None) -> "TextEncoder":
-        """A transformers folder of UMT5EncoderModel (or a diffusers Wan folder's text_encoder/)."""
+        """A transformers folder of UMT5EncoderModel (or a diffusers Wan folder's text_encoder/). Refused
+        (CheckpointError): a non-floating tensor in its weight files, a NaN/inf in the loaded weights."""
         from transformers import AutoTokenizer, UMT5EncoderModel
+
+        from sdvg.models.checkpoints import check_file_dtypes, check_module_weights
 
         folder = Path(folder)
         if (folder / "text_encoder").is_dir():
@@ -52,7 +55,11 @@ class TextEncoder:
             folder = folder / "text_encoder"
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(f"{folder} is not a UMT5 encoder folder (no config.json)")
+        # transformers casts to float32 as it reads: the files' dtypes are checked first (headers only),
+        # the values once loaded (by the model's parameter names)
+        check_file_dtypes(sorted(f for f in folder.iterdir() if f.suffix in (".safetensors", ".bin")))
         model = UMT5EncoderModel.from_pretrained(str(folder), local_files_only=True, torch_dtype=torch.float32)
+        check_module_weights(model, folder)
         tok = AutoTokenizer.from_pretrained(str(tokenizer_folder or folder), local_files_only=True)
         cfg = config or TextEncoderConfig(d_model=model.config.d_model, d_ff=model.config.d_ff,
                                           num_layers=model.config.num_layers, num_heads=model.config.num_heads,

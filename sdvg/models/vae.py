@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from sdvg.models.checkpoints import CheckpointError, _read_file, _unwrap, load_strict
+from sdvg.models.checkpoints import CheckpointError, _read_file, _unwrap, check_weights, load_strict
 from sdvg.config import VAEConfig
 
 
@@ -46,7 +46,8 @@ def build_vae(config: VAEConfig):
 
 
 def load_vae_weights(vae, path: str | Path) -> None:
-    """Original `Wan2.1_VAE.pth` keys or a diffusers folder/file; weights_only, strict keys."""
+    """Original `Wan2.1_VAE.pth` keys or a diffusers folder/file; weights_only, strict keys; every tensor
+    floating and finite (checked per file, by the file's key names)."""
     path = Path(path)
     if path.is_dir():
         folder = path / "vae" if (path / "vae").is_dir() else path
@@ -55,9 +56,12 @@ def load_vae_weights(vae, path: str | Path) -> None:
             raise CheckpointError(f"{folder} holds no .safetensors VAE weights")
         state = {}
         for f in files:
-            state.update(_read_file(f))
+            part = _read_file(f)
+            check_weights(part, f)
+            state.update(part)
     else:
         state = _unwrap(_read_file(path), str(path))
+        check_weights(state, path)
     if any(k.startswith("decoder.middle.") or k.startswith("conv1.") for k in state):
         from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 

@@ -1,0 +1,167 @@
+"""NaN/inf in a stage output: an error naming the stage and the block, except for a draft.
+
+Both schedulers call their stages through one `StageGuard` per video (`Setup.guard`), so they make
+the same decisions:
+
+- the target's latents, the VAE decode of the emitted block and the reward scores of emitted
+  frames (`score_emitted`) must be finite, else `NonFiniteError` ("target output of block 3 holds
+  12 NaN values; ...");
+- a draft is only a proposal: when its latents, their decode or their reward scores are not finite,
+  the draft is rejected with a `NonFiniteDraftWarning` naming the block, and the target makes the
+  block. A draft whose latents are not finite is neither decoded nor scored. The decision is made
+  where the native scheduler makes it, on the score stage's result: the score of such a draft is NaN
+  (`NaN >= tau` is false for every tau, -inf included), so the reward router rejects it in both
+  schedulers. The random and pattern routers decide without looking at the draft (a decision fixed
+  per block in advance, which is what they are for): a non-finite draft that they reject anyway (or
+  a forced block 0) is rejected with the warning; one they would accept raises `NonFiniteError`, as
+  does any non-finite draft in mode `draft`, where the draft is the block.
+
+Under `drafter_context="own"` a rejected draft still enters the drafter's own context (the paper's
+rule), so after a non-finite draft the drafter's later drafts are usually non-finite too: each is
+rejected with a warning and the video continues from the target.
+
+Cost: one reduction per stage output (`nonfinite_counts`: a sum, then a count only when it is not
+finite); reading its result synchronises the stage's stream on CUDA, which both schedulers do after
+every stage anyway."""
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+import weakref
+
+import torch
+
+from sdvg.generation.routers import Router
+from sdvg.models.checkpoints import nonfinite_counts
+from sdvg.options import GenerationOptions
+
+
+class NonFiniteError(RuntimeError):
+    """A stage output holds NaN or inf; `stage` and `block` say where."""
+
+    def __init__(self, message: str, stage: str, block: int):
+        super().__init__(message)
+        self.stage, self.block = stage, block
+
+
+class NonFiniteDraftWarning(RuntimeWarning):
+    """A draft held NaN or inf and was rejected; the target made its block."""
+
+
+def describe(nan: int, inf: int) -> str:
+    """'12 NaN values', '1 inf value', '3 NaN and 2 inf values'."""
+    if nan and inf:
+        return f"{nan} NaN and {inf} inf values"
+    n, what = (nan, "NaN") if nan else (inf, "inf")
+    return f"{n} {what} value{'' if n == 1 else 's'}"
+
+
+_HINT = ("a numerical overflow (fp16: use bf16 or fp32) or bad weights (weights loaded from files were checked "
+         "for NaN/inf on load)")
+
+
+class StageGuard:
+    """The finite checks of one video's stage outputs. Stage outputs are tagged with the role and block
+    that made them (by object identity), so the decode and score stages know whether they handle a draft."""
+
+    def __init__(self, opts: GenerationOptions):
+        self.mode, self.router, self.seed = opts.mode, Router.from_options(opts), opts.seed
+        self.force_first_reject, self.own_context = opts.force_first_reject, opts.drafter_context == "own"
+        self._tags: dict[int, tuple] = {}  # id(tensor) -> (weakref, role, block, problem or None)
+        self._lock = threading.Lock()  # the drafter thread (run-ahead) tags drafts while the main one reads
+        self.rejected: list[int] = []  # blocks whose draft was rejected for NaN/inf, in order
+
+    # ------------------------------------------------------------------ tags
+    def _tag(self, t, role: str, block: int, problem: str | None) -> None:
+        with self._lock:
+            for key in [k for k, v in self._tags.items() if v[0]() is None]:
+                del self._tags[key]
+            self._tags[id(t)] = (weakref.ref(t), role, block, problem)
+
+    def _origin(self, t) -> tuple[str, int, str | None]:
+        with self._lock:
+            entry = self._tags.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return "unknown", -1, None
+        return entry[1:]
+
+    # ---------------------------------------------------------------- stages
+    def draft(self, x: torch.Tensor, block: int) -> torch.Tensor:
+        """The drafter's latents of `block`: tagged; in mode `draft` (the draft is the block) NaN/inf raises."""
+        nan, inf = nonfinite_counts(x)
+        problem = f"drafter output of block {block} holds {describe(nan, inf)}" if nan or inf else None
+        if problem and self.mode != "sdvg":
+            raise NonFiniteError(f"{problem}; in mode {self.mode!r} the draft is the block and nothing replaces it "
+                                 f"({_HINT})", "draft", block)
+        self._tag(x, "draft", block, problem)
+        return x
+
+    def target(self, x: torch.Tensor, block: int) -> torch.Tensor:
+        """The target's latents of `block`: NaN/inf raises."""
+        nan, inf = nonfinite_counts(x)
+        if nan or inf:
+            raise NonFiniteError(f"target output of block {block} holds {describe(nan, inf)}; the block cannot be "
+                                 f"emitted ({_HINT})", "target", block)
+        self._tag(x, "target", block, None)
+        return x
+
+    def decode(self, fn, latents):
+        """`fn()` decodes `latents`; a draft already found non-finite is not decoded (its block is
+        rejected and the VAE cache restored; `latents` comes back as its placeholder). NaN/inf in the
+        pixels of a draft marks the draft; in those of an emitted block it raises."""
+        role, block, problem = self._origin(latents)
+        if problem is not None:
+            return latents
+        pixels = fn()
+        nan, inf = nonfinite_counts(pixels)
+        if nan or inf:
+            what = f"VAE decode of the draft of block {block} holds {describe(nan, inf)}"
+            if role == "draft" and self.mode == "sdvg":
+                self._tag(pixels, "draft", block, what)
+                return pixels
+            raise NonFiniteError(f"decode output of block {block} holds {describe(nan, inf)}; the block cannot be "
+                                 "emitted (the latents were finite: the VAE overflowed or its weights are bad)",
+                                 "decode", block)
+        self._tag(pixels, role, block, None)
+        return pixels
+
+    def score(self, fn, pixels, aggregator) -> tuple[float, list[float]]:
+        """(aggregated score, per-frame scores) of decoded `pixels` (`fn(pixels)` scores them). A
+        non-finite draft is rejected (NaN, not scored when its latents or pixels were the problem);
+        non-finite scores of emitted frames raise."""
+        role, block, problem = self._origin(pixels)
+        if problem is not None:
+            self.reject(block, problem)
+            return math.nan, []
+        s = fn(pixels)
+        frame_scores = [float(v) for v in s.cpu()]
+        bad = [v for v in frame_scores if not math.isfinite(v)]
+        if bad:
+            nan = sum(math.isnan(v) for v in bad)
+            counts = describe(nan, len(bad) - nan)
+            if role == "draft":
+                self.reject(block, f"reward scores of the draft of block {block} hold {counts}")
+                return math.nan, frame_scores
+            raise NonFiniteError(f"reward scores of the emitted frames of block {block} hold {counts} (the frames "
+                                 "were finite: the reward model overflowed or its weights are bad)", "score", block)
+        return aggregator(s), frame_scores
+
+    def judge(self, pixels) -> None:
+        """The score stage without a reward model: a non-finite draft is rejected (or raises, see `reject`)."""
+        role, block, problem = self._origin(pixels)
+        if problem is not None:
+            self.reject(block, problem)
+
+    def reject(self, block: int, problem: str) -> None:
+        """Reject the non-finite draft of `block` with a warning, or raise when the run cannot reject it."""
+        forced = block == 0 and self.force_first_reject
+        if not forced and self.router.kind != "reward" and self.router.accept(block, None, self.seed):
+            raise NonFiniteError(f"{problem}; router {self.router.kind!r} accepts block {block} by a decision fixed "
+                                 "in advance and cannot reject it (router 'reward' rejects a non-finite draft; "
+                                 f"{_HINT})", "draft", block)
+        self.rejected.append(block)
+        more = (" Under drafter_context 'own' this draft enters the drafter's context, so its later drafts may be "
+                "non-finite too." if self.own_context else "")
+        warnings.warn(f"{problem}: the draft is rejected and the target makes block {block}.{more}",
+                      NonFiniteDraftWarning, stacklevel=2)
