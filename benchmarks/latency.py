@@ -59,8 +59,6 @@ def run_once(pipe, mode, num_blocks, pattern=None, variant=("eager", "cpp", Fals
     kw = dict(mode=mode, num_blocks=num_blocks, seed=0, backend=backend, scheduler=scheduler, run_ahead=run_ahead)
     if mode == "sdvg":
         kw.update(router="pattern", pattern=pattern)
-    if backend != "eager":  # the static stages are shaped for a full-history cache (docs/method.md, Context modes)
-        kw.update(target_context="full", drafter_cache="full")
     t0 = time.perf_counter()
     stats = pipe(PROMPT, **kw).stats.as_dict()
     for d in {pipe.components.drafter_device, pipe.components.target_device}:

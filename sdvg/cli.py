@@ -70,8 +70,12 @@ def read_prompts(path: str | Path) -> list[str]:
 
 
 def add_generation_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
-    """Model and placement flags, then one flag per generation option (minus `exclude`)."""
+    """Model and placement flags, the memory budget, then one flag per generation option (minus `exclude`)."""
     add_model_args(p)
+    p.add_argument("--memory-budget-gib", type=_real(0), default=None,
+                   help="memory each device may hold for this pipeline in GiB (weights, KV caches, prompt K/V, as "
+                        "`sdvg memory --budget-gib` counts), checked before each video allocates its KV caches; "
+                        "default: each device's free memory (CUDA: free + PyTorch's cache; CPU: MemAvailable)")
     add_option_flags(p, exclude=exclude)
 
 
@@ -123,10 +127,12 @@ def _build_pipeline(args):
     backend = args.backend or BACKENDS[0]
     if preset.random_weights and not any(paths.values()):
         return SpeculativeVideoPipeline.from_preset(preset, device=args.device, target_device=args.target_device,
-                                                    backend=backend, engines=args.engines)
+                                                    backend=backend, engines=args.engines,
+                                                    memory_budget_gib=getattr(args, "memory_budget_gib", None))
     return SpeculativeVideoPipeline.from_pretrained(preset, **paths, drafter_device=args.device,
                                                     target_device=args.target_device, backend=backend,
-                                                    engines=args.engines)
+                                                    engines=args.engines,
+                                                    memory_budget_gib=getattr(args, "memory_budget_gib", None))
 
 
 def _video_path(out: Path, index: int, many: bool) -> Path:
@@ -709,6 +715,7 @@ EXIT_BAD_INPUT, EXIT_RUNTIME = 2, 1
 
 def main(argv=None) -> int:
     from sdvg.io.interrupts import exit_code_of, signals_interrupt
+    from sdvg.config import MemoryBudgetError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(_config_values(argv)).parse_args(argv)
@@ -718,8 +725,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt as exc:
         print(f"interrupted ({exc.args[0] if exc.args else 'SIGINT'})", file=sys.stderr)
         return exit_code_of(exc)
-    except (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError, MemoryBudgetError) as exc:
+        print(f"error: {exc}", file=sys.stderr)  # a budget refusal comes before any allocation: the arguments
         return EXIT_BAD_INPUT
     except (RuntimeError, OSError, MemoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -21,6 +21,12 @@ class ConfigError(ValueError):
     """A configuration value is out of range; the message names the value and the fix."""
 
 
+class MemoryBudgetError(MemoryError):
+    """What is about to be allocated does not fit the device's free memory or the given budget; raised
+    before allocating (`KVCacheSpec.allocate`, and `sdvg.models.memory.check_budget`, which `prepare`
+    runs for each video)."""
+
+
 def torch_dtype(precision: Precision):
     import torch
 

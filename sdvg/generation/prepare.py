@@ -145,15 +145,10 @@ class RoleModel:
 
 def cache_spec(comps: Components, dit, context: RoleContext, num_blocks: int, slack_frames: int = 0,
                runners=None) -> KVCacheSpec:
-    """The KV cache one role gets for a video (what `allocate_cache` allocates and the budget check counts)."""
-    p = comps.preset
-    if runners is not None and runners.backend != "eager":
-        if context.recompute:
-            raise ValueError(f"backend {runners.backend!r} runs static stages sized for a full-history cache; the "
-                             "recompute context runs on backend 'eager' (or pass --target-context full / "
-                             "--drafter-cache full)")
-        num_blocks = max(num_blocks, p.video.num_blocks)  # static stages were shaped for the preset's capacity
-    return KVCacheSpec.for_context(p, dit.config, context, num_blocks, slack_frames)
+    """The KV cache one role gets for a video (what `allocate_cache` allocates and the budget check counts).
+    Every backend uses the same cache: the static stages take the visible cache length as a dynamic
+    dimension (sdvg/engines/stages.py), so both context modes run on all of them."""
+    return KVCacheSpec.for_context(comps.preset, dit.config, context, num_blocks, slack_frames)
 
 
 def allocate_cache(comps: Components, dit, device, context: RoleContext, num_blocks: int, slack_frames: int = 0,

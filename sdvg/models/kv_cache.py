@@ -6,13 +6,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from sdvg._native import _C
-from sdvg.config import DiTConfig, KVWindow, RoleContext
-
-
-class MemoryBudgetError(MemoryError):
-    """What is about to be allocated does not fit the device's free memory or the given budget; raised
-    before allocating (`KVCacheSpec.allocate`, and `sdvg.models.memory.check_budget`, which `prepare`
-    runs for each video)."""
+from sdvg.config import DiTConfig, KVWindow, MemoryBudgetError, RoleContext  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
