@@ -271,3 +271,13 @@ def test_option_rules_needing_the_preset_are_checked_before_loading(tmp_path, no
     assert _main("generate", "--prompt", PROMPT, "--preset", "tiny", "--target-context", "recompute",
                  "--kv-cache-frames", "50", "--out", str(tmp_path / "v.mp4")) == 2
     assert "kv_cache_frames 50 is larger than the video" in capsys.readouterr().err
+
+
+def test_legacy_format_checkpoints_are_read_without_mmap(tmp_path):
+    from sdvg.models.checkpoints import _read_file
+
+    state = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    torch.save(state, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+    torch.save(state, tmp_path / "new.pt")
+    for name in ("old.pt", "new.pt"):
+        assert torch.equal(_read_file(tmp_path / name)["w"], state["w"])

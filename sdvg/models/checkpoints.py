@@ -173,7 +173,11 @@ def _read_file(path: Path) -> dict[str, torch.Tensor]:
 
             return load_file(str(path))
         if path.suffix in (".pt", ".pth", ".bin", ".ckpt"):
-            obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+            import zipfile
+
+            # torch.save's zip format is memory-mapped; the legacy (pre-1.6) format cannot be, so it is read
+            # whole, still with weights_only (no arbitrary objects either way)
+            obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
         else:
             raise CheckpointError(f"{path}: unknown checkpoint extension {path.suffix!r} (.safetensors, .pt, .pth)")
     except CheckpointError:
