@@ -282,3 +282,29 @@ def test_sharding_covers_every_prompt_once():
     assert got == list(range(7))
     with pytest.raises(ValueError):
         shard(prompts, 3, 3)
+
+
+def test_sweep_protocol_paper_sets_the_papers_loop(tmp_path, monkeypatch, capsys):
+    """--protocol paper: the paper's options reach every run and the folder's manifest, and the command says
+    what it set (a random-weight preset keeps its resolution); explicit flags win."""
+    from sdvg.evaluation import evaluators
+
+    pipe = _FakePipe(walls=lambda o: 1.0)
+    monkeypatch.setattr(cli, "_sweep_pipeline", lambda args: (pipe, 0, 1))
+    monkeypatch.setattr(evaluators, "load_evaluator", lambda spec, p: lambda prompt, frames: 0.5)
+    seen = []
+    real_generate = pipe.generate
+    monkeypatch.setattr(pipe, "generate", lambda prompt, opts: (seen.append(opts), real_generate(prompt, opts))[1])
+    pf = _prompts(tmp_path)
+    assert _run("sweep", "--protocol", "paper", "--preset", "tiny", "--prompts-file", str(pf), "--no-warmup",
+                "--taus=-0.7", "--limit", "1", "--out", str(tmp_path / "s")) == 0
+    err = capsys.readouterr().err
+    assert "protocol paper:" in err and "resolution kept at the preset's 64x64" in err
+    assert {(o.drafter_context, o.force_first_reject, o.num_blocks, o.seed, o.aggregation) for o in seen} == {
+        ("own", True, 9, 42, "min")}
+    manifest = json.loads((tmp_path / "s" / "sweep.json").read_text())
+    assert manifest["options"]["seed"] == 42 and manifest["options"]["num_blocks"] == 9
+    seen.clear()
+    assert _run("sweep", "--protocol", "paper", "--seed", "7", "--preset", "tiny", "--prompts-file", str(pf),
+                "--no-warmup", "--taus=-0.7", "--limit", "1", "--out", str(tmp_path / "s7")) == 0
+    assert {o.seed for o in seen} == {7}
