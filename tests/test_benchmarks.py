@@ -27,9 +27,22 @@ def test_latency_benchmark_smoke(tmp_path):
     # forced patterns are followed exactly
     assert data["runs"][4]["decisions"] == ["forced", "accepted", "accepted"]
     assert data["runs"][2]["decisions"] == ["forced", "rejected", "rejected"]
-    # the floor comes from this run's target-only stage times
+    # three labelled floors from per-block costs; target-made blocks cost what target-only paid at that index
     tgt = data["runs"][0]
     assert data["per_target_step_s"] == pytest.approx(tgt["stages"]["target"] / 12)
+    for r in data["runs"]:
+        f = r["floors"]
+        assert f["target_side"] <= f["drafter_hidden"] <= f["sequential"], r["mode"]
+        assert r["floor_placement"] == "sequential" and r["floor_s"] == f["sequential"]  # one device
+    never = data["runs"][2]  # sdvg at 0%: every block made by the target
+    assert never["floors"]["target_side"] == pytest.approx(tgt["floors"]["target_side"], rel=1e-9)
+    always = data["runs"][4]  # 100%: the target makes block 0 only, and commits it once
+    commits = [x for x in tgt["trace"] if x["stage"] == "target_commit"]
+    mean_commit = sum(x["end_s"] - x["start_s"] for x in commits) / len(commits)
+    assert sum(x["stage"] == "target_commit" for x in always["trace"]) == 1
+    assert always["floors"]["target_side"] == pytest.approx(tgt["timeline"][0]["times"]["target"] + mean_commit,
+                                                            rel=1e-6)
+    assert set(data["floor_speedups_vs_target"]) == {"sequential", "drafter_hidden", "target_side"}
     rows = list(csv.DictReader((tmp_path / "results.csv").open()))
     assert len(rows) == 7
     for png in ("timeline.png", "speedup.png"):

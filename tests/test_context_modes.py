@@ -227,8 +227,3 @@ def test_encode_frame_is_the_vae_posterior_mean(tiny_pipe):
     torch.testing.assert_close(z * vae._std + vae._mean, dist.mean, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="one pixel frame"):
         vae.encode_frame(torch.zeros(1, 3, 2, 64, 64))
-
-
-def test_recompute_refuses_static_stage_backends(tiny_pipe):
-    with pytest.raises(ValueError, match="recompute context runs on backend 'eager'"):
-        tiny_pipe(PROMPT, num_blocks=2, target_context="recompute", backend="compile")

@@ -72,18 +72,10 @@ def test_video_through_onnxruntime_equals_eager(tiny_pipe, ort_pipe, mode):
     _close(eager, ort, ORT_TOLERANCE[tiny_pipe.preset.precision])
 
 
-def test_recompute_context_through_onnxruntime(tiny_pipe, ort_pipe, monkeypatch):
+def test_recompute_context_through_onnxruntime(tiny_pipe, ort_pipe):
     """The stage set covers a recompute target (context forward at 3 frames, denoising over 3 visible
-    frames in a 6-frame cache). prepare.allocate_cache refuses recompute on static backends today;
-    with that refusal lifted (what the patch below does) the video equals eager."""
-    import sdvg.generation.prepare as prepare
-
-    def allocate_cache(comps, dit, device, context, num_blocks, slack_frames=0, runners=None):
-        return KVCacheSpec.for_context(comps.preset, dit.config, context, num_blocks, slack_frames) \
-            .allocate(dit.dtype, device)
-
+    frames in a 6-frame cache): the video equals eager."""
     eager = tiny_pipe("a red fox", mode="target", target_context="recompute", **KW)
-    monkeypatch.setattr(prepare, "allocate_cache", allocate_cache)
     ort = ort_pipe("a red fox", mode="target", target_context="recompute", **KW)
     assert ort.stats["target_forwards"] == eager.stats["target_forwards"] == 5 * 3 + 2  # 2 context forwards
     _close(eager, ort, ORT_TOLERANCE["fp32"])
