@@ -66,3 +66,19 @@ def write_real_checkpoints(components, folder):
     c.text_encoder.model.save_pretrained(paths["text_encoder"] / "text_encoder")
     c.text_encoder.tokenizer.save_pretrained(paths["text_encoder"] / "tokenizer")
     return paths
+
+
+@pytest.fixture(scope="module")
+def dit():
+    """A tiny target-sized causal Wan DiT with random weights (one per test module)."""
+    from sdvg.config import get_preset
+    from sdvg.models.dit import CausalWanDiT
+
+    torch.manual_seed(0)
+    return randomize(CausalWanDiT(get_preset("tiny").target).eval(), std=0.2)
+
+
+@pytest.fixture(scope="module")
+def text(dit):
+    """Its cross-attention K/V of a fixed random 512-token text embedding."""
+    return dit.encode_text(torch.randn(1, 512, 32, generator=torch.Generator().manual_seed(1)))

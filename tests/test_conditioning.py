@@ -11,23 +11,11 @@ from sdvg.engines.stages import DiTStep, dit_forward_static
 from sdvg.models.dit import CausalWanDiT, block_causal_mask, timestep_sinusoid
 from sdvg.models.kv_cache import KVCacheSpec
 
-from conftest import randomize
 
 FPB, GH, GW = 3, 4, 4
 TPF = GH * GW
 FP32_TOL = 1e-4  # reordered fp32 arithmetic (values are O(10))
 TIMESTEPS = torch.tensor([0.0, 0.5, 1.0, 250.0, 625.0, 833.3333, 937.5, 999.9, 1000.0])
-
-
-@pytest.fixture(scope="module")
-def dit():
-    torch.manual_seed(0)
-    return randomize(CausalWanDiT(get_preset("tiny").target).eval(), std=0.2)
-
-
-@pytest.fixture(scope="module")
-def text(dit):
-    return dit.encode_text(torch.randn(1, 512, 32, generator=torch.Generator().manual_seed(1)))
 
 
 def new_cache(dit, frames=12):

@@ -6,22 +6,10 @@ from sdvg.models.dit import CausalWanDiT, block_causal_mask, timestep_sinusoid
 from sdvg.models.kv_cache import KVCacheSpec
 from sdvg.models.rope import apply_rope, rope_angles, rope_cos_sin
 
-from conftest import randomize
 
 FPB, GH, GW = 3, 4, 4
 TPF = GH * GW
 FP32_TOL = 1e-4  # per-dtype tolerance for reordered fp32 arithmetic (values are O(10))
-
-
-@pytest.fixture(scope="module")
-def dit():
-    torch.manual_seed(0)
-    return randomize(CausalWanDiT(get_preset("tiny").target).eval(), std=0.2)
-
-
-@pytest.fixture(scope="module")
-def text(dit):
-    return dit.encode_text(torch.randn(1, 512, 32, generator=torch.Generator().manual_seed(1)))
 
 
 def test_single_block_equals_diffusers_forward(dit, monkeypatch):
