@@ -85,6 +85,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("tokens_per_frame"), py::arg("layout"), py::arg("dtype"), py::arg("device"))
       .def("begin_write", &KVCache::begin_write, py::arg("num_frames"))
       .def("write", &KVCache::write, py::arg("layer"), py::arg("k"), py::arg("v"))
+      .def("write_tokens", &KVCache::write_tokens, py::arg("layer"), py::arg("k"), py::arg("v"), py::arg("tokens"))
       .def("visible", &KVCache::visible, py::arg("layer"))
       .def("commit", &KVCache::commit)
       .def("rollback", &KVCache::rollback, py::arg("frame"))

@@ -65,6 +65,39 @@ void KVCache::write(int64_t layer, const at::Tensor& k, const at::Tensor& v) {
   }
 }
 
+void KVCache::write_tokens(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tokens) {
+  if (pending_slots_.empty() || table_.pending_frames() == 0)
+    throw std::logic_error("KV cache write_tokens() before begin_write()");
+  const int64_t tpf = shape_.tokens_per_frame;
+  const int64_t n = static_cast<int64_t>(pending_slots_.size());
+  if (tokens.dim() != 1 || tokens.scalar_type() != at::kLong)
+    throw std::invalid_argument("KV cache write_tokens expects token indices as a 1-D int64 tensor");
+  const int64_t a = tokens.size(0);
+  const std::vector<int64_t> want{shape_.batch, shape_.heads, a, shape_.head_dim};
+  if (k.sizes() != at::IntArrayRef(want) || v.sizes() != at::IntArrayRef(want)) {
+    std::ostringstream os;
+    os << "KV cache write_tokens expects K/V of shape " << at::IntArrayRef(want) << " (" << a
+       << " token indices), got " << k.sizes() << " and " << v.sizes();
+    throw std::invalid_argument(os.str());
+  }
+  if (a == 0) return;
+  at::Tensor idx = tokens.to(at::kCPU);
+  const int64_t lo = idx.min().item<int64_t>(), hi = idx.max().item<int64_t>();
+  if (lo < 0 || hi >= n * tpf) {
+    std::ostringstream os;
+    os << "KV cache write_tokens: token index " << (lo < 0 ? lo : hi) << " outside the " << n * tpf
+       << " pending tokens (" << n << " frames of " << tpf << ")";
+    throw std::out_of_range(os.str());
+  }
+  // Buffer position of pending token i: slot of its frame * tpf + its place in the frame.
+  at::Tensor slots = at::tensor(pending_slots_, at::TensorOptions().dtype(at::kLong));
+  at::Tensor pos = slots.index_select(0, at::div(idx, tpf, "floor")) * tpf + at::remainder(idx, tpf);
+  pos = pos.to(buffer_.device());
+  at::Tensor buf = layer_buffer(layer);
+  buf.select(0, 0).index_copy_(2, pos, k.to(buf.scalar_type()));
+  buf.select(0, 1).index_copy_(2, pos, v.to(buf.scalar_type()));
+}
+
 std::tuple<at::Tensor, at::Tensor> KVCache::visible(int64_t layer) const {
   at::Tensor buf = layer_buffer(layer);
   if (visible_range_.first >= 0) {

@@ -33,6 +33,10 @@ class KVCache {
   void begin_write(int64_t num_frames);
   // Store layer `layer`'s K/V of the pending frames. k, v: [B, H, pending*tokens_per_frame, D].
   void write(int64_t layer, const at::Tensor& k, const at::Tensor& v);
+  // Store layer `layer`'s K/V of some pending tokens only (early exit: the active tokens of a step; the
+  // others keep what an earlier pass wrote). k, v: [B, H, A, D]; tokens: [A] int64, indices into the
+  // pending frames' tokens (0 <= i < pending*tokens_per_frame, frame-major), on any device.
+  void write_tokens(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tokens);
   // K/V of every visible frame (ascending frame order): [B, H, visible*tokens_per_frame, D].
   // A view when the visible slots are contiguous, else a gathered copy.
   std::tuple<at::Tensor, at::Tensor> visible(int64_t layer) const;

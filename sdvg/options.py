@@ -29,6 +29,11 @@ AGGREGATIONS: tuple[str, ...] = ("min", "mean", "trimmed_mean", "quantile")
 DRAFTER_CONTEXTS: tuple[str, ...] = ("own", "committed")
 SCHEDULERS: tuple[str, ...] = ("cpp", "reference")
 BACKENDS: tuple[str, ...] = ("eager", "compile", "tensorrt", "onnxruntime")
+EARLY_EXIT_ROLES: tuple[str, ...] = ("none", "target", "drafter", "both")
+EXIT_VERIFIERS: tuple[str, ...] = ("stability", "oracle", "head", "pattern")
+EXIT_BACKENDS: tuple[str, ...] = ("eager",)  # the stage backends that run a sparse (early-exit) forward
+# Speculative Forcing's published training-free thresholds (one 5-second setting): tau_red, tau_stab.
+PAPER_EXIT_THRESHOLDS: tuple[float, float] = (0.497, 0.327)
 
 SEED_MAX = 2**63 - 1
 
@@ -89,6 +94,25 @@ class GenerationOptions:
                                   "and committed (scheduler cpp; same output)")
     run_ahead_blocks: int = _opt(2, "run-ahead: drafts the drafter may hold ahead of the block being decided "
                                     "(a bounded queue; the committed context allows one)", metavar="N")
+    early_exit: str = _opt("none", "token-level early exit of the denoising loop (Speculative Forcing): which "
+                                   "role's tokens may leave the loop once converged (docs/early-exit.md)",
+                           EARLY_EXIT_ROLES)
+    exit_verifier: str = _opt("stability", "who judges a token converged: stability (training-free: redundancy "
+                                           "against the visible history at step 1, step-to-step change later, "
+                                           "smoothed, against --exit-thresholds), oracle (runs the full schedule "
+                                           "first; gap to the final output below --exit-eps), head (a learned "
+                                           "verifier, --exit-head), pattern (a fixed seeded share per step, "
+                                           "--exit-pattern-steps; benchmarks and tests)", EXIT_VERIFIERS)
+    exit_eps: float = _opt(0.26, "oracle and head verifiers: a token exits when its relative gap to the full "
+                                 "schedule's output is below eps (strict: 0 never exits early; the paper uses "
+                                 "0.24 to 0.28)", metavar="EPS")
+    exit_thresholds: tuple[float, float] = _opt(PAPER_EXIT_THRESHOLDS, "stability verifier: the redundancy and "
+                                                "stability thresholds RED,STAB (the paper's 5-second setting: "
+                                                "0.497,0.327)", metavar="RED,STAB")
+    exit_head: str | None = _opt(None, "head verifier: the learned head's safetensors file (sdvg "
+                                       "train-exit-head)", metavar="FILE")
+    exit_pattern_steps: float = _opt(1.65, "pattern verifier: the mean denoising steps per token it aims at "
+                                           "(1.65: the paper's mean)", metavar="K")
     backend: str | None = _opt(None, "how stages run: eager, compile (torch.compile'd static stages), tensorrt "
                                      "(engines; needs --engines) or onnxruntime (the ONNX files of build_engines "
                                      "--format onnx; needs --engines); default: the pipeline's", BACKENDS)
@@ -123,6 +147,33 @@ class GenerationOptions:
                 raise OptionError(f"{f.name} must be True or False, got {getattr(self, f.name)!r}")
         if self.run_ahead and self.scheduler != "cpp":
             raise OptionError("run_ahead needs scheduler 'cpp' (the reference loop is sequential)")
+        self._check_early_exit(set_)
+
+    def _check_early_exit(self, set_) -> None:
+        eps = _number("exit_eps", self.exit_eps)
+        if eps < 0:
+            raise OptionError(f"exit_eps {eps} must be >= 0 (0: no token exits early)")
+        set_("exit_eps", eps)
+        set_("exit_thresholds", parse_thresholds(self.exit_thresholds))
+        steps = _number("exit_pattern_steps", self.exit_pattern_steps)
+        if steps < 1:
+            raise OptionError(f"exit_pattern_steps {steps} must be >= 1 (every token takes at least one step)")
+        set_("exit_pattern_steps", steps)
+        if self.exit_head is not None and not isinstance(self.exit_head, str):
+            set_("exit_head", str(self.exit_head))
+        if self.early_exit != "none" and self.exit_verifier == "head" and not self.exit_head:
+            raise OptionError("exit_verifier 'head' needs the learned head's file: exit_head='head.safetensors' "
+                              "(API) or --exit-head FILE (CLI); train one with `sdvg train-exit-head`")
+        if self.early_exit != "none" and self.mode != "sdvg":
+            role = {"target": "target", "draft": "drafter"}[self.mode]
+            if self.early_exit not in (role, "both"):
+                raise OptionError(f"early_exit {self.early_exit!r} names a role that mode {self.mode!r} does not run; "
+                                  f"use --early-exit {role}")
+
+    def exit_roles(self) -> tuple[str, ...]:
+        """The roles whose denoising loop may let tokens exit early."""
+        return {"none": (), "target": ("target",), "drafter": ("drafter",),
+                "both": ("drafter", "target")}[self.early_exit]
 
     # ------------------------------------------------------------------ derived
     def replace(self, **changes) -> "GenerationOptions":
@@ -158,6 +209,10 @@ class GenerationOptions:
             raise OptionError(f"window_frames {self.window_frames}: a recompute context already keeps only "
                               f"kv_cache_frames = {self.kv_cache_frames} frames; drop --window-frames or use "
                               "--target-context full")
+        if self.early_exit != "none" and self.backend is not None and self.backend not in EXIT_BACKENDS:
+            raise OptionError(f"early_exit {self.early_exit!r} runs a sparse forward over the active tokens, which "
+                              f"only the {', '.join(EXIT_BACKENDS)} backend runs (the {self.backend} stages have "
+                              "static token counts); use --backend eager or --early-exit none")
         if self.window_frames and self.sink_frames > self.window_frames:
             raise OptionError(f"sink_frames {self.sink_frames} exceeds window_frames {self.window_frames}")
         if self.sink_frames and not self.window_frames:
@@ -188,6 +243,7 @@ class GenerationOptions:
         """JSON-ready: the option fields of the statistics (the pattern as a 0/1 string)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["pattern"] = "".join("1" if x else "0" for x in self.pattern)
+        d["exit_thresholds"] = list(self.exit_thresholds)
         return d
 
 
@@ -212,6 +268,31 @@ def _integer(name: str, value, low: int, high: int | None = None) -> int:
         bound = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise OptionError(f"{name} {value} must be an integer {bound}")
     return value
+
+
+def parse_thresholds(value) -> tuple[float, float]:
+    """The stability verifier's (tau_red, tau_stab) from 'RED,STAB' or a pair of numbers; each >= 0 (inf
+    allowed: that test never passes)."""
+    if isinstance(value, str):
+        parts = [p.strip() for p in value.split(",")]
+        if len(parts) != 2:
+            raise OptionError(f"exit_thresholds {value!r} must be two numbers RED,STAB (e.g. 0.497,0.327)")
+        try:
+            value = tuple(float(p) for p in parts)
+        except ValueError:
+            raise OptionError(f"exit_thresholds {value!r} must be two numbers RED,STAB (e.g. 0.497,0.327)") from None
+    try:
+        pair = tuple(value)
+    except TypeError:
+        raise OptionError(f"exit_thresholds must be two numbers (tau_red, tau_stab), got {value!r}") from None
+    if len(pair) != 2:
+        raise OptionError(f"exit_thresholds must be two numbers (tau_red, tau_stab), got {len(pair)}")
+    out = tuple(_number(name, v, allow_inf=True) for name, v in zip(("exit_thresholds RED", "exit_thresholds STAB"),
+                                                                    pair))
+    for name, v in zip(("RED", "STAB"), out):
+        if v < 0:
+            raise OptionError(f"exit_thresholds {name} {v} must be >= 0 (scores are distances)")
+    return out
 
 
 def parse_pattern(value) -> tuple[bool, ...]:
@@ -280,7 +361,9 @@ def flag_of(name: str) -> str:
 _FROM_TEXT = {"tau": (float, "a number (e.g. -0.7, inf, -inf)"), "accept_prob": (float, "a number"),
               "num_blocks": (int, "an integer"), "seed": (int, "an integer"), "pattern": (str, "a string"),
               "kv_cache_frames": (int, "an integer"), "window_frames": (int, "an integer"),
-              "sink_frames": (int, "an integer"), "run_ahead_blocks": (int, "an integer")}
+              "sink_frames": (int, "an integer"), "run_ahead_blocks": (int, "an integer"),
+              "exit_eps": (float, "a number"), "exit_pattern_steps": (float, "a number"),
+              "exit_thresholds": (str, "two numbers RED,STAB"), "exit_head": (str, "a path")}
 
 
 def option_type(name: str):

@@ -16,11 +16,13 @@ CHANGED = dict(mode="target", tau=-1.5, num_blocks=2, seed=7, router="pattern", 
                target_context="recompute", drafter_cache="recompute", kv_cache_frames=2, keep_first_frame=True,
                window_frames=6, sink_frames=3,
                lazy_target_commit=False, score_emitted=True, scheduler="cpp", run_ahead=True, run_ahead_blocks=3,
-               backend="compile")
+               early_exit="target", exit_verifier="oracle", exit_eps=0.1, exit_thresholds=(0.4, 0.3),
+               exit_head="head.safetensors", exit_pattern_steps=2.0, backend="compile")
 CLI_TEXT = dict(mode="target", tau="-1.5", num_blocks="2", seed="7", router="pattern", accept_prob="0.25",
                 pattern="10", aggregation="mean", drafter_context="committed", target_context="recompute",
                 drafter_cache="recompute", kv_cache_frames="2", window_frames="6", sink_frames="3",
-                run_ahead_blocks="3", scheduler="cpp", backend="compile")
+                run_ahead_blocks="3", scheduler="cpp", early_exit="target", exit_verifier="oracle", exit_eps="0.1",
+                exit_thresholds="0.4,0.3", exit_head="head.safetensors", exit_pattern_steps="2.0", backend="compile")
 
 
 def test_changed_covers_every_option():
@@ -118,6 +120,16 @@ def test_native_config_gets_every_field_by_name():
     (dict(target_context="ring"), "unknown target_context 'ring'; choose one of full, recompute"),
     (dict(run_ahead_blocks=0), "run_ahead_blocks 0 must be an integer >= 1"),
     (dict(window_frames=-1), "window_frames -1 must be an integer >= 0"),
+    (dict(early_exit="all"), "unknown early_exit 'all'; choose one of none, target, drafter, both"),
+    (dict(exit_verifier="magic"), "unknown exit_verifier"),
+    (dict(exit_eps=float("nan")), "exit_eps is NaN"),
+    (dict(exit_eps=-0.1), "exit_eps -0.1 must be >= 0"),
+    (dict(exit_thresholds="0.5"), "two numbers RED,STAB"),
+    (dict(exit_thresholds=(float("nan"), 0.3)), "exit_thresholds RED is NaN"),
+    (dict(exit_thresholds=(0.5, -1)), "exit_thresholds STAB -1.0 must be >= 0"),
+    (dict(exit_pattern_steps=0.5), "exit_pattern_steps 0.5 must be >= 1"),
+    (dict(early_exit="target", exit_verifier="head"), "needs the learned head's file"),
+    (dict(mode="target", early_exit="drafter"), "names a role that mode 'target' does not run"),
 ])
 def test_bad_values_are_refused_by_name(changes, match):
     with pytest.raises(OptionError, match=match):

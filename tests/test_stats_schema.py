@@ -26,7 +26,10 @@ def _check(stats: dict, cli: bool = False):
         want.discard("prompt_index")
     assert set(stats) == want
     for b in stats["blocks"]:
-        assert set(b) == set(BLOCK) - ({"emitted_scores"} if "emitted_scores" not in b else set())
+        optional = {"emitted_scores"} if "emitted_scores" not in b else set()
+        if stats["early_exit"] == "none":
+            optional |= {"mean_steps", "max_steps", "exit"}
+        assert set(b) == set(BLOCK) - optional
         assert set(b["times"]) == {"draft", "decode", "score", "target", "drafter_commit", "target_commit", "commit"}
     for x in stats["trace"]:
         assert set(x) == set(TRACE)
@@ -36,7 +39,19 @@ def _check(stats: dict, cli: bool = False):
 def test_complete_run_matches_the_doc(tiny_pipe, scheduler):
     stats = tiny_pipe(PROMPT, num_blocks=2, scheduler=scheduler, score_emitted=True).stats.as_dict()
     _check(stats)
-    assert stats["schema_version"] == 1 and stats["checkpoints"]["target"].startswith("random:tiny")
+    assert stats["schema_version"] == 2 and stats["checkpoints"]["target"].startswith("random:tiny")
+
+
+@pytest.mark.parametrize("scheduler", ["cpp", "reference"])
+def test_early_exit_run_matches_the_doc(tiny_pipe, scheduler):
+    stats = tiny_pipe(PROMPT, num_blocks=3, scheduler=scheduler, early_exit="both", exit_verifier="pattern",
+                      pattern="01", router="pattern").stats.as_dict()
+    _check(stats)
+    assert 1.0 <= stats["mean_steps"] < 4.0 and stats["max_steps"] <= 4
+    assert set(stats["exit_roles"]) == {"drafter", "target"}
+    for b in stats["blocks"]:
+        assert b["exit"]["producer"] == ("drafter" if b["decision"] == "accepted" else "target")
+        assert abs(sum(b["exit"][b["exit"]["producer"]]["exit_fractions"]) - 1.0) < 1e-9
 
 
 def test_interrupted_run_has_the_same_fields(tiny_pipe):

@@ -35,6 +35,37 @@ static void test_write_overwrite_commit_view() {
   CHECK(throws([&] { c.write(0, block(2, 0), block(2, 0)); }));  // wrong size
 }
 
+static void test_write_tokens_only_touches_given_tokens() {
+  // A windowed cache whose pending block wraps around the ring: tokens land in their frame's slot.
+  KVCache c = make(30, 1, 6);
+  for (int b = 0; b < 3; ++b) {
+    c.begin_write(3);
+    c.write(0, block(3, b + 1), block(3, b + 1));
+    c.commit();
+  }
+  c.begin_write(3);
+  c.write(0, block(3, 7), block(3, -7));
+  at::Tensor before = c.buffer().clone();
+  at::Tensor tokens = at::tensor(std::vector<int64_t>{0, 4, 8}, at::kLong);  // frame 0 t0, frame 1 t1, frame 2 t2
+  c.begin_write(3);  // a later pass: only the active tokens are written
+  c.write_tokens(0, at::full({1, 2, 3, 4}, 9.0f), at::full({1, 2, 3, 4}, -9.0f), tokens);
+  auto [k, v] = c.visible(0);  // sink frame 0, frames 7..8 of the committed, then the 3 pending frames
+  const int64_t base = k.size(2) - 9;
+  for (int64_t i = 0; i < 9; ++i) {
+    const bool written = i == 0 || i == 4 || i == 8;
+    CHECK(k.select(2, base + i).eq(written ? 9.0f : 7.0f).all().item<bool>());
+    CHECK(v.select(2, base + i).eq(written ? -9.0f : -7.0f).all().item<bool>());
+  }
+  CHECK(at::equal(before.select(0, 1), c.buffer().select(0, 1)));  // another layer: untouched
+  CHECK(throws([&] { c.write_tokens(0, at::zeros({1, 2, 1, 4}), at::zeros({1, 2, 1, 4}),
+                                     at::tensor(std::vector<int64_t>{9}, at::kLong)); }));  // past the block
+  CHECK(throws([&] { c.write_tokens(0, at::zeros({1, 2, 2, 4}), at::zeros({1, 2, 2, 4}),
+                                     at::tensor(std::vector<int64_t>{1}, at::kLong)); }));  // count mismatch
+  c.commit();
+  CHECK(throws([&] { c.write_tokens(0, at::zeros({1, 2, 1, 4}), at::zeros({1, 2, 1, 4}),
+                                     at::tensor(std::vector<int64_t>{0}, at::kLong)); }));  // nothing pending
+}
+
 static void test_rollback_keeps_buffers() {
   KVCache c = make(9);
   for (int b = 0; b < 3; ++b) {
@@ -63,6 +94,7 @@ static void test_window_gathers_in_frame_order() {
 
 int main() {
   test_write_overwrite_commit_view();
+  test_write_tokens_only_touches_given_tokens();
   test_rollback_keeps_buffers();
   test_window_gathers_in_frame_order();
   return check_report("kv_cache");

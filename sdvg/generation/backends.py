@@ -61,9 +61,15 @@ class StageRunners:
         return self.backend != "eager"
 
     # ------------------------------------------------------------------ DiT
-    def dit_forward(self, role: str, dit, latents, timesteps, text, frame_offset: int, cache, attn_mask=None):
+    def dit_forward(self, role: str, dit, latents, timesteps, text, frame_offset: int, cache, attn_mask=None,
+                    active=None, hidden=None):
+        """`active` / `hidden`: the sparse forward of early exit (`CausalWanDiT.forward`), eager only."""
         if not self.static:
-            return dit(latents, timesteps, text, frame_offset=frame_offset, cache=cache, attn_mask=attn_mask)
+            return dit(latents, timesteps, text, frame_offset=frame_offset, cache=cache, attn_mask=attn_mask,
+                       active=active, hidden=hidden)
+        if active is not None or hidden is not None:
+            raise ValueError(f"the {self.backend} backend runs static stages: no sparse (early-exit) forward; use "
+                             "backend='eager' for early exit")
         memo = self._text.get(role)
         if memo is None or memo[0] is not text:
             memo = self._text[role] = (text, *text_tensors(text))

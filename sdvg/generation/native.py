@@ -16,6 +16,7 @@ from typing import Iterator
 import torch
 
 from sdvg._native import _C
+from sdvg.generation.early_exit.record import block_exits
 from sdvg.generation.noise import block_noise
 from sdvg.generation.prepare import prepare
 from sdvg.generation.routers import Router
@@ -92,7 +93,8 @@ class _Stages:
             rec["index"], rec["decision"], rec["latents"].float().cpu(), to_uint8_frames(rec["frames"]),
             rec["score"], list(rec["frame_scores"]), block_times(rec["times"]),
             draft_latents=None if draft is None else draft.float().cpu(),
-            emitted_scores=list(rec["emitted_scores"]) if self.opts.score_emitted else None))
+            emitted_scores=list(rec["emitted_scores"]) if self.opts.score_emitted else None,
+            exits=block_exits(self.setup.drafter, self.setup.target, rec["index"], rec["decision"])))
 
 
 def scheduler_config(opts: GenerationOptions, frames_per_block: int, drafter_steps: int, target_steps: int,

@@ -35,7 +35,8 @@ class RoleModel:
     the block's latents and `denoise` first rebuilds the cache from the recorded context (Krea)."""
 
     def __init__(self, dit, role: str, cache, text_kv, device, context: RoleContext, schedule: FlowSchedule,
-                 counters, runners, frames_per_block: int, tokens_per_frame: int, vae=None, emitted_pixels=None):
+                 counters, runners, frames_per_block: int, tokens_per_frame: int, vae=None, emitted_pixels=None,
+                 exit_verifier=None):
         self.dit, self.role, self.cache, self.text_kv, self.device = dit, role, cache, text_kv, device
         self.context, self.schedule, self.counters, self.runners = context, schedule, counters, runners
         self.frames_per_block, self.tokens_per_frame = frames_per_block, tokens_per_frame
@@ -45,6 +46,14 @@ class RoleModel:
         self.recent: deque = deque(maxlen=max(context.kv_cache_frames - 1, 0))
         self.recorded_frames = 0  # recompute: latent frames committed so far
         self.vae, self.emitted_pixels = vae, emitted_pixels
+        # early exit (sdvg/generation/early_exit): the verifier, each denoise's record by block, and the clean
+        # latent frames the history of the stability verifier is read from (full: committed frames by index;
+        # recompute: the context of the last rebuild)
+        self.exit_verifier = exit_verifier
+        self.exit_records: dict = {}
+        self.patch = tuple(dit.config.patch_size)
+        self._clean_frames: dict[int, torch.Tensor] = {}
+        self._context: list[torch.Tensor] = []
 
     @property
     def committed_frames(self) -> int:
@@ -52,9 +61,9 @@ class RoleModel:
         may move it back) or the frames recorded (recompute)."""
         return self.recorded_frames if self.context.recompute else self.cache.committed_frames
 
-    def forward(self, x, t, frame0: int, attn_mask=None):
+    def forward(self, x, t, frame0: int, attn_mask=None, active=None, hidden=None):
         return self.runners.dit_forward(self.role, self.dit, x, t, self.text_kv, frame0, self.cache,
-                                        attn_mask=attn_mask)
+                                        attn_mask=attn_mask, active=active, hidden=hidden)
 
     def _count(self):
         setattr(self.counters, self.attr, getattr(self.counters, self.attr) + 1)
@@ -70,6 +79,8 @@ class RoleModel:
             position = self.rebuild_context(block)
         else:
             position = frame0
+        if self.exit_verifier is not None:
+            return self._denoise_with_exit(noise, block, position, seed)
         x = noise.to(self.device)
         n_frames = x.shape[2]
         steps = self.schedule.num_steps
@@ -84,6 +95,37 @@ class RoleModel:
             else:
                 x = x0
         return x
+
+    # ------------------------------------------------------------ early exit
+    def _denoise_with_exit(self, noise: torch.Tensor, block: int, position: int, seed: int) -> torch.Tensor:
+        """The early-exit loop; its record is kept in `exit_records[block]` (a redraft replaces it). The
+        counters count the schedule's calls, as the native scheduler does; the calls actually made are in
+        the record."""
+        from sdvg.generation.early_exit import denoise_with_exit
+
+        frames = self.history_frames()
+        x, record = denoise_with_exit(self, self.exit_verifier, noise, block, position, seed,
+                                      lambda: self.history_tokens(frames))
+        for _ in range(self.schedule.num_steps):
+            self._count()
+        self.exit_records[block] = record
+        return x
+
+    def history_frames(self) -> list[torch.Tensor]:
+        """The clean latent frames ([1, C, 1, h, w] each) the attention window sees now: the committed
+        visible frames (full) or the rebuilt context (recompute)."""
+        if self.context.recompute:
+            return list(self._context)
+        committed = self.cache.committed_frames
+        return [self._clean_frames[f] for f in self.cache.visible_frames() if f < committed and f in self._clean_frames]
+
+    def history_tokens(self, frames: list[torch.Tensor]) -> torch.Tensor:
+        from sdvg.generation.early_exit.tokens import to_tokens
+
+        if not frames:
+            return torch.zeros((0, self.dit.config.in_channels * int(torch.tensor(self.patch).prod())),
+                               device=self.device)
+        return to_tokens(torch.cat([f.to(self.device) for f in frames], dim=2), self.patch)
 
     # ------------------------------------------------------------- recompute
     def context_frames(self, block: int) -> list[torch.Tensor]:
@@ -108,6 +150,8 @@ class RoleModel:
         if block == 0:
             return 0
         frames = self.context_frames(block)
+        if self.exit_verifier is not None:
+            self._context = list(frames)
         x = torch.cat([f.to(self.device) for f in frames], dim=2)  # [1, C, n, h, w]
         n = x.shape[2]
         mask = block_causal_mask(None, self.frames_per_block, self.tokens_per_frame, num_frames=n)
@@ -135,6 +179,9 @@ class RoleModel:
             t = torch.zeros((1, x.shape[2]), device=self.device)
             self.forward(x, t, frame0)
             self._count()
+            if self.exit_verifier is not None:  # the stability verifier's history
+                for j, f in enumerate(latents.detach().float().split(1, dim=2)):
+                    self._clean_frames[frame0 + j] = f
 
     def commit(self, latents: torch.Tensor, frame0: int) -> None:
         """Commit a block: the clean forward and the pointer move (full) or its latents recorded (recompute)."""
@@ -274,6 +321,7 @@ def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, s
         raise ValueError(f"mode {opts.mode!r} needs a target, but none is loaded")
     if opts.mode == "sdvg" and opts.router == "reward" and comps.scorer is None:
         raise ValueError("router 'reward' needs the ImageReward model; load one or use router 'random'/'pattern'")
+    exit_verifiers = exit_verifiers_for(comps, opts, runners)  # bad exit settings refused before allocating
     check_memory(comps, opts, slack_frames, runners, memory_budget_gib, prompt)
     emb = comps.text_encoder.encode(prompt)
     zf = p.video.frames_per_block
@@ -288,13 +336,39 @@ def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, s
         cache = allocate_cache(comps, dit, device, context, opts.num_blocks, slack, runners)
         schedule = role_schedule(p, context)
         return RoleModel(dit, role, cache, dit.encode_text(emb), device, context, schedule, counters, runners,
-                         zf, p.video.tokens_per_frame(p.vae, dit.config), comps.vae, emitted_pixels)
+                         zf, p.video.tokens_per_frame(p.vae, dit.config), comps.vae, emitted_pixels,
+                         exit_verifiers.get(role))
 
     drafter = role_model("drafter", comps.drafter, comps.drafter_device, slack_frames) if need_drafter else None
     target = role_model("target", comps.target, comps.target_device, 0) if need_target else None
     lh, lw = p.video.latent_hw(p.vae)
     return Setup(Aggregator(opts.aggregation), drafter, target, comps.vae.new_cache(), zf,
                  (1, p.vae.z_dim, zf, lh, lw), runners, emitted_pixels, StageGuard(opts))
+
+
+def exit_verifiers_for(comps: Components, opts: GenerationOptions, runners) -> dict:
+    """A fresh early-exit verifier per role that exits early (`opts.early_exit`), or {}. Refuses a
+    backend without the sparse forward and a head file that does not fit the role's model."""
+    from sdvg.generation.early_exit import ExitPlan, make_verifier
+    from sdvg.options import EXIT_BACKENDS
+
+    roles = [r for r in opts.exit_roles() if r in _role_names(opts.mode)]
+    if not roles:
+        return {}
+    if runners.backend not in EXIT_BACKENDS:
+        raise ValueError(f"early_exit {opts.early_exit!r} runs a sparse forward over the active tokens, which only "
+                         f"the {', '.join(EXIT_BACKENDS)} backend runs (the {runners.backend} stages have static "
+                         "token counts); use backend='eager' or early_exit='none'")
+    out = {}
+    for role in roles:
+        head = None
+        if opts.exit_verifier == "head":
+            from sdvg.models.exit_head import ExitHead
+
+            dit = getattr(comps, role)
+            head = ExitHead.load(opts.exit_head, dim=dit.config.dim, device=getattr(comps, f"{role}_device"))
+        out[role] = make_verifier(ExitPlan.from_options(opts, head))
+    return out
 
 
 def role_schedule(preset, context: RoleContext) -> FlowSchedule:

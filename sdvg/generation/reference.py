@@ -22,6 +22,7 @@ from typing import Iterator
 
 import torch
 
+from sdvg.generation.early_exit.record import block_exits
 from sdvg.generation.noise import block_noise
 from sdvg.generation.prepare import prepare, sync
 from sdvg.generation.routers import Router
@@ -140,7 +141,7 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
             pending_target_commits.clear()
         yield BlockRecord(b, decision, x_b.float().cpu(), to_uint8_frames(pixels), score, frame_scores,
                           block_times(times), draft_latents=None if draft is None else draft.float().cpu(),
-                          emitted_scores=emitted_scores)
+                          emitted_scores=emitted_scores, exits=block_exits(drafter, target, b, decision))
     counters.scheduler_wall_s = time.perf_counter() - t_start
     counters.stage_call_s = counters.main_stage_s = sum(x["end_s"] - x["start_s"] for x in trace)  # one thread
     if report is not None:

@@ -30,7 +30,7 @@ TOTAL_KEYS: tuple[str, ...] = ("draft", "decode", "score", "target", "commit")
 Counters = _C.Counters  # the native counters struct; the reference loop counts into the same type
 
 # The statistics file's schema (docs/stats.md). Bump on any change of a field's name or meaning.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: early exit (the exit_* options, mean_steps, max_steps, exit_roles; block exit fields)
 
 
 def block_times(stage_seconds: Mapping[str, float]) -> dict[str, float]:
@@ -77,6 +77,7 @@ class BlockRecord:
     times: dict[str, float]  # seconds per BLOCK_TIME_KEYS (those known when the block was emitted)
     draft_latents: torch.Tensor | None = None  # the drafter's proposal (sdvg mode)
     emitted_scores: list[float] | None = None  # the emitted frames' scores (score_emitted)
+    exits: Any = None  # early exit: the block's BlockExits (sdvg/generation/early_exit/record.py)
 
     def stats(self) -> dict:
         """The block's entry in the statistics (JSON-ready)."""
@@ -85,6 +86,8 @@ class BlockRecord:
                "frames": int(self.frames.shape[0])}
         if self.emitted_scores is not None:
             out["emitted_scores"] = list(self.emitted_scores)
+        if self.exits is not None:
+            out.update(self.exits.stats())
         return out
 
 
@@ -147,6 +150,30 @@ class RunStats(Mapping):
         later = [b for b in self.blocks if b["index"] > 0]
         return self.accepted_blocks / len(later) if later and self.options.mode == "sdvg" else None
 
+    def exit_summary(self) -> dict:
+        """Early exit over the emitted video: `mean_steps` (k_bar over every emitted token; blocks have equal
+        token counts), `max_steps`, and per role the calls and token evaluations of every denoise it made
+        for an emitted block."""
+        if self.options.early_exit == "none":
+            return {"mean_steps": None, "max_steps": None, "exit_roles": {}}
+        done = [b for b in self.blocks if "mean_steps" in b]
+        out = {"mean_steps": sum(b["mean_steps"] for b in done) / len(done) if done else None,
+               "max_steps": max((b["max_steps"] for b in done), default=None)}
+        roles = {}
+        for b in done:
+            for role, r in b["exit"].items():
+                if role == "producer":
+                    continue
+                agg = roles.setdefault(role, {"denoises": 0, "forwards": 0, "oracle_forwards": 0, "token_evals": 0,
+                                              "tokens": 0})
+                agg["denoises"] += 1
+                for key in ("forwards", "oracle_forwards", "token_evals", "tokens"):
+                    agg[key] += r[key]
+        for agg in roles.values():
+            agg["mean_steps"] = agg["token_evals"] / agg["tokens"]
+        out["exit_roles"] = roles
+        return out
+
     def stage_totals(self) -> dict[str, float]:
         return {k: sum(b["times"].get(k, 0.0) for b in self.blocks) for k in TOTAL_KEYS}
 
@@ -159,6 +186,7 @@ class RunStats(Mapping):
                  blocks_done=len(self.blocks))
         d.update({k: self.counters.get(k, 0) for k in COUNTER_NAMES})
         d.update(trace=self.trace, wall_s=self.wall_s, stage_totals=self.stage_totals())
+        d.update(self.exit_summary())
         d.update(self.extra)
         d["nonfinite_fields"] = nonfinite_paths(d)
         return d

@@ -126,7 +126,8 @@ class CausalWanDiT(nn.Module):
     # --------------------------------------------------------------- forward
     @torch.no_grad()
     def forward(self, latents: torch.Tensor, timesteps: torch.Tensor, text: TextKV, frame_offset: int | None = None,
-                cache=None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                cache=None, attn_mask: torch.Tensor | None = None, active: torch.Tensor | None = None,
+                hidden: list | None = None) -> torch.Tensor:
         """latents [B, C, F, H, W], timesteps [B, F] -> flow prediction [B, C, F, H, W] (model dtype).
 
         With `cache`, the block's K/V are written into the cache's pending slots (claimed here) and
@@ -137,11 +138,20 @@ class CausalWanDiT(nn.Module):
         a block-causal mask for a context forward over several blocks at once.
 
         Without a cache, attention covers the given frames only (starting at `frame_offset`, None
-        meaning 0), restricted by `attn_mask` ([S, S] bool, True = attend) if given."""
+        meaning 0), restricted by `attn_mask` ([S, S] bool, True = attend) if given.
+
+        `active` ([A] int64, ascending token indices of the block, frame-major; early exit) runs the
+        sparse forward: queries, modulation, cross-attention and MLP for those tokens only. With a
+        cache only their K/V are written (`write_tokens`): the other tokens' pending K/V stay as an
+        earlier pass wrote them and are attended to as they are. The output keeps the dense layout,
+        zero at the tokens not computed. `hidden`, a list, receives the last transformer block's
+        hidden states [B, S or A, dim] (the learned exit verifier's input)."""
         _, _, nF, H, W = latents.shape
         p = self.config.patch_size
         tpf = (H // p[1]) * (W // p[2])
         mask = None if attn_mask is None else attn_mask.to(latents.device)
+        if active is not None:
+            active = check_active(active, nF * tpf, latents.device)
         if cache is not None:
             frame_offset = cache_frame_offset(frame_offset, cache)
             cache.begin_write(nF)
@@ -155,17 +165,26 @@ class CausalWanDiT(nn.Module):
                     )
 
             def attend(layer, k, v):
-                cache.write(layer, k, v)
+                if active is None:
+                    cache.write(layer, k, v)
+                else:
+                    cache.write_tokens(layer, k, v, active)
                 k_all, v_all = cache.visible(layer)  # [B, H, S_visible, Dh]
                 return k_all, v_all, mask
         else:
             frame_offset = 0 if frame_offset is None else int(frame_offset)
+            if active is not None:
+                raise ValueError("a sparse forward (active tokens) needs a cache: the other tokens' K/V are read "
+                                 "from its pending slots")
 
             def attend(layer, k, v):
                 return k, v, mask
+        if mask is not None and active is not None:
+            mask = mask[active]  # the active queries' rows
         cos, sin = self.rope(frame_offset, nF, H, W, latents.device)
         t_freq = self.timestep_freqs(timesteps)
-        return self.forward_with(latents, t_freq, text.keys, text.values, cos, sin, attend)
+        return self.forward_with(latents, t_freq, text.keys, text.values, cos, sin, attend, active=active,
+                                 hidden=hidden)
 
     def timestep_freqs(self, timesteps: torch.Tensor) -> torch.Tensor:
         """timesteps [B, F] -> the float64 sinusoid [B, F, freq_dim] cast to the time embedder's dtype
@@ -179,10 +198,15 @@ class CausalWanDiT(nn.Module):
         return rope_cos_sin(self._angles, self.config.head_dim, frame_offset, frames, height // p[1], width // p[2],
                             device)
 
-    def forward_with(self, latents, t_freq, text_keys, text_values, cos, sin, attend) -> torch.Tensor:
+    def forward_with(self, latents, t_freq, text_keys, text_values, cos, sin, attend, active=None,
+                     hidden=None) -> torch.Tensor:
         """The DiT body with self-attention keys/values supplied by `attend(layer, k, v) -> (k_all,
         v_all, mask)`: a KV cache, a full-sequence mask, or static cache tensors (engine stages).
-        `t_freq` [B, F, freq_dim] is the timestep sinusoid (`timestep_freqs`)."""
+        `t_freq` [B, F, freq_dim] is the timestep sinusoid (`timestep_freqs`).
+
+        `active` [A] (checked by the caller) computes those tokens only: each active token is then
+        treated as a frame of one token with its own frame's modulation, which is elementwise the
+        arithmetic of the dense path (so all tokens active gives the dense result)."""
         m, cfg = self.model, self.config
         B, C, nF, H, W = latents.shape
         if t_freq.shape != (B, nF, cfg.freq_dim):
@@ -198,15 +222,27 @@ class CausalWanDiT(nn.Module):
         temb = emb.time_embedder(t_freq)  # [B, F, dim]
         t_mod = emb.time_proj(emb.act_fn(temb).to(emb.time_proj.weight.dtype))  # [B, F, 6*dim]
         t_mod = t_mod.unflatten(2, (6, -1)).float()  # [B, F, 6, dim]
+        groups, group_len = nF, tpf  # modulation groups (frames) and tokens per group
+        if active is not None:  # one group per active token, with its frame's modulation
+            frame_of = torch.div(active, tpf, rounding_mode="floor")  # [A]
+            x, cos, sin = x[:, active], cos[active], sin[active]  # [B, A, dim], [A, Dh/2]
+            temb, t_mod = temb[:, frame_of], t_mod[:, frame_of]  # [B, A, dim], [B, A, 6, dim]
+            groups, group_len = active.numel(), 1
 
         for layer, block in enumerate(m.blocks):
-            x = self._block(block, layer, x, t_mod, text_keys[layer], text_values[layer], cos, sin, nF, tpf,
-                            attend)
+            x = self._block(block, layer, x, t_mod, text_keys[layer], text_values[layer], cos, sin, groups,
+                            group_len, attend)
+        if hidden is not None:
+            hidden.append(x)
 
-        shift, scale = (m.scale_shift_table.float()[:, None] + temb.float()[:, :, None]).chunk(2, dim=2)  # [B,F,1,d]
-        h = m.norm_out(x.float()).unflatten(1, (nF, tpf))  # [B, F, T, dim]
+        shift, scale = (m.scale_shift_table.float()[:, None] + temb.float()[:, :, None]).chunk(2, dim=2)  # [B,G,1,d]
+        h = m.norm_out(x.float()).unflatten(1, (groups, group_len))  # [B, G, T, dim]
         h = (h * (1 + scale) + shift).flatten(1, 2).to(x.dtype)
-        out = m.proj_out(h)  # [B, S, C * prod(patch)]
+        out = m.proj_out(h)  # [B, S or A, C * prod(patch)]
+        if active is not None:  # back to the dense token layout, zero where not computed
+            dense = out.new_zeros((B, nF * tpf, out.shape[-1]))
+            dense[:, active] = out
+            out = dense
         out = out.reshape(B, nF // p_t, gh, gw, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
         return out.flatten(6, 7).flatten(4, 5).flatten(2, 3)  # [B, C, F, H, W]
 
@@ -244,6 +280,18 @@ class CausalWanDiT(nn.Module):
         h = per_frame(lambda t: block.norm3(t.float()) * (1 + c_scale) + c_shift, x).to(x.dtype)
         f = block.ffn(h)
         return (x.float() + per_frame(lambda t: t * c_gate, f.float())).to(x.dtype)
+
+
+def check_active(active: torch.Tensor, num_tokens: int, device) -> torch.Tensor:
+    """Active token indices of a sparse forward: 1-D int64, strictly ascending, inside the block."""
+    if not isinstance(active, torch.Tensor) or active.dim() != 1 or active.dtype != torch.long:
+        raise ValueError("active tokens must be a 1-D int64 tensor of token indices (frame-major)")
+    if active.numel() == 0:
+        raise ValueError("a sparse forward needs at least one active token (skip the call instead)")
+    if int(active[0]) < 0 or int(active[-1]) >= num_tokens or (active.numel() > 1 and
+                                                             bool((active[1:] <= active[:-1]).any())):
+        raise ValueError(f"active token indices must be strictly ascending within [0, {num_tokens})")
+    return active.to(device)
 
 
 def block_causal_mask(num_blocks: int | None, frames_per_block: int, tokens_per_frame: int, window_frames: int = 0,
