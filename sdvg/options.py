@@ -28,7 +28,7 @@ ROUTERS: tuple[str, ...] = ("reward", "random", "pattern")
 AGGREGATIONS: tuple[str, ...] = ("min", "mean", "trimmed_mean", "quantile")
 DRAFTER_CONTEXTS: tuple[str, ...] = ("own", "committed")
 SCHEDULERS: tuple[str, ...] = ("cpp", "reference")
-BACKENDS: tuple[str, ...] = ("eager", "compile", "tensorrt", "onnxruntime")
+BACKENDS: tuple[str, ...] = ("eager", "compile", "tensorrt", "onnxruntime", "torch-tensorrt")
 
 SEED_MAX = 2**63 - 1
 
@@ -91,7 +91,9 @@ class GenerationOptions:
                                     "(a bounded queue; the committed context allows one)", metavar="N")
     backend: str | None = _opt(None, "how stages run: eager, compile (torch.compile'd static stages), tensorrt "
                                      "(engines; needs --engines) or onnxruntime (the ONNX files of build_engines "
-                                     "--format onnx; needs --engines); default: the pipeline's", BACKENDS)
+                                     "--format onnx; needs --engines) or torch-tensorrt (DiT stages from build_engines "
+                                     "--format torch-tensorrt, the others TensorRT; needs --engines); default: the "
+                                     "pipeline's", BACKENDS)
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (normalised values)
