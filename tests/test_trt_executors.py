@@ -437,7 +437,7 @@ def test_torch_tensorrt_cache_key_holds_versions(tiny_pipe, tmp_path, monkeypatc
     m = json.loads(manifest.read_text())
     m["file"] = "engine.plan"
     manifest.write_text(json.dumps(m))
-    with pytest.raises(CorruptEngineError, match="a torch-tensorrt entry may only name program.ep"):
+    with pytest.raises(CorruptEngineError, match="kind torch-tensorrt may only name program.ep inside itself"):
         cache.load(built, CMD)
 
 

@@ -170,8 +170,8 @@ class EngineCache:
                                    f"with: {rebuild_command}")
         name = m.get("file")
         if name != ARTIFACT_FILES[key.artifact]:
-            raise CorruptEngineError(f"engine manifest {d / MANIFEST} names the file {name!r}; a {key.artifact} "
-                                     f"entry may only name {ARTIFACT_FILES[key.artifact]} inside itself; delete {d} "
+            raise CorruptEngineError(f"engine manifest {d / MANIFEST} names the file {name!r}; an entry of kind "
+                                     f"{key.artifact} may only name {ARTIFACT_FILES[key.artifact]} inside itself; delete {d} "
                                      f"and rebuild with: {rebuild_command}")
         path = d / name
         self._check_file(d, path, m["size"], m["sha256"], rebuild_command)
