@@ -169,10 +169,11 @@ class EngineCache:
             raise StaleEngineError(f"engine {d} does not match ({'; '.join(key.differences(built))}); rebuild "
                                    f"with: {rebuild_command}")
         name = m.get("file")
-        if name != ARTIFACT_FILES[key.artifact]:
+        want = ARTIFACT_FILES[key.artifact]
+        if name != want:
             raise CorruptEngineError(f"engine manifest {d / MANIFEST} names the file {name!r}; an entry of kind "
-                                     f"{key.artifact} may only name {ARTIFACT_FILES[key.artifact]} inside itself; delete {d} "
-                                     f"and rebuild with: {rebuild_command}")
+                                     f"{key.artifact} may only name {want} inside itself; delete {d} and rebuild "
+                                     f"with: {rebuild_command}")
         path = d / name
         self._check_file(d, path, m["size"], m["sha256"], rebuild_command)
         data = m.get("data_file")

@@ -15,8 +15,8 @@ The executors, one per artifact kind (`open_executor`):
 | artifact | executor | runs with |
 |---|---|---|
 | `onnx` | `onnxruntime.ORTStage` | onnxruntime (CPU or CUDA execution provider) |
-| `tensorrt` | `tensorrt.TRTStage` (runtime `torch`) | TensorRT on torch's current stream, outputs from torch's allocator |
-| `tensorrt` | `trt_cuda.TRTCudaStage` (runtime `cuda-python`) | TensorRT on its own stream through cuda-python: stream-ordered engine memory, CUDA graphs |
+| `tensorrt` | `tensorrt.TRTStage` (runtime `torch`) | TensorRT on torch's current stream |
+| `tensorrt` | `trt_cuda.TRTCudaStage` (runtime `cuda-python`) | TensorRT on its own stream, CUDA graphs |
 | `torch-tensorrt` | `torch_trt.TorchTRTStage` | a torch-tensorrt exported program (DiT stages) |
 
 Every import of an optional library happens when an executor is built, never when sdvg is imported.

@@ -60,8 +60,8 @@ def open_engine(plan_path: Path, signature, strategy=None):
     if outputs != set(signature.output_names):
         raise RuntimeError(f"engine {plan_path} has outputs {sorted(outputs)}, stage {signature.name!r} "
                            f"{signature.output_names}; rebuild the engine folder")
-    # exporters may drop unused inputs
-    return trt, runtime, engine, context, [t for t in signature.inputs if t.name in inputs], list(signature.output_names)
+    used = [t for t in signature.inputs if t.name in inputs]  # exporters may drop unused inputs
+    return trt, runtime, engine, context, used, list(signature.output_names)
 
 
 def engine_feeds(trt, engine, inputs, signature, args, device) -> dict[str, torch.Tensor]:
