@@ -68,7 +68,12 @@ setup(
         # is no extra: it pins transformers 4.33.2 and numpy < 2 (its own environment: requirements-vbench.txt)
         "eval": ["pyiqa==0.1.16"],
         "onnx": ["onnx", "onnxruntime", "onnxscript"],
-        "tensorrt": ["tensorrt-cu13>=11", "torch-tensorrt"],
+        # TensorRT plans (build_engines --format tensorrt) and the cuda-python executor
+        "tensorrt": ["tensorrt-cu13>=11", "cuda-python>=13"],
+        # build_engines --format torch-tensorrt: the release built for requirements-torch.txt's torch
+        # (2.14.x); with another torch installed, pip would replace it (requirements-torch-tensorrt.txt)
+        "torch-tensorrt": ["torch-tensorrt==2.14.0", "torch>=2.14,<2.15", "tensorrt-cu13>=11.1,<11.2",
+                           "cuda-python>=13"],
     },
     entry_points={"console_scripts": ["sdvg=sdvg.cli:main"]},
 )

@@ -2,8 +2,10 @@
 
 Loads the pipeline exactly as `sdvg generate` does (the same preset, checkpoint and device flags),
 derives every stage signature on the meta device (`sdvg.engines.signatures`), exports each stage
-to ONNX and, for --format tensorrt, builds it into an engine; every artifact goes into the engine
-cache under a key of its config, weights, shapes, precision and device."""
+to ONNX and, for --format tensorrt, builds it into an engine; for --format torch-tensorrt the DiT
+stages go through torch.export and torch-tensorrt instead (the others as for tensorrt). Every
+artifact goes into the engine cache under a key of its config, weights, shapes, precision, device
+and library versions."""
 from __future__ import annotations
 
 import argparse
@@ -29,6 +31,7 @@ def _positive(text: str) -> int:
 
 def parser() -> argparse.ArgumentParser:
     from sdvg.cli import add_model_args
+    from sdvg.generation.backends import BUILD_FORMATS
 
     ap = argparse.ArgumentParser(prog="python -m build_engines", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -42,7 +45,9 @@ def parser() -> argparse.ArgumentParser:
                          "ONNX files take any length)")
     ap.add_argument("--kv-cache-frames", type=_positive, default=None,
                     help="recompute context length the context-forward stages are built for (default: the preset's)")
-    ap.add_argument("--format", choices=("onnx", "tensorrt"), default="tensorrt")
+    ap.add_argument("--format", choices=BUILD_FORMATS, default="tensorrt",
+                    help="onnx (the onnxruntime backend), tensorrt (the tensorrt backend) or torch-tensorrt (the "
+                         "torch-tensorrt backend: DiT stages through torch-tensorrt, the others TensorRT engines)")
     ap.add_argument("--verify", action="store_true", help="run every exported stage in onnxruntime against eager")
     ap.add_argument("--timing-cache", type=Path, default=None)
     ap.add_argument("--stages", default="all", help="comma list of drafter_dit,target_dit,vae_decode,reward")
@@ -88,8 +93,12 @@ def main(argv=None) -> int:
     from sdvg.engines.signatures import component_signatures, stage_key, stage_spec
     from sdvg.engines.tensorrt import import_tensorrt
 
-    if args.format == "tensorrt":
+    if args.format != "onnx":
         import_tensorrt()  # fail before any heavy work, with the install hint
+        if args.format == "torch-tensorrt":
+            from sdvg.engines.torch_trt import import_torch_tensorrt
+
+            import_torch_tensorrt()
         cpu = [d for d in (args.device, args.target_device) if d is not None and not str(d).startswith("cuda")]
         if cpu:
             print(f"error: TensorRT engines run on CUDA devices, not {', '.join(cpu)}; pass --device cuda:0 (and "
@@ -110,6 +119,13 @@ def main(argv=None) -> int:
     for sig in sigs:
         t0 = time.perf_counter()
         spec = stage_spec(comps, sig)
+        if args.format == "torch-tensorrt" and sig.family.endswith("_dit"):
+            from sdvg.engines.torch_trt import build_program
+
+            program = build_program(spec.module, sig, spec.inputs, args.out / "torch_trt" / sig.name / "program.ep")
+            dest = cache.store(stage_key(sig, comps, "torch-tensorrt"), program, rebuild_command(argv))
+            print(f"{sig.name}: torch-tensorrt program {dest} in {time.perf_counter() - t0:.1f} s", flush=True)
+            continue
         onnx_path = export_onnx(spec, args.out / "onnx" / sig.name / "model.onnx")
         msg = f"{sig.name}: exported in {time.perf_counter() - t0:.1f} s"
         if args.verify:
@@ -118,7 +134,7 @@ def main(argv=None) -> int:
             msg += f"; onnxruntime vs eager max error {err:.2e} ({'ok' if ok else 'FAIL'}, tolerance {tol:.0e})"
             if not ok:
                 failed.append(sig.name)
-        if args.format == "tensorrt":
+        if args.format != "onnx":
             from build_engines.trt import build_engine
 
             plan = build_engine(onnx_path, onnx_path.with_suffix(".plan"), sig, args.timing_cache)

@@ -95,7 +95,8 @@ def add_model_args(p: argparse.ArgumentParser, engines: bool = True) -> None:
     p.add_argument("--text-encoder", help="umT5 encoder folder or a diffusers Wan folder" + where)
     if engines:
         p.add_argument("--engines", help="engine folder built by `python -m build_engines` from the same preset and "
-                                         "checkpoint flags (backend tensorrt; backend onnxruntime with --format onnx)")
+                                         "checkpoint flags (backend tensorrt; onnxruntime with --format onnx; "
+                                         "torch-tensorrt with --format torch-tensorrt)")
     p.add_argument("--device", "--drafter-device", dest="device", default="cpu",
                    help="drafter, VAE and reward device")
     p.add_argument("--target-device", default=None, help="target device (default: --device)")

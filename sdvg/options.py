@@ -28,7 +28,7 @@ ROUTERS: tuple[str, ...] = ("reward", "random", "pattern")
 AGGREGATIONS: tuple[str, ...] = ("min", "mean", "trimmed_mean", "quantile")
 DRAFTER_CONTEXTS: tuple[str, ...] = ("own", "committed")
 SCHEDULERS: tuple[str, ...] = ("cpp", "reference")
-BACKENDS: tuple[str, ...] = ("eager", "compile", "tensorrt", "onnxruntime")
+BACKENDS: tuple[str, ...] = ("eager", "compile", "tensorrt", "onnxruntime", "torch-tensorrt")
 EARLY_EXIT_ROLES: tuple[str, ...] = ("none", "target", "drafter", "both")
 EXIT_VERIFIERS: tuple[str, ...] = ("stability", "oracle", "head", "pattern")
 EXIT_BACKENDS: tuple[str, ...] = ("eager",)  # the stage backends that run a sparse (early-exit) forward
@@ -115,7 +115,9 @@ class GenerationOptions:
                                            "(1.65: the paper's mean)", metavar="K")
     backend: str | None = _opt(None, "how stages run: eager, compile (torch.compile'd static stages), tensorrt "
                                      "(engines; needs --engines) or onnxruntime (the ONNX files of build_engines "
-                                     "--format onnx; needs --engines); default: the pipeline's", BACKENDS)
+                                     "--format onnx; needs --engines) or torch-tensorrt (DiT stages from build_engines "
+                                     "--format torch-tensorrt, the others TensorRT; needs --engines); default: the "
+                                     "pipeline's", BACKENDS)
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (normalised values)

@@ -308,7 +308,7 @@ class SpeculativeVideoPipeline:
         early_exit: none | target | drafter | both (token-level early exit, docs/early-exit.md), judged by
         exit_verifier stability (exit_thresholds) | oracle (exit_eps) | head (exit_head, exit_eps) |
         pattern (exit_pattern_steps).
-        backend: eager | compile | tensorrt | onnxruntime (None: the pipeline's)."""
+        backend: eager | compile | tensorrt | onnxruntime | torch-tensorrt (None: the pipeline's)."""
         options = _options(locals())
         return self.run(prompt, options)
 

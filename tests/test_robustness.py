@@ -252,7 +252,7 @@ def test_engine_manifest_may_not_name_a_file_outside_its_entry(tmp_path):
     secret.write_bytes(b"x")
     m["file"] = "../secret.bin"
     (d / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(CorruptEngineError, match="may only name engine.plan or model.onnx"):
+    with pytest.raises(CorruptEngineError, match="kind onnx may only name model.onnx inside itself"):
         cache.load(key, "rebuild")
 
 

@@ -2,7 +2,9 @@
 depends on, with a manifest that is checked before an engine is ever used.
 
 The key holds the stage's config hash and weights fingerprint, its input shapes and dtypes, the
-precision, the GPU name and compute capability and the TensorRT version. A stale or foreign engine
+precision, the GPU name and compute capability, the TensorRT version and the artifact kind; a
+torch-tensorrt program also the torch and torch-tensorrt versions it was built with (it runs
+inside that torch only). A stale or foreign engine
 is refused with the fields that differ and the command that rebuilds it; a truncated or altered
 file is refused by its size and SHA-256.
 """
@@ -19,6 +21,8 @@ from pathlib import Path
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 DATA_FILE = "model.onnx.data"  # the external weights of an ONNX file past 2 GB
+ARTIFACT_FILES = {"tensorrt": "engine.plan", "onnx": "model.onnx", "torch-tensorrt": "program.ep"}  # kind -> file
+_LATER_FIELDS = ("torch_version", "torch_trt_version")  # written only when set: older keys keep their digests
 
 
 class EngineCacheError(RuntimeError):
@@ -47,7 +51,14 @@ class EngineKey:
     gpu_name: str
     compute_capability: str
     trt_version: str
-    artifact: str = "tensorrt"  # tensorrt | onnx
+    artifact: str = "tensorrt"  # a key of ARTIFACT_FILES
+    torch_version: str = "none"  # torch-tensorrt programs only
+    torch_trt_version: str = "none"
+
+    def __post_init__(self):
+        if self.artifact not in ARTIFACT_FILES:
+            raise ValueError(f"unknown engine artifact {self.artifact!r}; the artifacts are "
+                             f"{', '.join(ARTIFACT_FILES)}")
 
     def digest(self) -> str:
         blob = json.dumps(self.as_json(), sort_keys=True).encode()
@@ -56,6 +67,9 @@ class EngineKey:
     def as_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["shapes"] = [[n, list(s), t] for n, s, t in self.shapes]
+        for f in _LATER_FIELDS:
+            if d[f] == "none":
+                del d[f]
         return d
 
     @classmethod
@@ -108,7 +122,7 @@ class EngineCache:
         external weights (`<artifact>.data`, written for models past 2 GB) move with it."""
         d = self.entry_dir(key)
         d.mkdir(parents=True, exist_ok=True)
-        name = "engine.plan" if key.artifact == "tensorrt" else "model.onnx"
+        name = ARTIFACT_FILES[key.artifact]
         dest = d / name
         data = Path(str(artifact) + ".data")
         if Path(artifact).resolve() != dest.resolve():
@@ -155,9 +169,10 @@ class EngineCache:
             raise StaleEngineError(f"engine {d} does not match ({'; '.join(key.differences(built))}); rebuild "
                                    f"with: {rebuild_command}")
         name = m.get("file")
-        if not isinstance(name, str) or name not in ("engine.plan", "model.onnx"):
-            raise CorruptEngineError(f"engine manifest {d / MANIFEST} names the file {name!r}; a manifest may only "
-                                     f"name engine.plan or model.onnx inside its own entry; delete {d} and rebuild "
+        want = ARTIFACT_FILES[key.artifact]
+        if name != want:
+            raise CorruptEngineError(f"engine manifest {d / MANIFEST} names the file {name!r}; an entry of kind "
+                                     f"{key.artifact} may only name {want} inside itself; delete {d} and rebuild "
                                      f"with: {rebuild_command}")
         path = d / name
         self._check_file(d, path, m["size"], m["sha256"], rebuild_command)

@@ -385,10 +385,14 @@ def device_identity(device: torch.device) -> tuple[str, str]:
 def stage_key(sig: StageSignature, comps, artifact: str) -> EngineKey:
     """Everything the stage's engine depends on (see `sdvg.engines.cache`)."""
     from sdvg.engines.tensorrt import trt_version
+    from sdvg.engines.torch_trt import torch_trt_version
 
     device, config, weights = family_parts(comps, sig.family)
     gpu, cc = device_identity(device)
     chash = config_hash(config) if dataclasses.is_dataclass(config) else str(config)
+    versions = {}
+    if artifact == "torch-tensorrt":  # the program runs inside the torch it was built with
+        versions = dict(torch_version=torch.__version__, torch_trt_version=torch_trt_version())
     return EngineKey(stage=sig.name, config_hash=chash, weights_hash=weights_fingerprint(weights), shapes=sig.shapes(),
                      precision=comps.preset.precision, gpu_name=gpu, compute_capability=cc,
-                     trt_version=trt_version() if artifact == "tensorrt" else "none", artifact=artifact)
+                     trt_version=trt_version() if artifact != "onnx" else "none", artifact=artifact, **versions)

@@ -1,11 +1,13 @@
 """How stages execute: `eager` (the modules as they are), `compile` (the static stage modules through
-torch.compile), `tensorrt` (engines from the engine cache) or `onnxruntime` (the ONNX files of
-`python -m build_engines --format onnx` from the same cache); engines are validated against this
-setup (config, weights, shapes, precision, device) before they run.
+torch.compile), `tensorrt` (engines from the engine cache), `onnxruntime` (the ONNX files of
+`python -m build_engines --format onnx` from the same cache) or `torch-tensorrt` (the DiT stages as
+torch-tensorrt programs of `--format torch-tensorrt`, the other stages as TensorRT engines); engines
+are validated against this setup (config, weights, shapes, precision, device, versions) before they
+run.
 
 A `StageRunners` object is built once per pipeline and backend and holds the compiled modules or
-engines explicitly, one per stage (`sdvg.engines.signatures`), each loaded when first needed; the
-loops call `dit_forward`, `decode` and `score` through it."""
+engine executors (`sdvg.engines.executor`) explicitly, one per stage (`sdvg.engines.signatures`),
+each loaded when first needed; the loops call `dit_forward`, `decode` and `score` through it."""
 from __future__ import annotations
 
 import shlex
@@ -13,11 +15,44 @@ from pathlib import Path
 
 import torch
 
+from sdvg.engines.executor import ExecutorOptions, open_executor
 from sdvg.engines.stages import (DiTStep, RewardStep, VAEDecodeStep, dit_forward_static, text_tensors,
                                  vae_cache_is_steady, vae_decode_static)
+from sdvg.options import BACKENDS
 
-STAGE_BACKENDS = ("eager", "compile", "tensorrt", "onnxruntime")
-ENGINE_ARTIFACTS = {"tensorrt": "tensorrt", "onnxruntime": "onnx"}  # backend -> what the engine cache holds
+STAGE_BACKENDS = BACKENDS  # declared once, in sdvg.options
+# engine backend -> (artifact of its DiT stages, artifact of its other stages) in the engine cache; the
+# `python -m build_engines --format` that builds a folder for it is the DiT stages' artifact
+ENGINE_ARTIFACTS = {"tensorrt": ("tensorrt", "tensorrt"), "onnxruntime": ("onnx", "onnx"),
+                    "torch-tensorrt": ("torch-tensorrt", "tensorrt")}
+BUILD_FORMATS = tuple(dict.fromkeys(dit for dit, _ in ENGINE_ARTIFACTS.values()))  # build_engines --format choices
+
+
+def build_format(backend: str) -> str:
+    """The `python -m build_engines --format` whose folder `backend` runs."""
+    return ENGINE_ARTIFACTS[backend][0]
+
+
+def engine_artifact(backend: str, family: str) -> str:
+    """What the engine cache holds for a stage family under an engine backend."""
+    dit, other = ENGINE_ARTIFACTS[backend]
+    return dit if family.endswith("_dit") else other
+
+
+def _import_check(backend: str) -> None:
+    """The backend's libraries, or their install message, before anything is loaded."""
+    from sdvg.engines.tensorrt import import_tensorrt
+
+    if backend == "onnxruntime":
+        from sdvg.engines.onnxruntime import import_onnxruntime
+
+        import_onnxruntime()
+        return
+    import_tensorrt()
+    if backend == "torch-tensorrt":
+        from sdvg.engines.torch_trt import import_torch_tensorrt
+
+        import_torch_tensorrt()
 
 
 class StageRunners:
@@ -25,7 +60,7 @@ class StageRunners:
     checkpoint flags, or --weights-seed), for the rebuild command an engine error names."""
 
     def __init__(self, comps, backend: str = "eager", engines: str | Path | None = None,
-                 compile_mode: str | None = None, build_flags=()):
+                 compile_mode: str | None = None, build_flags=(), executor: ExecutorOptions | None = None):
         if backend not in STAGE_BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {STAGE_BACKENDS}")
         self.comps, self.backend = comps, backend
@@ -38,19 +73,12 @@ class StageRunners:
         self._stages: dict = {}  # stage name -> callable (compiled module or engine)
         self._text: dict = {}  # role -> (TextKV, stacked K, stacked V) of its last prompt (one thread per role)
         self._cache = None
+        self.executor = executor or ExecutorOptions()
         if backend in ENGINE_ARTIFACTS:
             if engines is None:
-                fmt = " --format onnx" if backend == "onnxruntime" else ""
-                raise ValueError(f"backend {backend!r} needs engines=<folder built by python -m build_engines{fmt}> "
-                                 "(CLI: --engines DIR)")
-            if backend == "tensorrt":
-                from sdvg.engines.tensorrt import import_tensorrt
-
-                import_tensorrt()
-            else:
-                from sdvg.engines.onnxruntime import import_onnxruntime
-
-                import_onnxruntime()
+                raise ValueError(f"backend {backend!r} needs engines=<folder built by python -m build_engines "
+                                 f"--format {build_format(backend)}> (CLI: --engines DIR)")
+            _import_check(backend)
             from sdvg.engines.cache import EngineCache
 
             self.engines = Path(engines)
@@ -146,23 +174,15 @@ class StageRunners:
         c, p = self.comps, self.comps.preset
         argv = ["--preset", p.name, *self.build_flags, "--device", str(c.drafter_device),
                 "--target-device", str(c.target_device), "--precision", p.precision]
-        if self.backend == "onnxruntime":
-            argv += ["--format", "onnx"]
-        argv += [*extra, "--out", str(self.engines)]
+        argv += ["--format", build_format(self.backend), *extra, "--out", str(self.engines)]
         return "python -m build_engines " + " ".join(shlex.quote(a) for a in argv)
 
     def _engine(self, sig, extra=()):
         """The validated engine of stage `sig` (refused, with the rebuild command, when stale, foreign,
-        damaged or missing), ready to call."""
+        damaged or missing), as an executor (`sdvg.engines.executor`) ready to call."""
         from sdvg.engines.signatures import family_parts, stage_key
 
-        artifact = ENGINE_ARTIFACTS[self.backend]
+        artifact = engine_artifact(self.backend, sig.family)
         path = self._cache.load(stage_key(sig, self.comps, artifact), self.rebuild_command(extra))
         device = family_parts(self.comps, sig.family)[0]
-        if self.backend == "tensorrt":
-            from sdvg.engines.tensorrt import TRTStage
-
-            return TRTStage(path, sig, device)
-        from sdvg.engines.onnxruntime import ORTStage
-
-        return ORTStage(path, sig, device)
+        return open_executor(artifact, path, sig, device, self.executor)

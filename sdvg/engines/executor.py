@@ -1,0 +1,97 @@
+"""The stage executor interface: what `StageRunners` (sdvg/generation/backends.py) calls, whatever
+runs the stage.
+
+An executor is built from one validated engine-cache artifact and the stage's signature
+(`sdvg.engines.signatures.StageSignature`) and provides:
+
+* `signature`, `device` — the stage it runs and where;
+* `__call__(*inputs)` — the inputs positionally in the signature's order (tensors on any device and
+  dtype: converted to the stage's when they differ); returns the outputs in the signature's order,
+  one tensor or a tuple of several;
+* optionally `capture()` — record the stage's launch in a CUDA graph now (static shapes only).
+
+The executors, one per artifact kind (`open_executor`):
+
+| artifact | executor | runs with |
+|---|---|---|
+| `onnx` | `onnxruntime.ORTStage` | onnxruntime (CPU or CUDA execution provider) |
+| `tensorrt` | `tensorrt.TRTStage` (runtime `torch`) | TensorRT on torch's current stream |
+| `tensorrt` | `trt_cuda.TRTCudaStage` (runtime `cuda-python`) | TensorRT on its own stream, CUDA graphs |
+| `torch-tensorrt` | `torch_trt.TorchTRTStage` | a torch-tensorrt exported program (DiT stages) |
+
+Every import of an optional library happens when an executor is built, never when sdvg is imported.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+RUNTIMES: tuple[str, ...] = ("torch", "cuda-python")  # how a TensorRT plan is driven
+
+
+@runtime_checkable
+class StageExecutor(Protocol):
+    signature: object  # StageSignature
+    device: torch.device
+
+    def __call__(self, *inputs: torch.Tensor): ...
+
+
+@dataclass(frozen=True)
+class ExecutorOptions:
+    """How the engine executors of a `StageRunners` run.
+
+    `runtime`: `torch` (TRTStage) or `cuda-python` (TRTCudaStage) for TensorRT plans.
+    `cuda_graph`: capture each static-shape DiT stage without cached frames in a CUDA graph
+    (cuda-python runtime only); its outputs are views of the graph's static buffers, valid until
+    that stage's next call (the sampler consumes the flow and `KVCache.write` copies the new K/V
+    before then). The cached DiT stage (dynamic), the VAE stage (its cache tensors are kept across
+    calls) and the reward stage run without a graph."""
+
+    runtime: str = "torch"
+    cuda_graph: bool = False
+
+    def __post_init__(self):
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"unknown TensorRT runtime {self.runtime!r}; choose one of {', '.join(RUNTIMES)}")
+        if self.cuda_graph and self.runtime != "cuda-python":
+            raise ValueError("cuda_graph needs runtime='cuda-python' (the graph is captured on the executor's own "
+                             "stream through cuda-python)")
+
+    def graph_for(self, signature) -> bool:
+        """Whether the stage of `signature` runs from a CUDA graph under these options."""
+        return self.cuda_graph and signature.family.endswith("_dit") and not signature.dynamic
+
+
+def require_cuda(device, what: str) -> torch.device:
+    """`device` as a torch.device, or a ValueError naming `what` when it is not a CUDA device."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"{what} runs on CUDA devices, not {device}; run the pipeline on a GPU (--device cuda:0) "
+                         "or use --backend onnxruntime on the CPU")
+    return device
+
+
+def open_executor(artifact: str, path: Path, signature, device, options: ExecutorOptions | None = None):
+    """The executor of one engine-cache artifact (see the module docstring)."""
+    options = options or ExecutorOptions()
+    if artifact == "onnx":
+        from sdvg.engines.onnxruntime import ORTStage
+
+        return ORTStage(path, signature, device)
+    if artifact == "tensorrt":
+        if options.runtime == "cuda-python":
+            from sdvg.engines.trt_cuda import TRTCudaStage
+
+            return TRTCudaStage(path, signature, device, cuda_graph=options.graph_for(signature))
+        from sdvg.engines.tensorrt import TRTStage
+
+        return TRTStage(path, signature, device)
+    if artifact == "torch-tensorrt":
+        from sdvg.engines.torch_trt import TorchTRTStage
+
+        return TorchTRTStage(path, signature, device)
+    raise ValueError(f"unknown engine artifact {artifact!r}; the artifacts are onnx, tensorrt, torch-tensorrt")

@@ -1,0 +1,236 @@
+"""TensorRT executor on cuda-python (`cuda.bindings.runtime`, the `tensorrt` extra): what torch's
+stream and allocator do not give.
+
+* Stream-ordered engine memory: the execution context is created `USER_MANAGED`; its scratch memory
+  (`engine.device_memory_size_v2`, or `context.update_device_memory_size_for_shapes()` for the
+  shapes of a dynamic stage) comes from `cudaMallocAsync` on the executor's stream, grows when a
+  larger shape needs more, and goes back with `cudaFreeAsync` on `close()`.
+* Its own non-blocking stream, ordered after torch's current stream (the scheduler's role stream)
+  by an event before every launch, and torch's stream after it by an event after.
+* A CUDA graph of the engine call (`cuda_graph=True`, static-shape stages only; a dynamic stage is
+  refused): captured on that stream with `cudaStreamBeginCapture` / `cudaStreamEndCapture` /
+  `cudaGraphInstantiate`, bound to static input and output buffers allocated once, replayed with
+  `cudaGraphLaunch`. Each call copies its inputs into the static input buffers (skipped when an
+  input already is that buffer) and returns **views of the static output buffers: valid until the
+  executor's next call**; a caller that keeps an output past that copies it. Nothing is cloned.
+
+Without a graph, `out={name: tensor}` binds outputs straight to caller-provided destinations (by
+address, no copy); the other outputs are allocated by torch on its current stream.
+
+Every cudart call's status is checked (`check`): a failure raises `CudaError` naming the call and
+CUDA's error. Not runnable on any machine available to this project (no TensorRT); the tests that
+need it are marked `tensorrt`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from sdvg.engines.executor import require_cuda
+from sdvg.engines.tensorrt import _torch_dtype, engine_feeds, import_tensorrt, open_engine, set_input_shapes
+
+INSTALL_HINT = ("cuda-python is not installed: install the optional extra with `pip install 'sdvg[tensorrt]'` "
+                "(cuda-python 13, with TensorRT 11 for CUDA 13) on a machine with an NVIDIA GPU")
+
+
+class CudaError(RuntimeError):
+    """A CUDA runtime call made through cuda-python failed."""
+
+
+def import_cuda_python():
+    """cuda-python's runtime API module (`cuda.bindings.runtime`), or the install message."""
+    try:
+        from cuda.bindings import runtime as cudart
+    except Exception as exc:  # ImportError, or bindings built for another CUDA major version
+        raise RuntimeError(f"{INSTALL_HINT} ({type(exc).__name__}: {exc})") from exc
+    return cudart
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def check(cudart, result, call: str):
+    """The values a cuda-python call returns after its status (`(err, *values)`): None, one value or a
+    tuple; raises `CudaError` naming `call` and CUDA's error name and text when `err` is not success."""
+    err, *values = result
+    if err != cudart.cudaError_t.cudaSuccess:
+        _, name = cudart.cudaGetErrorName(err)
+        _, text = cudart.cudaGetErrorString(err)
+        raise CudaError(f"{call} failed: {_text(name)} ({_text(text)})")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+class TRTCudaStage:
+    """A TensorRT plan run through cuda-python (see the module docstring); called like the stage
+    module it was built from, positional inputs in the signature's order."""
+
+    def __init__(self, plan_path: Path, signature, device, cuda_graph: bool = False):
+        self.signature = signature
+        self.device = require_cuda(device, "the cuda-python TensorRT executor")
+        if cuda_graph and signature.dynamic:
+            dims = ", ".join(d[0] for d in signature.dynamic)
+            raise ValueError(f"stage {signature.name!r} has dynamic dimensions ({dims}): a CUDA graph is captured "
+                             "for one static shape; run it without cuda_graph")
+        self.cuda_graph = cuda_graph
+        self.cudart = cudart = import_cuda_python()
+        trt = import_tensorrt()
+        self.trt, self.runtime, self.engine, self.context, self.inputs, self.outputs = open_engine(
+            plan_path, signature, trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+        with torch.cuda.device(self.device):
+            self.stream = self._cuda(cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking),
+                                     "cudaStreamCreateWithFlags")
+            self._ready = self._cuda(cudart.cudaEventCreateWithFlags(cudart.cudaEventDisableTiming),
+                                     "cudaEventCreateWithFlags")
+            self._done = self._cuda(cudart.cudaEventCreateWithFlags(cudart.cudaEventDisableTiming),
+                                    "cudaEventCreateWithFlags")
+        self._memory, self._memory_bytes = None, 0  # the engine's scratch memory (stream-ordered)
+        self._graph = self._graph_exec = None
+        self._static_in: dict[str, torch.Tensor] = {}
+        self._static_out: dict[str, torch.Tensor] = {}
+
+    def _cuda(self, result, call: str):
+        return check(self.cudart, result, call)
+
+    # ------------------------------------------------------------------ streams and memory
+    def _after_torch(self) -> None:
+        """This stream waits for the work torch queued so far (the inputs are written there)."""
+        cudart = self.cudart
+        self._cuda(cudart.cudaEventRecord(self._ready, torch.cuda.current_stream(self.device).cuda_stream),
+                   "cudaEventRecord")
+        self._cuda(cudart.cudaStreamWaitEvent(self.stream, self._ready, 0), "cudaStreamWaitEvent")
+
+    def _before_torch(self) -> None:
+        """Torch's stream waits for the engine (its reads of the outputs, its frees of the inputs)."""
+        cudart = self.cudart
+        self._cuda(cudart.cudaEventRecord(self._done, self.stream), "cudaEventRecord")
+        self._cuda(cudart.cudaStreamWaitEvent(torch.cuda.current_stream(self.device).cuda_stream, self._done, 0),
+                   "cudaStreamWaitEvent")
+
+    def _ensure_memory(self) -> None:
+        """Scratch memory for the shapes set now, from cudaMallocAsync on this stream (grown, never shrunk)."""
+        need = (self.context.update_device_memory_size_for_shapes() if self.signature.dynamic
+                else self.engine.device_memory_size_v2)
+        if need <= self._memory_bytes:
+            return
+        cudart = self.cudart
+        if self._memory is not None:
+            self._cuda(cudart.cudaFreeAsync(self._memory, self.stream), "cudaFreeAsync")
+        self._memory = self._cuda(cudart.cudaMallocAsync(need, self.stream), "cudaMallocAsync")
+        self._memory_bytes = need
+        self.context.set_device_memory(int(self._memory), need)
+
+    def _launch(self) -> None:
+        if not self.context.execute_async_v3(int(self.stream)):
+            raise RuntimeError(f"TensorRT execute_async_v3 failed for stage {self.signature.name!r}")
+
+    # ------------------------------------------------------------------ calls
+    def __call__(self, *args, out: dict[str, torch.Tensor] | None = None):
+        feeds = engine_feeds(self.trt, self.engine, self.inputs, self.signature, args, self.device)
+        with torch.cuda.device(self.device):
+            if self.cuda_graph:
+                if out:
+                    raise ValueError("a CUDA-graph stage writes its static output buffers; copy from the returned "
+                                     "views instead of passing out=")
+                return self._replay(feeds)
+            return self._run(feeds, out or {})
+
+    def _run(self, feeds, out):
+        set_input_shapes(self.engine, self.context, feeds)
+        for n, t in feeds.items():
+            self.context.set_tensor_address(n, t.data_ptr())
+        outs = []
+        for n in self.outputs:
+            shape = tuple(self.context.get_tensor_shape(n))
+            dtype = _torch_dtype(self.trt, self.engine.get_tensor_dtype(n))
+            o = out.get(n)
+            if o is None:
+                o = torch.empty(shape, dtype=dtype, device=self.device)
+            elif tuple(o.shape) != shape or o.dtype != dtype or o.device != self.device or not o.is_contiguous():
+                raise ValueError(f"out[{n!r}] must be a contiguous {dtype} tensor {list(shape)} on {self.device}, "
+                                 f"got {o.dtype} {list(o.shape)} on {o.device}")
+            self.context.set_tensor_address(n, o.data_ptr())
+            outs.append(o)
+        self._ensure_memory()
+        self._after_torch()
+        self._launch()
+        self._before_torch()
+        return tuple(outs) if len(outs) > 1 else outs[0]
+
+    def capture(self) -> None:
+        """Allocate the static buffers (the signature's shapes), bind them, run the engine once (TensorRT
+        finishes its deferred set-up outside a capture) and capture one launch in a CUDA graph."""
+        if not self.cuda_graph:
+            raise ValueError(f"stage {self.signature.name!r} was opened without cuda_graph")
+        if self._graph_exec is not None:
+            return
+        cudart = self.cudart
+        with torch.cuda.device(self.device):
+            for t in self.inputs:  # [static shape of the signature]
+                buf = torch.zeros(t.dims({}), dtype=_torch_dtype(self.trt, self.engine.get_tensor_dtype(t.name)),
+                                  device=self.device)
+                self._static_in[t.name] = buf
+            set_input_shapes(self.engine, self.context, self._static_in)
+            for n, buf in self._static_in.items():
+                self.context.set_tensor_address(n, buf.data_ptr())
+            for n in self.outputs:
+                buf = torch.empty(tuple(self.context.get_tensor_shape(n)),
+                                  dtype=_torch_dtype(self.trt, self.engine.get_tensor_dtype(n)), device=self.device)
+                self._static_out[n] = buf
+                self.context.set_tensor_address(n, buf.data_ptr())
+            self._ensure_memory()
+            self._after_torch()
+            self._launch()  # warm-up, outside the capture
+            self._cuda(cudart.cudaStreamBeginCapture(self.stream,
+                                                     cudart.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal),
+                       "cudaStreamBeginCapture")
+            try:
+                self._launch()
+            finally:  # end the capture whatever happened, so the stream stays usable
+                graph = self._cuda(cudart.cudaStreamEndCapture(self.stream), "cudaStreamEndCapture")
+            self._graph = graph
+            self._graph_exec = self._cuda(cudart.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
+            self._before_torch()
+
+    def _replay(self, feeds):
+        self.capture()
+        for n, t in feeds.items():  # on torch's stream, before the launch waits for it
+            buf = self._static_in[n]
+            if tuple(t.shape) != tuple(buf.shape):
+                raise ValueError(f"stage {self.signature.name!r}: input {n!r} must be {list(buf.shape)} (the "
+                                 f"captured shape), got {list(t.shape)}")
+            if t.data_ptr() != buf.data_ptr():
+                buf.copy_(t, non_blocking=True)
+        self._after_torch()
+        self._cuda(self.cudart.cudaGraphLaunch(self._graph_exec, self.stream), "cudaGraphLaunch")
+        self._before_torch()
+        outs = tuple(self._static_out[n] for n in self.outputs)  # views: valid until the next call
+        return outs if len(outs) > 1 else outs[0]
+
+    def close(self) -> None:
+        """Destroy the graph, free the engine memory on this stream, wait for it and drop the stream."""
+        cudart = getattr(self, "cudart", None)
+        if cudart is None or getattr(self, "stream", None) is None:
+            return
+        with torch.cuda.device(self.device):
+            if self._graph_exec is not None:
+                self._cuda(cudart.cudaGraphExecDestroy(self._graph_exec), "cudaGraphExecDestroy")
+                self._cuda(cudart.cudaGraphDestroy(self._graph), "cudaGraphDestroy")
+                self._graph = self._graph_exec = None
+            if self._memory is not None:
+                self._cuda(cudart.cudaFreeAsync(self._memory, self.stream), "cudaFreeAsync")
+                self._memory, self._memory_bytes = None, 0
+            self._cuda(cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
+            for ev in (self._ready, self._done):
+                self._cuda(cudart.cudaEventDestroy(ev), "cudaEventDestroy")
+            self._cuda(cudart.cudaStreamDestroy(self.stream), "cudaStreamDestroy")
+            self.stream = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
