@@ -171,7 +171,7 @@ def _done_prompts(stats_path: Path, prompts: dict[int, str], options: dict) -> s
 
 
 def run_one(pipe, prompt: str, opts, video: Path, progress: bool = True, fps: float = DEFAULT_FPS,
-            crf: int = DEFAULT_CRF):
+            crf: int = DEFAULT_CRF, on_block=None):
     """Generate one video, writing the MP4 as blocks arrive; returns its `RunStats`. On Ctrl-C, SIGTERM or
     SIGHUP the MP4 of the blocks emitted so far is closed (playable; no file when no block was emitted) and
     the stats (same fields) are marked interrupted, with `interrupted_by` naming the signal. A failed
@@ -193,6 +193,8 @@ def run_one(pipe, prompt: str, opts, video: Path, progress: bool = True, fps: fl
             try:
                 for block in stream:
                     writer.write(block.frames)
+                    if on_block is not None:
+                        on_block(block)
                     if block.decision in counts:
                         counts[block.decision] += 1
                         bar.set_postfix(counts)
@@ -248,7 +250,7 @@ def cmd_generate(args) -> int:
     if out.suffix.lower() != ".mp4":
         raise ValueError(f"--out {out} must end in .mp4")
     videos = {i: _video_path(out, i, many) for i in range(first, first + len(prompts))}
-    check_output_paths(stats=stats_path, timeline=args.timeline,
+    check_output_paths(stats=stats_path, timeline=args.timeline, exit_map=args.exit_map,
                        **{("out" if not many else f"out_{i}"): v for i, v in videos.items()})
     opts = options_from_args(args)
     if args.preset in PRESETS:  # the rules that need the preset (video length, windows), before any model loads
@@ -259,9 +261,12 @@ def cmd_generate(args) -> int:
         if not many:
             pipe = build_pipeline(args)
             _announce_protocol(args, pipe.preset, opts)
-            stats = run_one(pipe, prompts[0], opts, out, progress=not args.quiet, fps=args.fps, crf=args.crf)
+            maps: list = []
+            stats = run_one(pipe, prompts[0], opts, out, progress=not args.quiet, fps=args.fps, crf=args.crf,
+                            on_block=_exit_map_collector(args, maps))
             write_text_atomic(stats_path, stats.to_json(indent=2))
             _timeline(args, stats, 0, many=False)
+            _exit_map(args, stats, maps, 0, many=False)
             _summary(stats, stats_path)
             return _exit_code(stats)
         return _generate_many(args, prompts, first, out, stats_path, opts)
@@ -287,12 +292,14 @@ def _generate_many(args, prompts: list[str], first: int, out: Path, stats_path: 
     for i, prompt in by_index.items():  # i: the prompt's line in the file (0-based)
         if i in done:
             continue
+        maps: list = []
         stats = run_one(pipe, prompt, opts, _video_path(out, i, True), progress=not args.quiet, fps=args.fps,
-                        crf=args.crf)
+                        crf=args.crf, on_block=_exit_map_collector(args, maps))
         stats.extra["prompt_index"] = i
         stats.extra["prompt_sha256"] = prompt_sha256(prompt)
         append_jsonl(stats_path, stats.to_json())
         _timeline(args, stats, i, many=True)
+        _exit_map(args, stats, maps, i, many=True)
         if stats.interrupted:
             print(f"interrupted at prompt {i}; rerun with --resume to continue", file=sys.stderr)
             return _exit_code(stats)
@@ -311,6 +318,33 @@ def _timeline(args, stats, index: int, many: bool) -> None:
              f"{stats['scheduler_wall_s']:.2f} s (the traced run)" + ("" if acc is None else f" at {acc:.0%} acceptance"))
     plot_timeline([{"title": title, "trace": stats["trace"], "decisions": decisions_of(stats.get("blocks", []))}],
                   _video_path(Path(args.timeline), index, many))
+
+
+def _exit_map_collector(args, maps: list):
+    """on_block callback gathering each block's early-exit step map (only with --exit-map)."""
+    if not args.exit_map:
+        return None
+
+    def collect(block):
+        steps = None if block.exits is None else block.exits.steps_map
+        maps.append({"index": block.index, "decision": block.decision,
+                     "steps": None if steps is None else steps.numpy()})
+    return collect
+
+
+def _exit_map(args, stats, maps: list, index: int, many: bool) -> None:
+    if not args.exit_map or not maps:
+        return
+    from sdvg.evaluation.exit_map import plot_exit_map
+
+    ks = [b["exit"][b["exit"]["producer"]]["num_steps"] for b in stats.get("blocks", [])
+          if "exit" in b and b["exit"]["producer"] in b["exit"]]
+    if not ks:
+        print(f"--exit-map: no emitted block was denoised with early exit (--early-exit {stats['early_exit']}); no "
+              "map written", file=sys.stderr)
+        return
+    title = f"{stats['mode']}, early exit {stats['early_exit']} ({stats['exit_verifier']}): k_bar {stats['mean_steps']:.2f}"
+    plot_exit_map(maps, max(ks), _video_path(Path(args.exit_map), index, many), title)
 
 
 def _summary(stats, path: Path) -> None:
@@ -603,6 +637,8 @@ def build_parser(config: dict | None = None) -> argparse.ArgumentParser:
     g.add_argument("--resume", action="store_true", help="skip prompts already in the stats JSONL")
     g.add_argument("--timeline", help="PNG of every stage call on the drafter / VAE+reward / target lanes "
                                       "(one per prompt with --prompts-file)")
+    g.add_argument("--exit-map", help="PNG heat map of the denoising steps each token of each emitted block took "
+                                      "(with --early-exit; with --prompts-file: <stem>_<line>.png per prompt)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=cmd_generate)
     c = sub.add_parser("config", help="print the resolved generation options (--config file, then flags)")
