@@ -312,7 +312,7 @@ def train(state: TrainState, records: Records, config: TrainConfig, progress=Non
         loss.backward()
         state.optimizer.step()
         state.step += 1
-        state.losses.append(float(loss))
+        state.losses.append(float(loss.detach()))
         if progress is not None:
             progress(state.step, state.losses[-1])
         if checkpoint is not None and (state.step % config.checkpoint_every == 0 or state.step == config.steps):
