@@ -226,3 +226,13 @@ def _opts(**kw):
     from sdvg import GenerationOptions
 
     return GenerationOptions(**kw)
+
+
+def test_calibrate_exit_and_train_exit_head_derive_their_flags():
+    from sdvg.cli import EXIT_CALIBRATION_EXCLUDE, build_parser
+    from sdvg.options import OPTION_NAMES
+
+    sub = {a.dest: a for a in build_parser()._subparsers._group_actions}["command"].choices
+    for command in ("calibrate-exit", "train-exit-head"):
+        dests = {a.dest for a in sub[command]._actions}
+        assert set(OPTION_NAMES) - dests == set(EXIT_CALIBRATION_EXCLUDE), command
