@@ -1,4 +1,5 @@
-"""Command line: `sdvg generate`, `sdvg memory`, `sdvg sweep`, `sdvg calibrate`.
+"""Command line: `sdvg generate`, `sdvg memory`, `sdvg sweep`, `sdvg calibrate`, `sdvg calibrate-exit`,
+`sdvg train-exit-head`.
 
 The generation flags are derived from `sdvg.options.GenerationOptions` (one declaration); this
 module imports no torch until a command runs, so `sdvg --help` is fast."""
@@ -611,6 +612,196 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+EXIT_CALIBRATION_EXCLUDE = ("mode", "tau", "seed", "early_exit", "exit_verifier", "exit_thresholds", "exit_head",
+                            "exit_pattern_steps")
+
+
+def _seeds(text: str) -> list[int]:
+    """--seeds: a comma list of seeds (integers >= 0)."""
+    parse = option_type("seed")
+    seeds = [parse(t.strip()) for t in text.split(",") if t.strip()]
+    if not seeds:
+        raise argparse.ArgumentTypeError(f"--seeds {text!r} holds no seed; e.g. --seeds 0,1")
+    return list(dict.fromkeys(seeds))
+
+
+def _exit_prompts(args, extra: int = 0) -> tuple[list[str], dict]:
+    """The prompts of calibrate-exit / train-exit-head: --prompt (repeatable) or --num-prompts (+ `extra`)
+    lines of --prompts-file from --offset. Errors raise ValueError (exit 2) before any model loads."""
+    if getattr(args, "prompt", None):
+        if args.prompts_file:
+            raise ValueError("give either --prompt or --prompts-file")
+        if any(not p.strip() for p in args.prompt):
+            raise ValueError("--prompt is empty; give a non-empty prompt")
+        return list(args.prompt), {"prompts": list(args.prompt)}
+    from sdvg.evaluation.sweep import sha256_file
+
+    path = Path(args.prompts_file) if args.prompts_file else DEFAULT_PROMPTS
+    every = read_prompts(path)
+    want = args.num_prompts + extra
+    prompts = every[args.offset:args.offset + want]
+    if len(prompts) < want:
+        raise ValueError(f"{path} holds {len(every)} prompts: --offset {args.offset} leaves {len(prompts)}, "
+                         f"{want} are needed")
+    return prompts, {"prompts_file": str(path), "prompts_sha256": sha256_file(path), "offset": args.offset}
+
+
+def _exit_base_options(args):
+    """The generation options of the rollouts; the single-role mode's rules checked before any model loads."""
+    from sdvg.config import get_preset
+    from sdvg.evaluation.exit_calibration import role_options
+
+    base = options_from_args(args)
+    if args.preset not in PRESETS:
+        raise ValueError(f"unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
+    role_options(base, args.role, 0).resolved(get_preset(args.preset))
+    return base
+
+
+def _bar(args, total: int, desc: str, unit: str, initial: int = 0):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit=unit, disable=args.quiet, file=sys.stderr)
+
+
+def _collect(args, pipe, prompts, seeds, base, keep_hidden: bool, what: str):
+    from sdvg.evaluation.exit_calibration import collect
+
+    bar = _bar(args, len(prompts) * len(seeds), what, "video")
+    try:
+        return collect(pipe, prompts, seeds, base, args.role, keep_hidden, progress=lambda done, total: bar.update(1))
+    finally:
+        bar.close()
+
+
+def cmd_calibrate_exit(args) -> int:
+    """Oracle rollouts on held-out prompts -> (tau_red, tau_stab) for --exit-eps, the per-step report, and
+    the k_bar those thresholds give when generating (docs/early-exit.md, "Calibrating the thresholds")."""
+    from sdvg.evaluation.exit_calibration import calibrate, measure_mean_steps
+    from sdvg.generation.types import strict_json
+    from sdvg.io.outputs import check_output_paths
+
+    prompts, source = _exit_prompts(args)
+    out = Path(args.out)
+    check_output_paths(out=out)
+    base = _exit_base_options(args)
+    pipe = build_pipeline(args)
+    records = _collect(args, pipe, prompts, args.seeds, base, False, "oracle rollouts")
+    result = calibrate(records, base.exit_eps, args.min_precision, args.rule)
+    bar = _bar(args, len(prompts) * len(args.seeds), "generate with the thresholds", "video")
+    try:
+        measured = measure_mean_steps(pipe, prompts, args.seeds, base, args.role, tuple(result["thresholds"]),
+                                      progress=lambda done, total: bar.update(1))
+    finally:
+        bar.close()
+    red, stab = result["thresholds"]
+    flags = f"--early-exit {args.role} --exit-verifier stability --exit-thresholds {red!r},{stab!r}"
+    result = {"role": args.role, **result, "measured_mean_steps": measured["mean_steps"],
+              "measured_per_video": measured["per_video"], "flags": flags, "seeds": args.seeds,
+              "prompt_count": len(prompts), **source, "options": base.as_dict(), "provenance": pipe.provenance()}
+    write_text_atomic(out, strict_json(result, indent=2))
+    _progress(args, f"k_bar {measured['mean_steps']:.3f} measured with thresholds {red:.4g},{stab:.4g} "
+                    f"(oracle at eps {base.exit_eps:g}: {result['oracle_mean_steps']:.3f}); report in {out}")
+    print(flags)
+    return 0
+
+
+def cmd_train_exit_head(args) -> int:
+    """Train the exit head on the hidden states and oracle gaps of recorded rollouts; report its AUROC on
+    held-out rollouts beside the stability verifier's (docs/early-exit.md, "Training the head")."""
+    from dataclasses import asdict
+
+    from sdvg.evaluation import exit_calibration as ec
+    from sdvg.generation.types import strict_json
+
+    if set(args.seeds) & set(args.heldout_seeds):
+        raise ValueError(f"--heldout-seeds {args.heldout_seeds} share seeds with --seeds {args.seeds}; held-out "
+                         "rollouts must use seeds not used in training")
+    every, source = _exit_prompts(args, extra=args.heldout_prompts)
+    train_prompts, heldout_prompts = every[:args.num_prompts], every[args.num_prompts:]
+    out = Path(args.out)
+    paths = {n: out / f for n, f in (("records", "records.safetensors"), ("heldout", "heldout.safetensors"),
+                                     ("checkpoint", "checkpoint.safetensors"), ("head", "head.safetensors"),
+                                     ("report", "train.json"))}
+    if paths["checkpoint"].exists() and not args.resume:
+        raise ValueError(f"{out} holds a training checkpoint; pass --resume to continue it or another --out")
+    config = ec.TrainConfig(args.steps, args.batch_size, args.lr, args.train_seed, args.checkpoint_every)
+    base = _exit_base_options(args)
+    pipe = build_pipeline(args)
+    prov = pipe.provenance()
+    generator = {"role": args.role, "preset": args.preset, "preset_fingerprint": prov["preset_fingerprint"],
+                 "checkpoint": prov["checkpoints"].get(args.role)}
+    out.mkdir(parents=True, exist_ok=True)
+
+    def records_for(name: str, prompts, seeds):
+        meta = {"prompts": prompts, "seeds": seeds, "options": base.as_dict(), "generator": generator}
+        if args.resume and paths[name].is_file():
+            records, saved = ec.load_records(paths[name])
+            if saved == json.loads(json.dumps(meta)):
+                return records
+            _progress(args, f"{paths[name]} was recorded for other prompts, seeds or options: recording again")
+        records = _collect(args, pipe, prompts, seeds, base, True, f"{name} rollouts")
+        ec.save_records(paths[name], records, meta)
+        return records
+
+    train_records = records_for("records", train_prompts, args.seeds)
+    heldout = records_for("heldout", heldout_prompts, args.heldout_seeds)
+    dim = int(train_records.hidden.shape[-1])
+    resumed_from = None
+    if args.resume and paths["checkpoint"].is_file():
+        state, _ = ec.load_checkpoint(paths["checkpoint"], config)
+        resumed_from = state.step
+    else:
+        state = ec.new_state(dim, config)
+    initial_loss = ec.dataset_loss(ec.new_state(dim, config).head, train_records)
+    bar = _bar(args, config.steps, "train exit head", "step", initial=state.step)
+
+    def progress(step, loss):
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}")
+
+    try:
+        ec.train(state, train_records, config, progress,
+                 checkpoint=lambda st: ec.save_checkpoint(paths["checkpoint"], st, config, {"generator": generator}))
+    finally:
+        bar.close()
+    final_loss = ec.dataset_loss(state.head, train_records)
+    state.head.save(paths["head"], extra={"training_prompts": len(train_prompts), "training_seeds": args.seeds,
+                                          "steps": state.step, "final_loss": final_loss, "eps": base.exit_eps,
+                                          "generator": generator})
+    report = {"head": str(paths["head"]), "config": asdict(config), "role": args.role, "eps": base.exit_eps,
+              "generator": generator, "parameters": state.head.num_parameters, "steps_done": state.step,
+              "resumed_from": resumed_from, "initial_loss": initial_loss, "final_loss": final_loss,
+              "loss_first_batches": state.losses[:10], "loss_last_batches": state.losses[-10:],
+              "train": {"prompts": len(train_prompts), "seeds": args.seeds, "rows": len(train_records)},
+              "heldout": {"prompts": len(heldout_prompts), "seeds": args.heldout_seeds, "rows": len(heldout),
+                          **ec.evaluate_head(state.head, heldout, base.exit_eps)},
+              **source, "options": base.as_dict()}
+    write_text_atomic(paths["report"], strict_json(report, indent=2))
+    for st in report["heldout"]["steps"]:
+        fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+        _progress(args, f"held-out k={st['k']}: AUROC head {fmt(st['head_auroc'])}, stability "
+                        f"{fmt(st['stability_auroc'])} ({st['converged_share']:.1%} converged at eps {base.exit_eps:g})")
+    _progress(args, f"loss {initial_loss:.4f} -> {final_loss:.4f}; head in {paths['head']}, report in "
+                    f"{paths['report']}")
+    print(f"--early-exit {args.role} --exit-verifier head --exit-head {paths['head']} --exit-eps {base.exit_eps!r}")
+    return 0
+
+
+def _add_exit_calibration_args(sp, name: str) -> None:
+    add_generation_args(sp, exclude=EXIT_CALIBRATION_EXCLUDE)
+    sp.add_argument("--role", choices=("target", "drafter"), default="target",
+                    help="whose denoising loop is recorded (run alone: mode target or draft)")
+    if name == "calibrate-exit":
+        sp.add_argument("--prompt", action="append", help="a prompt (repeatable; or --prompts-file)")
+    sp.add_argument("--prompts-file", help=f"one prompt per line (default: {DEFAULT_PROMPTS})")
+    sp.add_argument("--offset", type=_count(0), default=0, help="skip the first N prompts of the file (e.g. those "
+                                                                  "a head was trained on)")
+    sp.add_argument("--num-prompts", type=_count(1), default=4, help="prompts of the file to record (default: 4)")
+    sp.add_argument("--seeds", type=_seeds, default="0", help="comma list of seeds, one video per prompt and seed")
+    sp.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
 def _progress(args, message: str) -> None:
     if not args.quiet:
         print(message, file=sys.stderr, flush=True)
@@ -694,6 +885,34 @@ def build_parser(config: dict | None = None) -> argparse.ArgumentParser:
                                  "(e.g. --retention=-0.01) or, for a positive evaluator, a ratio (e.g. 0.98)")
         sp.set_defaults(func=fn)
         _add_config(sp, {k: v for k, v in (config or {}).items() if k not in ("mode", "tau")})
+    ce = sub.add_parser("calibrate-exit", help="pick the stability verifier's thresholds for an oracle eps "
+                                                "(docs/early-exit.md)")
+    _add_exit_calibration_args(ce, "calibrate-exit")
+    ce.add_argument("--min-precision", type=_real(0, 1), default=0.95,
+                    help="rule precision: the largest threshold whose precision (share of exiting tokens with "
+                         "rel_k < eps) is at least this (default: 0.95)")
+    ce.add_argument("--rule", choices=("precision", "f1"), default="precision",
+                    help="precision (default; --min-precision) or f1 (the threshold of the largest F1)")
+    ce.add_argument("--out", default="results/exit-calibration.json", help="the JSON report")
+    ce.set_defaults(func=cmd_calibrate_exit)
+    te = sub.add_parser("train-exit-head", help="train the learned exit verifier on oracle rollouts "
+                                                 "(docs/early-exit.md)")
+    _add_exit_calibration_args(te, "train-exit-head")
+    te.add_argument("--heldout-prompts", type=_count(1), default=1,
+                    help="prompts after the training ones, recorded with --heldout-seeds for the report (default: 1)")
+    te.add_argument("--heldout-seeds", type=_seeds, default="1", help="seeds of the held-out rollouts (not in --seeds)")
+    te.add_argument("--steps", type=_count(1), default=300, help="optimizer steps in all (default: 300)")
+    te.add_argument("--batch-size", type=_count(1), default=4, help="record rows per step (default: 4)")
+    te.add_argument("--lr", type=_real(0), default=1e-3, help="Adam's learning rate (default: 1e-3)")
+    te.add_argument("--train-seed", type=_count(0), default=0, help="the head's initial weights and batch draws")
+    te.add_argument("--checkpoint-every", type=_count(1), default=100, help="steps between checkpoints")
+    te.add_argument("--out", default="results/exit-head", help="folder: head.safetensors, train.json, the "
+                                                               "checkpoint and the recorded rollouts")
+    te.add_argument("--resume", action="store_true", help="continue the checkpoint in --out (and reuse its "
+                                                          "recorded rollouts when they match)")
+    te.set_defaults(func=cmd_train_exit_head)
+    for sp in (ce, te):
+        _add_config(sp, {k: v for k, v in (config or {}).items() if k not in EXIT_CALIBRATION_EXCLUDE})
     return parser
 
 

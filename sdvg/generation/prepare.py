@@ -300,10 +300,12 @@ class Setup:
 
 
 def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, slack_frames: int = 0,
-            runners=None, memory_budget_gib: float | None = None) -> Setup:
+            runners=None, memory_budget_gib: float | None = None, exit_verifiers: dict | None = None) -> Setup:
     """`opts` are resolved options (num_blocks set); `counters` a `Counters` that the models count into.
     Before anything is allocated, the video's KV caches and prompt K/V are checked against each
-    device's free memory, or against `memory_budget_gib` (`check_memory`; `MemoryBudgetError`)."""
+    device's free memory, or against `memory_budget_gib` (`check_memory`; `MemoryBudgetError`).
+    `exit_verifiers` (role -> verifier) replaces the verifier the options make for a role that exits
+    early (the recording verifier of sdvg/evaluation/exit_calibration.py); other roles are refused."""
     if opts.num_blocks is None:
         raise ValueError("prepare() needs resolved options: call opts.resolved(preset) first")
     if runners is None:
@@ -321,7 +323,13 @@ def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, s
         raise ValueError(f"mode {opts.mode!r} needs a target, but none is loaded")
     if opts.mode == "sdvg" and opts.router == "reward" and comps.scorer is None:
         raise ValueError("router 'reward' needs the ImageReward model; load one or use router 'random'/'pattern'")
-    exit_verifiers = exit_verifiers_for(comps, opts, runners)  # bad exit settings refused before allocating
+    verifiers = exit_verifiers_for(comps, opts, runners)  # bad exit settings refused before allocating
+    if exit_verifiers:
+        unknown = sorted(set(exit_verifiers) - set(verifiers))
+        if unknown:
+            raise ValueError(f"exit verifiers given for {unknown}, which do not exit early under early_exit "
+                             f"{opts.early_exit!r} and mode {opts.mode!r}")
+        verifiers.update(exit_verifiers)
     check_memory(comps, opts, slack_frames, runners, memory_budget_gib, prompt)
     emb = comps.text_encoder.encode(prompt)
     zf = p.video.frames_per_block
@@ -337,7 +345,7 @@ def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, s
         schedule = role_schedule(p, context)
         return RoleModel(dit, role, cache, dit.encode_text(emb), device, context, schedule, counters, runners,
                          zf, p.video.tokens_per_frame(p.vae, dit.config), comps.vae, emitted_pixels,
-                         exit_verifiers.get(role))
+                         verifiers.get(role))
 
     drafter = role_model("drafter", comps.drafter, comps.drafter_device, slack_frames) if need_drafter else None
     target = role_model("target", comps.target, comps.target_device, 0) if need_target else None

@@ -33,12 +33,14 @@ from sdvg.options import GenerationOptions
 
 
 def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, report: LoopReport | None = None,
-                    runners=None, memory_budget_gib: float | None = None) -> Iterator[BlockRecord]:
+                    runners=None, memory_budget_gib: float | None = None,
+                    exit_verifiers: dict | None = None) -> Iterator[BlockRecord]:
     """Yields each block as soon as its frames are final; `report` is filled at the end.
-    `opts` are resolved options (num_blocks set); `memory_budget_gib`: see `prepare`."""
+    `opts` are resolved options (num_blocks set); `memory_budget_gib`, `exit_verifiers`: see `prepare`."""
     counters = Counters()
     router = Router.from_options(opts)
-    setup = prepare(comps, prompt, opts, counters, runners=runners, memory_budget_gib=memory_budget_gib)
+    setup = prepare(comps, prompt, opts, counters, runners=runners, memory_budget_gib=memory_budget_gib,
+                    exit_verifiers=exit_verifiers)
     run = setup.runners
     agg, drafter, target, guard = setup.aggregator, setup.drafter, setup.target, setup.guard
     vae_cache = setup.vae_cache

@@ -38,9 +38,12 @@ class StabilityVerifier:
         prev = to_tokens(view.prev_x0, view.patch)[view.active]
         return token_norms(tokens - prev)
 
-    def converged(self, view: StepView) -> torch.Tensor:
+    def smoothed(self, view: StepView) -> torch.Tensor:
+        """The smoothed score of each active token [A] (float32): what the thresholds compare with."""
         raw = self.scores(view)
         full = torch.zeros(math.prod(view.grid), device=raw.device)  # exited tokens: 0
         full[view.active] = raw
-        smoothed = smooth_scores(full.reshape(view.grid)).flatten()[view.active]
-        return smoothed < (self.tau_red if view.step == 0 else self.tau_stab)
+        return smooth_scores(full.reshape(view.grid)).flatten()[view.active]
+
+    def converged(self, view: StepView) -> torch.Tensor:
+        return self.smoothed(view) < (self.tau_red if view.step == 0 else self.tau_stab)
