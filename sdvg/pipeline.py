@@ -288,7 +288,7 @@ class SpeculativeVideoPipeline:
                window_frames: int | None = D.window_frames, sink_frames: int | None = D.sink_frames,
                lazy_target_commit: bool = D.lazy_target_commit, score_emitted: bool = D.score_emitted,
                scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead, run_ahead_blocks: int = D.run_ahead_blocks,
-               backend: str | None = D.backend) -> BlockStream:
+               cuda_graphs: bool = D.cuda_graphs, backend: str | None = D.backend) -> BlockStream:
         """Yield each block as soon as its frames are final; the returned stream's `.stats` is
         complete once it is exhausted. The keywords are the generation options
         (`sdvg.options.GenerationOptions`, whose field docs say what each does):
@@ -303,6 +303,7 @@ class SpeculativeVideoPipeline:
         skip_first_draft, lazy_target_commit, score_emitted: see GenerationOptions.
         scheduler: cpp (native) | reference (the Python oracle; bitwise the same video).
         run_ahead: draft ahead while blocks are settled (cpp), at most run_ahead_blocks drafts ahead.
+        cuda_graphs: replay the drafter's steps from graphs captured per block position (backend eager).
         backend: eager | compile | tensorrt | onnxruntime (None: the pipeline's)."""
         options = _options(locals())
         return self.run(prompt, options)
@@ -316,7 +317,8 @@ class SpeculativeVideoPipeline:
                  keep_first_frame: bool = D.keep_first_frame, window_frames: int | None = D.window_frames,
                  sink_frames: int | None = D.sink_frames, lazy_target_commit: bool = D.lazy_target_commit,
                  score_emitted: bool = D.score_emitted, scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead,
-                 run_ahead_blocks: int = D.run_ahead_blocks, backend: str | None = D.backend, generator: torch.Generator | None = None, output_type: str = "np",
+                 run_ahead_blocks: int = D.run_ahead_blocks, cuda_graphs: bool = D.cuda_graphs,
+                 backend: str | None = D.backend, generator: torch.Generator | None = None, output_type: str = "np",
                  return_dict: bool = True,
                  callback_on_block_end: Callable[["SpeculativeVideoPipeline", BlockRecord], None] | None = None):
         """Whole videos at once. The generation keywords are those of `stream`; besides them:

@@ -15,7 +15,7 @@ CHANGED = dict(mode="target", tau=-1.5, num_blocks=2, seed=7, router="pattern", 
                aggregation="mean", force_first_reject=False, drafter_context="committed", skip_first_draft=False,
                target_context="recompute", drafter_cache="recompute", kv_cache_frames=2, keep_first_frame=True,
                window_frames=6, sink_frames=3,
-               lazy_target_commit=False, score_emitted=True, scheduler="cpp", run_ahead=True, run_ahead_blocks=3,
+               lazy_target_commit=False, score_emitted=True, scheduler="cpp", run_ahead=True, run_ahead_blocks=3, cuda_graphs=True,
                backend="compile")
 CLI_TEXT = dict(mode="target", tau="-1.5", num_blocks="2", seed="7", router="pattern", accept_prob="0.25",
                 pattern="10", aggregation="mean", drafter_context="committed", target_context="recompute",

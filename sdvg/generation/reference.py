@@ -22,7 +22,7 @@ from typing import Iterator
 
 import torch
 
-from sdvg.generation.noise import block_noise
+from sdvg.generation.noise import block_noise, prefetch_renoise
 from sdvg.generation.prepare import prepare, sync
 from sdvg.generation.routers import Router
 from sdvg.generation.types import STAGE_NAMES, BlockRecord, Counters, LoopReport, block_times
@@ -61,9 +61,11 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
 
     # the stage calls, each through the guard (NaN/inf checks), as the native scheduler's `_Stages`
     def denoise_draft(noise, b, frame0):
+        prefetch_renoise(noise.shape, opts.seed, b, drafter.schedule.num_steps, "drafter", drafter.device)
         return guard.draft(drafter.denoise(noise, b, frame0, opts.seed), b)
 
     def denoise_target(noise, b, frame0):
+        prefetch_renoise(noise.shape, opts.seed, b, target.schedule.num_steps, "target", target.device)
         return guard.target(target.denoise(noise, b, frame0, opts.seed), b)
 
     def decode(latents):
