@@ -91,7 +91,8 @@ class GenerationOptions:
                                     "(a bounded queue; the committed context allows one)", metavar="N")
     cuda_graphs: bool = _opt(False, "replay the drafter's denoising steps from graphs captured once per block "
                                     "position (CUDA graphs; a CPU stand-in elsewhere), its KV cache allocated once "
-                                    "per pipeline and reused across videos (backend eager; same output)")
+                                    "per pipeline and reused across videos, and every role's noise draws of a block "
+                                    "copied ahead from pinned memory (backend eager; same output)")
     backend: str | None = _opt(None, "how stages run: eager, compile (torch.compile'd static stages), tensorrt "
                                      "(engines; needs --engines) or onnxruntime (the ONNX files of build_engines "
                                      "--format onnx; needs --engines); default: the pipeline's", BACKENDS)

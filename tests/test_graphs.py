@@ -88,3 +88,15 @@ def test_cuda_graphs_need_the_eager_backend(tiny_pipe):
 
     with pytest.raises(ValueError, match="cuda_graphs needs backend 'eager'"):
         StageRunners(tiny_pipe.components, "compile").use_graphs(True)
+
+
+def test_copy_ahead_hands_out_the_same_draws():
+    from sdvg.generation.noise import block_noise, copy_ahead, gaussian
+
+    shape = (1, 4, 3, 2, 2)
+    noise = block_noise(shape, 5, 2)
+    got = copy_ahead(noise, 5, 2, 4, "drafter", "cpu")
+    assert torch.equal(got, noise)
+    for step in (1, 2, 3):
+        ahead = gaussian(shape, 5, 2, step, "drafter", "cpu")  # handed out once, then drawn again
+        assert torch.equal(ahead, gaussian(shape, 5, 2, step, "drafter", "cpu"))

@@ -156,9 +156,12 @@ class DiTGraphs:
             g = self._graphs[key] = self._capture(dit, latents, timesteps, static_text, position, cache)
         g.x.copy_(latents)
         g.t.copy_(timesteps)
+        self._replay(g)
+        return g.out.clone()
+
+    def _replay(self, g: _Graph) -> None:
         g.replay()
         self.replays += 1
-        return g.out.clone()
 
     def _static_text(self, role: str, text: TextKV) -> TextKV:
         held = self._text.get(role)

@@ -24,7 +24,7 @@ def generator(seed: int, block: int, step: int, role: str) -> torch.Generator:
 
 def gaussian(shape, seed: int, block: int, step: int, role: NoiseRole, device=None) -> torch.Tensor:
     """Standard normal float32 tensor, drawn on the CPU so every device sees the same numbers (or
-    copied ahead to `device` by `prefetch_renoise`)."""
+    copied ahead to `device` by `copy_ahead`)."""
     ahead = _prefetched(shape, seed, block, step, role, device)
     if ahead is not None:
         return ahead
@@ -42,23 +42,28 @@ _AHEAD: dict = {}
 _AHEAD_LOCK = threading.Lock()
 
 
-def prefetch_renoise(shape, seed: int, block: int, num_steps: int, role: NoiseRole, device) -> None:
-    """Draw the re-noising noise of steps 1 .. num_steps - 1 of `block` now, on the CPU into pinned
-    memory (the same numbers `gaussian` draws), and queue their copies to the CUDA `device` on the
-    current stream (non-blocking), so `gaussian` hands them out without a host-side copy. Draws of an
-    earlier block of this role still waiting are dropped. No-op off CUDA."""
+def _ahead(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` on `device`, its copy queued on the current stream (from pinned memory on CUDA)."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def copy_ahead(noise: torch.Tensor, seed: int, block: int, num_steps: int, role: NoiseRole, device) -> torch.Tensor:
+    """A role's draws of `block`, copied ahead: returns the block noise `noise` (CPU) on `device`, and
+    draws the re-noising noise of steps 1 .. num_steps - 1 now, on the CPU (the numbers `gaussian`
+    draws), queueing their copies too, so that `gaussian` hands them out without a blocking copy.
+    Draws of an earlier block of this role still waiting are dropped. Call on the thread (stream)
+    that denoises the block."""
     device = torch.device(device)
-    if device.type != "cuda":
-        return
-    shape = tuple(shape)
-    ahead = {}
-    for step in range(1, num_steps):
-        host = gaussian(shape, seed, block, step, role).pin_memory()
-        ahead[(seed, block, step, role, shape, device)] = host.to(device, non_blocking=True)
+    shape = tuple(noise.shape)
+    ahead = {(seed, block, step, role, shape, device): _ahead(gaussian(shape, seed, block, step, role), device)
+             for step in range(1, num_steps)}
     with _AHEAD_LOCK:
         for key in [k for k in _AHEAD if k[3] == role]:
             del _AHEAD[key]
         _AHEAD.update(ahead)
+    return _ahead(noise, device)
 
 
 def _prefetched(shape, seed: int, block: int, step: int, role: str, device) -> torch.Tensor | None:
