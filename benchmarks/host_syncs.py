@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from provenance import provenance  # noqa: E402
+from provenance import provenance, provenance_line  # noqa: E402
 from sdvg.config import get_preset  # noqa: E402
 from sdvg.generation import graphs as graphs_mod, native, prepare  # noqa: E402
 from sdvg.models.components import build_random  # noqa: E402
@@ -216,8 +216,7 @@ def write_md(res, out: Path):
         pb = r["per_block"]
         lines.append(f"| {r['mode']} | {r['variant']} | " + " | ".join(str(pb.get(k, 0)) for k in keys)
                      + f" | {r['wall_s_per_block']:.4f} |")
-    lines += ["", f"commit {res['provenance']['commit']}, torch {res['provenance']['torch']}; counts from one video "
-              "after a warm-up video; see benchmarks/host_syncs.py for what each column counts. On the CPU the wall "
+    lines += ["", provenance_line(res["provenance"]), "", "Counts from one video after a warm-up video; see benchmarks/host_syncs.py for what each column counts. On the CPU the wall "
               "times say nothing about speed (the stand-in replays the whole forward; a shared machine): the GPU "
               "check measures the time."]
     (out / "results.md").write_text("\n".join(lines) + "\n")

@@ -47,7 +47,7 @@ from sdvg.generation.routers import acceptance_pattern  # noqa: E402
 from sdvg.evaluation.timeline import decisions_of, plot_timeline  # noqa: E402
 
 from sdvg.generation.types import STAGE_NAMES as STAGES  # noqa: E402
-from provenance import provenance  # noqa: E402
+from provenance import provenance, provenance_line  # noqa: E402
 PAPER_ACCEPTANCE = 0.731
 PROMPT = "a red fox running through fresh snow at dawn, cinematic"
 
@@ -227,7 +227,7 @@ def write_results(results, by_variant, out: Path, final: bool):
                         r["drafter_forwards"], *(f"{r['stages'][k]:.4f}" for k in STAGES),
                         f"{r['stages']['overhead']:.4f}"])
     lines = [f"# Latency: {results['preset']}, {results['num_blocks']} blocks, {results['device_name']} "
-             f"({results['date']})", "",
+             f"({results['date']})", "", provenance_line(results["provenance"]), "",
              "| mode | backend | scheduler | acceptance | wall s | speed-up vs target (same variant) | "
              "floor s: sequential | drafter hidden | target side | wall / floor (placement) |",
              "|---|---|---|---|---|---|---|---|---|---|"]

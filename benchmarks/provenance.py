@@ -44,3 +44,12 @@ def provenance(seed=None, prompt=None, device=None) -> dict:
                  "float32_matmul_precision": torch.get_float32_matmul_precision()},
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
     }
+
+
+def provenance_line(p: dict) -> str:
+    """One Markdown line of a provenance dict, for the results.md files."""
+    tf32 = p["tf32"]
+    return (f"commit `{p['commit']}`{' (dirty)' if p['dirty'] else ''}; sdvg._C {p['sdvg_C_build']}"
+            f"{'; ' + p['build_note'] if p['build_note'] else ''}; torch {p['torch']} (CUDA {p['torch_cuda']}, "
+            f"cuDNN {p['cudnn']}); {p['device_name']}; seed {p['seed']}; prompt {p['prompt']!r}; TF32 matmul "
+            f"{tf32['matmul']}, cuDNN {tf32['cudnn']}")
