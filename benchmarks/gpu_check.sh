@@ -34,7 +34,10 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false TORCH_CUDA_ARCH_LIST=${TORC
 # CUDA_HOME: the toolkit of the nvcc on PATH (or under /usr/local/cuda*), unless given
 if [ -z "${CUDA_HOME:-}" ]; then
   nvcc=$(command -v nvcc || ls -d /usr/local/cuda*/bin/nvcc 2>/dev/null | sort -V | tail -1 || true)
-  [ -n "$nvcc" ] && CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$nvcc")")")
+  if [ -n "$nvcc" ]; then  # nvcc's own TOP (a wrapper script's target too), else the folder above its bin/
+    top=$("$nvcc" --dryrun -c -x cu /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$ TOP=//p' | head -1)
+    CUDA_HOME=$(readlink -f "${top:-$(dirname "$(readlink -f "$nvcc")")/..}")
+  fi
 fi
 want_cuda=${SDVG_CUDA:-1}
 note="CUDA build with CUDA_HOME=${CUDA_HOME:-}"

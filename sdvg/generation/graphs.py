@@ -14,7 +14,8 @@ What a replay refreshes and what stays baked in:
   addresses and the visible slot range (part of the key), the weights.
 
 A graph therefore needs the same cache buffer for every video: `cache()` hands out one KV cache per
-(DiT, spec, dtype, device), allocated once per pipeline and rolled back to frame 0 for each video.
+(DiT, spec, dtype, device), allocated once per pipeline and rolled back to frame 0 for each video
+(a finished video's `LoopReport.drafter_cache` is that shared cache: read it before the next video).
 Forwards whose visible slots are not one contiguous range (a wrapped local window gathers them
 through an index tensor that `begin_write` rebuilds), forwards with an attention mask (a recompute
 context forward) and roles not listed run eagerly.
@@ -71,7 +72,8 @@ class CudaGraphCapture:
             fn()  # warm-up: lazy initialisation outside the capture (writes the same K/V the replay will)
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=side):
+        # thread_local: the main thread's stage work (syncs included) goes on while the run-ahead drafter captures
+        with torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
             out = fn()
         return graph.replay, out
 
