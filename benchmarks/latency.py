@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from sdvg.config import get_preset  # noqa: E402
@@ -46,6 +47,7 @@ from sdvg.generation.routers import acceptance_pattern  # noqa: E402
 from sdvg.evaluation.timeline import decisions_of, plot_timeline  # noqa: E402
 
 from sdvg.generation.types import STAGE_NAMES as STAGES  # noqa: E402
+from provenance import provenance, provenance_line  # noqa: E402
 PAPER_ACCEPTANCE = 0.731
 PROMPT = "a red fox running through fresh snow at dawn, cinematic"
 
@@ -225,7 +227,7 @@ def write_results(results, by_variant, out: Path, final: bool):
                         r["drafter_forwards"], *(f"{r['stages'][k]:.4f}" for k in STAGES),
                         f"{r['stages']['overhead']:.4f}"])
     lines = [f"# Latency: {results['preset']}, {results['num_blocks']} blocks, {results['device_name']} "
-             f"({results['date']})", "",
+             f"({results['date']})", "", provenance_line(results["provenance"]), "",
              "| mode | backend | scheduler | acceptance | wall s | speed-up vs target (same variant) | "
              "floor s: sequential | drafter hidden | target side | wall / floor (placement) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -305,8 +307,12 @@ def main(argv=None):
     plan += [("sdvg", r, main_variant) for r in rates]
     for v in variants:
         plan += [("target", None, v), ("sdvg", paper_rate, v)]  # same pattern as the main run
+    # measured in this order: target-only, SDVG at 73.1%, then each variant (its SDVG at 73.1% before
+    # its target-only), then the rest
     first = [plan[0], ("sdvg", paper_rate, main_variant)]
-    order = first + [p for p in plan if p not in first]
+    then = [(m, r, v) for v in variants for m, r in (("sdvg", paper_rate), ("target", None))]
+    order = first + [p for p in then if p not in first]
+    order += [p for p in plan if p not in order]
 
     dev0 = comps.target_device
     meta = {
@@ -317,6 +323,7 @@ def main(argv=None):
         "budget_s": args.budget_s, "deadline": args.deadline,
         "two_devices": comps.drafter_device != comps.target_device,
         "target_context": preset.target_context,
+        "provenance": provenance(seed=0, prompt=PROMPT, device=dev0),
     }
     t0 = time.perf_counter()
     longest = 0.0  # longest single video so far: the estimate for the next one

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sdvg.engines.signatures import dit_stage, reward_stage, vae_stage  # noqa: E402
 from sdvg.config import get_preset  # noqa: E402
 from sdvg.models.components import build_random  # noqa: E402
+from provenance import provenance  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
 
@@ -45,7 +46,8 @@ def main(argv=None):
              reward_stage(comps)]
     res = {"preset": preset.name, "device": args.device,
            "device_name": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
-           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "stages": {}}
+           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+           "provenance": provenance(device=args.device), "stages": {}}
     # eager first for every stage, then compile stage by stage: compiling a real-size DiT takes
     # minutes, and a time limit then still leaves every eager number on disk
     eager_out = {}

@@ -113,6 +113,10 @@ class GenerationOptions:
                                        "train-exit-head)", metavar="FILE")
     exit_pattern_steps: float = _opt(1.65, "pattern verifier: the mean denoising steps per token it aims at "
                                            "(1.65: the paper's mean)", metavar="K")
+    cuda_graphs: bool = _opt(False, "replay the drafter's denoising steps from graphs captured once per block "
+                                    "position (CUDA graphs; a CPU stand-in elsewhere), its KV cache allocated once "
+                                    "per pipeline and reused across videos, and every role's noise draws of a block "
+                                    "copied ahead from pinned memory (backend eager; same output)")
     backend: str | None = _opt(None, "how stages run: eager, compile (torch.compile'd static stages), tensorrt "
                                      "(engines; needs --engines) or onnxruntime (the ONNX files of build_engines "
                                      "--format onnx; needs --engines) or torch-tensorrt (DiT stages from build_engines "

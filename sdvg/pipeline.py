@@ -290,7 +290,8 @@ class SpeculativeVideoPipeline:
                scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead, run_ahead_blocks: int = D.run_ahead_blocks,
                early_exit: str = D.early_exit, exit_verifier: str = D.exit_verifier,
                exit_eps: float = D.exit_eps, exit_thresholds=D.exit_thresholds, exit_head: str | None = D.exit_head,
-               exit_pattern_steps: float = D.exit_pattern_steps, backend: str | None = D.backend) -> BlockStream:
+               exit_pattern_steps: float = D.exit_pattern_steps, cuda_graphs: bool = D.cuda_graphs,
+               backend: str | None = D.backend) -> BlockStream:
         """Yield each block as soon as its frames are final; the returned stream's `.stats` is
         complete once it is exhausted. The keywords are the generation options
         (`sdvg.options.GenerationOptions`, whose field docs say what each does):
@@ -308,6 +309,7 @@ class SpeculativeVideoPipeline:
         early_exit: none | target | drafter | both (token-level early exit, docs/early-exit.md), judged by
         exit_verifier stability (exit_thresholds) | oracle (exit_eps) | head (exit_head, exit_eps) |
         pattern (exit_pattern_steps).
+        cuda_graphs: replay the drafter's steps from graphs captured per block position (backend eager).
         backend: eager | compile | tensorrt | onnxruntime | torch-tensorrt (None: the pipeline's)."""
         options = _options(locals())
         return self.run(prompt, options)
@@ -324,6 +326,7 @@ class SpeculativeVideoPipeline:
                  run_ahead_blocks: int = D.run_ahead_blocks, early_exit: str = D.early_exit,
                  exit_verifier: str = D.exit_verifier, exit_eps: float = D.exit_eps, exit_thresholds=D.exit_thresholds,
                  exit_head: str | None = D.exit_head, exit_pattern_steps: float = D.exit_pattern_steps,
+                 cuda_graphs: bool = D.cuda_graphs,
                  backend: str | None = D.backend, generator: torch.Generator | None = None, output_type: str = "np",
                  return_dict: bool = True,
                  callback_on_block_end: Callable[["SpeculativeVideoPipeline", BlockRecord], None] | None = None):

@@ -79,3 +79,19 @@ def test_stages_benchmark_writes_every_stage(tmp_path):
     assert list(data["stages"]) == ["drafter_dit_3f_cached", "target_dit_3f_cached", "vae_decode", "reward_12f"] \
         == list(res["stages"])
     assert all(row["eager_s"] > 0 and "compile_s" not in row for row in data["stages"].values())
+
+
+@pytest.mark.slow
+def test_host_syncs_benchmark_counts_before_and_after(tmp_path):
+    import host_syncs
+
+    res = host_syncs.main(["--preset", "tiny", "--num-blocks", "2", "--modes", "draft", "--repeats", "1",
+                           "--out", str(tmp_path)])
+    before, after = (r["per_block"] for r in res["runs"])
+    assert [r["variant"] for r in res["runs"]] == ["before (eager)", "after (cuda_graphs)"]
+    # the drafter's forwards (4 steps + the commit of block 0 over 2 blocks) each became one replay
+    assert before.get("graph_replays", 0) == 0 and after["graph_replays"] == 4.5
+    assert after["launches"] < before["launches"]
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert {"commit", "sdvg_C_build", "torch_cuda", "seed", "prompt", "tf32"} <= set(data["provenance"])
+    assert "TF32" in (tmp_path / "results.md").read_text()

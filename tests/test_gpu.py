@@ -1,5 +1,5 @@
 """GPU checks (skipped without CUDA): native cache on the device, the reference loop's invariants on
-CUDA, and CUDA against CPU within the fp32 tolerance."""
+CUDA, and CUDA against CPU within the fp32 tolerance (TF32 off), CUDA graphs of the drafter against eager."""
 import math
 
 import numpy as np
@@ -11,6 +11,15 @@ pytestmark = pytest.mark.gpu
 PROMPT = "a red fox running through fresh snow"
 # Per-dtype tolerance for CUDA vs CPU kernels on the same weights (values are O(1)).
 CUDA_VS_CPU_TOL = {torch.float32: 2e-3, torch.bfloat16: 1e-1}
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    """Exactness tests compare fp32 results: TF32 off for each test, the flags restored after."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +39,10 @@ def test_native_cache_on_cuda():
     cache.write(0, k, -k)
     kv, vv = cache.visible(0)
     assert kv.is_cuda and torch.equal(kv, k) and torch.equal(vv, -k)
-    assert _C.build_info()["cuda"] is True  # the CUDA build, not a CPU build that happens to run here
+    info = _C.build_info()
+    # the CUDA build (a CPU build allocates on CUDA too, through torch), against torch's CUDA major version
+    assert info["cuda"] is True, f"sdvg._C is a CPU build: {info}"
+    assert info["cuda_runtime_version"] // 1000 == int(torch.version.cuda.split(".")[0]), (info, torch.version.cuda)
 
 
 def test_tau_inf_equals_target_only_on_cuda(gpu_pipe):
@@ -107,3 +119,30 @@ def test_latent_transfer_prefetch_between_devices():
     assert t.in_flight() == (1 if dest != x.device else 0)
     t.release(x)
     assert t.in_flight() == 0
+
+
+def test_cuda_graphs_equal_eager_on_cuda(gpu_pipe):
+    """Real CUDA-graph capture of the drafter's steps: bitwise the eager video, over two videos (the second
+    replays the first one's graphs with another prompt and seed), sequential and run-ahead."""
+    from sdvg.generation.graphs import CudaGraphCapture
+
+    kw = dict(router="pattern", pattern=(False, True, True, False), num_blocks=4)
+    for run_ahead in (False, True):
+        for prompt, seed in ((PROMPT, 1), ("a lighthouse at night in a storm", 2)):
+            eager = gpu_pipe(prompt, seed=seed, run_ahead=run_ahead, **kw)
+            graphed = gpu_pipe(prompt, seed=seed, run_ahead=run_ahead, cuda_graphs=True, **kw)
+            assert torch.equal(eager.latents, graphed.latents) and np.array_equal(eager.frames, graphed.frames)
+    graphs = gpu_pipe.runners().graphs
+    assert all(isinstance(c, CudaGraphCapture) for c in graphs._captures.values()) and graphs.replays > 0
+    assert graphs.stats()["graphs"] == 4 and graphs.stats()["caches"] == 1
+
+
+def test_copy_ahead_on_cuda():
+    from sdvg.generation.noise import block_noise, copy_ahead, gaussian
+
+    shape = (1, 16, 3, 60, 104)
+    noise = block_noise(shape, 3, 1)
+    on_device = copy_ahead(noise, 3, 1, 4, "drafter", "cuda:0")
+    ahead = [gaussian(shape, 3, 1, s, "drafter", "cuda:0") for s in (1, 2, 3)]
+    assert torch.equal(on_device.cpu(), noise)
+    assert all(torch.equal(a.cpu(), gaussian(shape, 3, 1, s, "drafter")) for a, s in zip(ahead, (1, 2, 3)))

@@ -74,6 +74,8 @@ class StageRunners:
         self._text: dict = {}  # role -> (TextKV, stacked K, stacked V) of its last prompt (one thread per role)
         self._cache = None
         self.executor = executor or ExecutorOptions()
+        self.graphs = None  # DiTGraphs, made by the first video that asks for cuda_graphs
+        self._graphs_on = False  # whether the current video uses them
         if backend in ENGINE_ARTIFACTS:
             if engines is None:
                 raise ValueError(f"backend {backend!r} needs engines=<folder built by python -m build_engines "
@@ -88,11 +90,28 @@ class StageRunners:
     def static(self) -> bool:
         return self.backend != "eager"
 
+    # ----------------------------------------------------------- CUDA graphs
+    def use_graphs(self, on: bool):
+        """Called once per video (`prepare`): the pipeline's `DiTGraphs` when `on`, else None."""
+        if on and self.static:
+            raise ValueError(f"cuda_graphs needs backend 'eager', not {self.backend!r} (compile: "
+                             "compile_mode='reduce-overhead' captures its own graphs)")
+        if on and self.graphs is None:
+            from sdvg.generation.graphs import DiTGraphs
+
+            self.graphs = DiTGraphs()
+        self._graphs_on = on
+        return self.graphs if on else None
+
     # ------------------------------------------------------------------ DiT
     def dit_forward(self, role: str, dit, latents, timesteps, text, frame_offset: int, cache, attn_mask=None,
                     active=None, hidden=None):
         """`active` / `hidden`: the sparse forward of early exit (`CausalWanDiT.forward`), eager only."""
         if not self.static:
+            if self._graphs_on and active is None and hidden is None:
+                out = self.graphs.forward(role, dit, latents, timesteps, text, frame_offset, cache, attn_mask)
+                if out is not None:
+                    return out
             return dit(latents, timesteps, text, frame_offset=frame_offset, cache=cache, attn_mask=attn_mask,
                        active=active, hidden=hidden)
         if active is not None or hidden is not None:

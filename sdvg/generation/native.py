@@ -17,7 +17,7 @@ import torch
 
 from sdvg._native import _C
 from sdvg.generation.early_exit.record import block_exits
-from sdvg.generation.noise import block_noise
+from sdvg.generation.noise import block_noise, copy_ahead
 from sdvg.generation.prepare import prepare
 from sdvg.generation.routers import Router
 from sdvg.generation.transfer import LatentTransfer
@@ -46,8 +46,14 @@ class _Stages:
     def _noise(self, b):
         return block_noise(self.setup.block_shape, self.opts.seed, b)
 
+    def _noise_for(self, model, b):  # cuda_graphs: the block's draws copied ahead (pinned, non-blocking)
+        noise = self._noise(b)
+        if not self.opts.cuda_graphs:
+            return noise
+        return copy_ahead(noise, self.opts.seed, b, model.schedule.num_steps, model.role, model.device)
+
     def draft(self, b):
-        x = self.setup.drafter.denoise(self._noise(b), b, b * self.F, self.opts.seed)
+        x = self.setup.drafter.denoise(self._noise_for(self.setup.drafter, b), b, b * self.F, self.opts.seed)
         if self.setup.target is not None:
             self.transfer.prefetch(x, self.target_dev)  # an accepted draft goes into the target's cache
         return self._done(self.guard.draft(x, b))
@@ -56,7 +62,7 @@ class _Stages:
         self._done(self.setup.drafter.commit_forward(self.transfer.get(x, self.drafter_dev), b * self.F))
 
     def target(self, b):
-        x = self.setup.target.denoise(self._noise(b), b, b * self.F, self.opts.seed)
+        x = self.setup.target.denoise(self._noise_for(self.setup.target, b), b, b * self.F, self.opts.seed)
         self.transfer.prefetch(x, self.vae_dev)  # decoded, and committed into the drafter, over there
         return self._done(self.guard.target(x, b))
 

@@ -5,6 +5,7 @@ Running the drafter therefore changes nothing the target draws: the block noise 
 from __future__ import annotations
 
 import hashlib
+import threading
 from typing import Literal
 
 import torch
@@ -22,7 +23,11 @@ def generator(seed: int, block: int, step: int, role: str) -> torch.Generator:
 
 
 def gaussian(shape, seed: int, block: int, step: int, role: NoiseRole, device=None) -> torch.Tensor:
-    """Standard normal float32 tensor, drawn on the CPU so every device sees the same numbers."""
+    """Standard normal float32 tensor, drawn on the CPU so every device sees the same numbers (or
+    copied ahead to `device` by `copy_ahead`)."""
+    ahead = _prefetched(shape, seed, block, step, role, device)
+    if ahead is not None:
+        return ahead
     out = torch.randn(tuple(shape), generator=generator(seed, block, step, role), dtype=torch.float32)
     return out.to(device) if device is not None else out
 
@@ -30,3 +35,39 @@ def gaussian(shape, seed: int, block: int, step: int, role: NoiseRole, device=No
 def block_noise(shape, seed: int, block: int, device=None) -> torch.Tensor:
     """noise_b: the initial noise of block `block`, shared by drafter and target."""
     return gaussian(shape, seed, block, 0, "init", device)
+
+
+# Re-noising draws copied ahead: (seed, block, step, role, shape, device) -> the draw on `device`.
+_AHEAD: dict = {}
+_AHEAD_LOCK = threading.Lock()
+
+
+def _ahead(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` on `device`, its copy queued on the current stream (from pinned memory on CUDA)."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def copy_ahead(noise: torch.Tensor, seed: int, block: int, num_steps: int, role: NoiseRole, device) -> torch.Tensor:
+    """A role's draws of `block`, copied ahead: returns the block noise `noise` (CPU) on `device`, and
+    draws the re-noising noise of steps 1 .. num_steps - 1 now, on the CPU (the numbers `gaussian`
+    draws), queueing their copies too, so that `gaussian` hands them out without a blocking copy.
+    Draws of an earlier block of this role still waiting are dropped. Call on the thread (stream)
+    that denoises the block."""
+    device = torch.device(device)
+    shape = tuple(noise.shape)
+    ahead = {(seed, block, step, role, shape, device): _ahead(gaussian(shape, seed, block, step, role), device)
+             for step in range(1, num_steps)}
+    with _AHEAD_LOCK:
+        for key in [k for k in _AHEAD if k[3] == role]:
+            del _AHEAD[key]
+        _AHEAD.update(ahead)
+    return _ahead(noise, device)
+
+
+def _prefetched(shape, seed: int, block: int, step: int, role: str, device) -> torch.Tensor | None:
+    if device is None or not _AHEAD:
+        return None
+    with _AHEAD_LOCK:
+        return _AHEAD.pop((seed, block, step, role, tuple(shape), torch.device(device)), None)

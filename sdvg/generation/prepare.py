@@ -338,10 +338,15 @@ def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, s
     window = max([c.pixel_window(p.vae.temporal_stride) for c in contexts.values()
                   if c.recompute and not c.keep_first_frame] + [0])
     emitted_pixels: deque = deque(maxlen=window)
+    graphs = runners.use_graphs(opts.cuda_graphs) if opts.cuda_graphs or hasattr(runners, "use_graphs") else None
 
     def role_model(role: str, dit, device, slack: int) -> RoleModel:
         context = contexts[role]
-        cache = allocate_cache(comps, dit, device, context, opts.num_blocks, slack, runners)
+        if graphs is not None and role in graphs.roles:  # one cache per pipeline: the graphs hold its addresses
+            spec = cache_spec(comps, dit, context, opts.num_blocks, slack, runners)
+            cache = graphs.cache(dit, spec, dit.dtype, device)
+        else:
+            cache = allocate_cache(comps, dit, device, context, opts.num_blocks, slack, runners)
         schedule = role_schedule(p, context)
         return RoleModel(dit, role, cache, dit.encode_text(emb), device, context, schedule, counters, runners,
                          zf, p.video.tokens_per_frame(p.vae, dit.config), comps.vae, emitted_pixels,

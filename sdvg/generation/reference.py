@@ -23,7 +23,7 @@ from typing import Iterator
 import torch
 
 from sdvg.generation.early_exit.record import block_exits
-from sdvg.generation.noise import block_noise
+from sdvg.generation.noise import block_noise, copy_ahead
 from sdvg.generation.prepare import prepare, sync
 from sdvg.generation.routers import Router
 from sdvg.generation.types import STAGE_NAMES, BlockRecord, Counters, LoopReport, block_times
@@ -63,11 +63,16 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
         return out
 
     # the stage calls, each through the guard (NaN/inf checks), as the native scheduler's `_Stages`
+    def ahead(noise, b, model):  # cuda_graphs: the block's draws copied ahead (pinned, non-blocking)
+        if not opts.cuda_graphs:
+            return noise
+        return copy_ahead(noise, opts.seed, b, model.schedule.num_steps, model.role, model.device)
+
     def denoise_draft(noise, b, frame0):
-        return guard.draft(drafter.denoise(noise, b, frame0, opts.seed), b)
+        return guard.draft(drafter.denoise(ahead(noise, b, drafter), b, frame0, opts.seed), b)
 
     def denoise_target(noise, b, frame0):
-        return guard.target(target.denoise(noise, b, frame0, opts.seed), b)
+        return guard.target(target.denoise(ahead(noise, b, target), b, frame0, opts.seed), b)
 
     def decode(latents):
         return guard.decode(lambda: run.decode(latents, vae_cache), latents)

@@ -1,0 +1,55 @@
+"""Provenance recorded in every benchmark results file: the commit, how sdvg._C was built, the
+torch / CUDA / cuDNN versions, the device, the seed and prompt of the runs and the TF32 flags."""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _git(*args) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def provenance(seed=None, prompt=None, device=None) -> dict:
+    from sdvg._native import _C
+
+    dev = torch.device(device) if device is not None else None
+    cuda = dev is not None and dev.type == "cuda"
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "commit": _git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "sdvg_C_build": {k: v for k, v in _C.build_info().items()},
+        # gpu_check.sh: the CUDA_HOME it derived from nvcc, or why it fell back to the CPU build
+        "build_note": os.environ.get("SDVG_BUILD_NOTE"), "cuda_home": os.environ.get("CUDA_HOME"),
+        "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "python": platform.python_version(),
+        "device": str(dev) if dev is not None else None,
+        "device_name": torch.cuda.get_device_name(dev) if cuda else (platform.processor() or "cpu"),
+        "capability": list(torch.cuda.get_device_capability(dev)) if cuda else None,
+        "seed": seed, "prompt": prompt,
+        "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32,
+                 "float32_matmul_precision": torch.get_float32_matmul_precision()},
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+    }
+
+
+def provenance_line(p: dict) -> str:
+    """One Markdown line of a provenance dict, for the results.md files."""
+    tf32 = p["tf32"]
+    return (f"commit `{p['commit']}`{' (dirty)' if p['dirty'] else ''}; sdvg._C {p['sdvg_C_build']}"
+            f"{'; ' + p['build_note'] if p['build_note'] else ''}; torch {p['torch']} (CUDA {p['torch_cuda']}, "
+            f"cuDNN {p['cudnn']}); {p['device_name']}; seed {p['seed']}; prompt {p['prompt']!r}; TF32 matmul "
+            f"{tf32['matmul']}, cuDNN {tf32['cudnn']}")

@@ -1,0 +1,102 @@
+"""The drafter's graph path (`cuda_graphs`) against the plain eager path: on the CPU through the
+replay stand-in (same static buffers, keys and refreshes as a CUDA graph); the real capture is in
+tests/test_gpu.py."""
+import numpy as np
+import pytest
+import torch
+
+from sdvg.generation.graphs import DiTGraphs, ReplayCapture
+
+PROMPT = "a red fox running through fresh snow"
+OTHER = "a lighthouse at night in a storm"
+
+
+def _same(a, b):
+    return torch.equal(a.latents, b.latents) and np.array_equal(a.frames, b.frames)
+
+
+@pytest.mark.parametrize("scheduler,run_ahead", [("reference", False), ("cpp", False), ("cpp", True)])
+def test_graphs_equal_eager_over_two_videos(tiny_pipe, scheduler, run_ahead):
+    kw = dict(router="pattern", pattern=(False, True, True), num_blocks=3, scheduler=scheduler, run_ahead=run_ahead)
+    eager = [tiny_pipe(PROMPT, seed=1, **kw), tiny_pipe(OTHER, seed=2, **kw)]
+    graphed = [tiny_pipe(PROMPT, seed=1, cuda_graphs=True, **kw), tiny_pipe(OTHER, seed=2, cuda_graphs=True, **kw)]
+    assert all(_same(e, g) for e, g in zip(eager, graphed))
+    graphs = tiny_pipe.runners().graphs
+    assert graphs.stats()["caches"] == 1  # one drafter cache for the pipeline, reused by both videos
+    assert graphs.stats()["graphs"] == 3  # one per block position (0, 3, 6)
+
+
+def test_graphs_capture_once_per_block_position_and_replay_across_videos(tiny_pipe):
+    graphs = DiTGraphs(capture_factory=ReplayCapture)
+    runners = tiny_pipe.runners()
+    runners.graphs = graphs
+    kw = dict(mode="draft", num_blocks=3, cuda_graphs=True, scheduler="reference")
+    first = tiny_pipe(PROMPT, seed=3, **kw)
+    # 3 positions; 4 steps each, plus the t = 0 commit of blocks 0 and 1 (the last block commits nothing)
+    assert graphs.stats() == {"graphs": 3, "captured": 3, "replays": 14, "eager": 0, "caches": 1}
+    second = tiny_pipe(PROMPT, seed=3, **kw)
+    assert graphs.captured == 3 and graphs.replays == 28  # nothing captured again
+    assert _same(first, second)
+    assert _same(first, tiny_pipe(PROMPT, seed=3, mode="draft", num_blocks=3, scheduler="reference"))
+
+
+def test_graph_replay_refreshes_inputs_and_prompt(dit):
+    """Each replay reads the latents, timesteps and prompt K/V given now, not those of its capture."""
+    from sdvg.models.kv_cache import KVCacheSpec
+
+    graphs = DiTGraphs(roles=("target",), capture_factory=ReplayCapture)
+    g = torch.Generator().manual_seed(0)
+    texts = [dit.encode_text(torch.randn(1, 7, 32, generator=g)) for _ in range(2)]
+    spec = KVCacheSpec.for_dit(dit.config, 16, 6)
+    eager_cache = spec.allocate(dit.dtype, "cpu")
+    cache = graphs.cache(dit, spec, dit.dtype, "cpu")
+    for text in texts:
+        for step in range(3):
+            x = torch.randn(1, 16, 3, 8, 8, generator=g)
+            t = torch.full((1, 3), 900.0 - 300 * step)
+            want = dit(x, t, text, 0, eager_cache)
+            got = graphs.forward("target", dit, x, t, text, 0, cache)
+            assert torch.equal(got, want)
+            assert torch.equal(cache.buffer, eager_cache.buffer)  # the same K/V written in place
+    assert graphs.captured == 1 and graphs.replays == 6
+
+
+def test_graphs_key_on_cache_state_and_skip_masks(dit):
+    from sdvg.models.kv_cache import KVCacheSpec
+
+    graphs = DiTGraphs(roles=("target",), capture_factory=ReplayCapture)
+    text = dit.encode_text(torch.randn(1, 7, 32))
+    spec = KVCacheSpec.for_dit(dit.config, 16, 9)
+    cache = graphs.cache(dit, spec, dit.dtype, "cpu")
+    eager_cache = spec.allocate(dit.dtype, "cpu")
+    x = torch.randn(1, 16, 3, 8, 8)
+    t = torch.zeros(1, 3)
+    for f0 in (0, 3, 6):
+        assert torch.equal(graphs.forward("target", dit, x, t, text, f0, cache), dit(x, t, text, f0, eager_cache))
+        cache.commit()
+        eager_cache.commit()
+    assert graphs.captured == 3  # one per block position
+    assert graphs.forward("drafter", dit, x, t, text, 9, cache) is None  # a role not graphed
+    mask = torch.ones(48, 48, dtype=torch.bool)
+    cache.rollback(6)
+    assert graphs.forward("target", dit, x, t, text, 6, cache, attn_mask=mask) is None and graphs.eager == 1
+    assert graphs.cache(dit, spec, dit.dtype, "cpu") is cache and cache.committed_frames == 0  # reused, rewound
+
+
+def test_cuda_graphs_need_the_eager_backend(tiny_pipe):
+    from sdvg.generation.backends import StageRunners
+
+    with pytest.raises(ValueError, match="cuda_graphs needs backend 'eager'"):
+        StageRunners(tiny_pipe.components, "compile").use_graphs(True)
+
+
+def test_copy_ahead_hands_out_the_same_draws():
+    from sdvg.generation.noise import block_noise, copy_ahead, gaussian
+
+    shape = (1, 4, 3, 2, 2)
+    noise = block_noise(shape, 5, 2)
+    got = copy_ahead(noise, 5, 2, 4, "drafter", "cpu")
+    assert torch.equal(got, noise)
+    for step in (1, 2, 3):
+        ahead = gaussian(shape, 5, 2, step, "drafter", "cpu")  # handed out once, then drawn again
+        assert torch.equal(ahead, gaussian(shape, 5, 2, step, "drafter", "cpu"))
