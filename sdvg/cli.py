@@ -98,6 +98,13 @@ def add_model_args(p: argparse.ArgumentParser, engines: bool = True) -> None:
         p.add_argument("--engines", help="engine folder built by `python -m build_engines` from the same preset and "
                                          "checkpoint flags (backend tensorrt; onnxruntime with --format onnx; "
                                          "torch-tensorrt with --format torch-tensorrt)")
+        from sdvg.engines.executor import RUNTIMES
+
+        p.add_argument("--trt-runtime", choices=RUNTIMES, default=RUNTIMES[0],
+                       help="how TensorRT plans run: torch (torch's current stream) or cuda-python (stream-ordered "
+                            "engine memory on the executor's own stream; the tensorrt extra)")
+        p.add_argument("--trt-cuda-graphs", action="store_true",
+                       help="capture the static DiT stages in CUDA graphs (--trt-runtime cuda-python)")
     p.add_argument("--device", "--drafter-device", dest="device", default="cpu",
                    help="drafter, VAE and reward device")
     p.add_argument("--target-device", default=None, help="target device (default: --device)")
@@ -111,6 +118,8 @@ def build_pipeline(args):
                                         else " (random weights)")
     _progress(args, f"loading {what} ...")
     pipe = _build_pipeline(args)
+    if getattr(args, "trt_runtime", None) is not None:
+        pipe.set_engine_executor(args.trt_runtime, args.trt_cuda_graphs)
     _progress(args, f"loaded in {time.perf_counter() - t0:.1f} s")
     return pipe
 

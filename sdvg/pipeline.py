@@ -138,6 +138,7 @@ class SpeculativeVideoPipeline:
         self.engines = engines
         self.sources = dict(sources or {})  # component -> checkpoint fingerprint (or random:preset:seed)
         self.build_flags: list[str] = []  # the `python -m build_engines` flags that load these weights
+        self.engine_executor = None  # ExecutorOptions of the TensorRT executors (None: the torch runtime)
 
     @property
     def memory_budget_gib(self) -> float | None:
@@ -155,8 +156,19 @@ class SpeculativeVideoPipeline:
         backend = backend or self.default_backend
         if backend not in self._runners:
             self._runners[backend] = StageRunners(self.components, backend, self.engines,
-                                                   build_flags=self.build_flags)
+                                                   build_flags=self.build_flags, executor=self.engine_executor)
         return self._runners[backend]
+
+    def set_engine_executor(self, runtime: str = "torch", cuda_graph: bool = False) -> "SpeculativeVideoPipeline":
+        """How TensorRT plans run (docs/engines.md, "Executors"): `runtime` torch (on torch's current stream)
+        or cuda-python (stream-ordered engine memory on the executor's own stream); `cuda_graph` captures
+        the static DiT stages in CUDA graphs (cuda-python only). Engines already loaded are dropped."""
+        from sdvg.engines.executor import ExecutorOptions
+
+        self.engine_executor = ExecutorOptions(runtime, cuda_graph)
+        for backend in [b for b in self._runners if b in ("tensorrt", "torch-tensorrt")]:
+            del self._runners[backend]
+        return self
 
     @classmethod
     def from_preset(cls, name: str | Preset = "tiny", seed: int = 0, device: str = "cpu",

@@ -477,3 +477,27 @@ def test_torch_tensorrt_route_video_equals_eager(tmp_path):
     kw = dict(num_blocks=3, seed=1, router="pattern", pattern=(False, True, False))
     eager, ttrt = pipe("a red fox", **kw), pipe("a red fox", backend="torch-tensorrt", **kw)
     assert (eager.latents - ttrt.latents).abs().max() < 1e-3
+
+
+def test_pipeline_and_cli_choose_the_executor(tiny_pipe):
+    from sdvg import cli
+    from sdvg.engines.executor import ExecutorOptions
+
+    saved = None
+    try:
+        tiny_pipe.set_engine_executor("cuda-python", cuda_graph=True)
+        assert tiny_pipe.engine_executor == ExecutorOptions("cuda-python", True)
+        saved = tiny_pipe._runners.pop("eager", None)  # runners made from now on carry the options
+        assert tiny_pipe.runners("eager").executor == ExecutorOptions("cuda-python", True)
+        with pytest.raises(ValueError, match="cuda_graph needs runtime='cuda-python'"):
+            tiny_pipe.set_engine_executor("torch", cuda_graph=True)
+    finally:
+        tiny_pipe.set_engine_executor()
+        tiny_pipe._runners.pop("eager", None)
+        if saved is not None:
+            tiny_pipe._runners["eager"] = saved
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--trt-runtime", "cuda-python",
+                                          "--trt-cuda-graphs"])
+    assert args.trt_runtime == "cuda-python" and args.trt_cuda_graphs
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["generate", "--prompt", "x", "--trt-runtime", "cuda"])
