@@ -17,6 +17,8 @@ by side in one process, each the median of --repeats runs after a warm-up:
   sdvg          SDVG at the paper's 73.1% acceptance (a fixed decision pattern)
   sdvg+exit     the same SDVG with early exit in the target (forced and rejected blocks get cheaper)
 
+The four run in rounds (one video of each per round, a warm-up round first), medians per run.
+
 The ideal speed-up of the target's work is 5 / (k_bar + 1) (docs/early-exit.md, "Cost"); the measured
 one is the target stages' time (denoise + commit) of `target` over `target+exit`, and `of_ideal` their
 ratio (goal: >= 0.85). The whole-video speed-ups (VAE and reward included) are reported beside it.
@@ -45,21 +47,37 @@ PAPER_ACCEPTANCE = 0.731
 PROMPT = "a red fox running through fresh snow at dawn, cinematic"
 
 
-def run(pipe, repeats: int, **options) -> dict:
-    """Median wall and stage seconds of `repeats` videos after one warm-up; the stats of the last."""
-    pipe(PROMPT, output_type="latent", **options)  # warm-up
-    walls, target_s, stats = [], [], None
+def once(pipe, **options) -> tuple[float, float, dict]:
+    """(wall s, target stage s (denoise + commit), stats) of one video."""
+    t0 = time.perf_counter()
+    out = pipe(PROMPT, output_type="latent", **options)
+    wall = time.perf_counter() - t0
+    stats = out.stats.as_dict()
+    target_s = stats["stage_totals"]["target"] + sum(b["times"]["target_commit"] for b in stats["blocks"])
+    return wall, target_s, stats
+
+
+def run_interleaved(pipe, plan: dict, repeats: int) -> dict:
+    """Each configuration of `plan` once per round, rounds repeated (a warm-up round first, not counted), so
+    that a noisy machine slows every configuration alike; medians per configuration."""
+    for kw in plan.values():
+        once(pipe, **kw)  # warm-up
+    samples: dict = {name: [] for name in plan}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = pipe(PROMPT, output_type="latent", **options)
-        walls.append(time.perf_counter() - t0)
-        stats = out.stats.as_dict()
-        target_s.append(stats["stage_totals"]["target"]
-                        + sum(b["times"]["target_commit"] for b in stats["blocks"]))
-    return {"wall_s": statistics.median(walls), "target_stage_s": statistics.median(target_s),
-            "walls": walls, "mean_steps": stats["mean_steps"], "max_steps": stats["max_steps"],
-            "acceptance_rate": stats["acceptance_rate"], "target_forwards": stats["target_forwards"],
-            "exit_roles": stats["exit_roles"], "decisions": [b["decision"] for b in stats["blocks"]]}
+        for name, kw in plan.items():
+            samples[name].append(once(pipe, **kw))
+    runs = {}
+    for name, got in samples.items():
+        stats = got[-1][2]
+        runs[name] = {"wall_s": statistics.median(w for w, _, _ in got),
+                      "target_stage_s": statistics.median(t for _, t, _ in got),
+                      "walls": [w for w, _, _ in got], "target_stages": [t for _, t, _ in got],
+                      "mean_steps": stats["mean_steps"], "max_steps": stats["max_steps"],
+                      "acceptance_rate": stats["acceptance_rate"], "target_forwards": stats["target_forwards"],
+                      "exit_roles": stats["exit_roles"], "decisions": [b["decision"] for b in stats["blocks"]]}
+        print(f"{name}: {runs[name]['wall_s']:.3f} s (target stages {runs[name]['target_stage_s']:.3f} s, "
+              f"k_bar {runs[name]['mean_steps']})", flush=True)
+    return runs
 
 
 def main(argv=None) -> int:
@@ -92,11 +110,7 @@ def main(argv=None) -> int:
     sdvg_kw = dict(mode="sdvg", router="pattern", pattern=pattern)
     plan = {"target": dict(mode="target"), "target+exit": dict(mode="target", **exit_kw),
             "sdvg": sdvg_kw, "sdvg+exit": dict(**sdvg_kw, **exit_kw)}
-    runs = {}
-    for name, kw in plan.items():
-        runs[name] = run(pipe, args.repeats, **common, **kw)
-        print(f"{name}: {runs[name]['wall_s']:.3f} s (target stages {runs[name]['target_stage_s']:.3f} s, "
-              f"k_bar {runs[name]['mean_steps']})", flush=True)
+    runs = run_interleaved(pipe, {name: {**common, **kw} for name, kw in plan.items()}, args.repeats)
 
     k_bar = runs["target+exit"]["mean_steps"]
     steps = pipe.preset.timesteps
@@ -130,7 +144,7 @@ def main(argv=None) -> int:
               f"SDVG at 73.1%: {results['sdvg_vs_target']:.2f}x over target-only; with early exit in the target "
               f"{results['sdvg_exit_vs_target']:.2f}x over target-only ({results['sdvg_exit_vs_sdvg']:.2f}x over plain "
               "SDVG).", "", "Eager PyTorch, cpp scheduler, one device, fp32; medians of "
-              f"{args.repeats} runs after a warm-up, all in one process."]
+              f"{args.repeats} interleaved rounds after a warm-up round, all in one process."]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
