@@ -98,9 +98,9 @@ def add_model_args(p: argparse.ArgumentParser, engines: bool = True) -> None:
         p.add_argument("--engines", help="engine folder built by `python -m build_engines` from the same preset and "
                                          "checkpoint flags (backend tensorrt; onnxruntime with --format onnx; "
                                          "torch-tensorrt with --format torch-tensorrt)")
-        from sdvg.engines.executor import RUNTIMES
+        from sdvg.options import TRT_RUNTIMES
 
-        p.add_argument("--trt-runtime", choices=RUNTIMES, default=RUNTIMES[0],
+        p.add_argument("--trt-runtime", choices=TRT_RUNTIMES, default=TRT_RUNTIMES[0],
                        help="how TensorRT plans run: torch (torch's current stream) or cuda-python (stream-ordered "
                             "engine memory on the executor's own stream; the tensorrt extra)")
         p.add_argument("--trt-cuda-graphs", action="store_true",

@@ -29,6 +29,7 @@ AGGREGATIONS: tuple[str, ...] = ("min", "mean", "trimmed_mean", "quantile")
 DRAFTER_CONTEXTS: tuple[str, ...] = ("own", "committed")
 SCHEDULERS: tuple[str, ...] = ("cpp", "reference")
 BACKENDS: tuple[str, ...] = ("eager", "compile", "tensorrt", "onnxruntime", "torch-tensorrt")
+TRT_RUNTIMES: tuple[str, ...] = ("torch", "cuda-python")  # how a TensorRT plan is driven (sdvg/engines/executor.py)
 EARLY_EXIT_ROLES: tuple[str, ...] = ("none", "target", "drafter", "both")
 EXIT_VERIFIERS: tuple[str, ...] = ("stability", "oracle", "head", "pattern")
 EXIT_BACKENDS: tuple[str, ...] = ("eager",)  # the stage backends that run a sparse (early-exit) forward

@@ -29,7 +29,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-RUNTIMES: tuple[str, ...] = ("torch", "cuda-python")  # how a TensorRT plan is driven
+from sdvg.options import TRT_RUNTIMES as RUNTIMES  # how a TensorRT plan is driven
 
 
 @runtime_checkable
