@@ -160,3 +160,30 @@ def test_stage_timing_events_equal_sync_on_cuda(gpu_pipe):
         device_s = out.stats["stage_device_s"]
         assert {"draft", "decode", "target"} <= set(device_s) and all(v > 0 for v in device_s.values())
     assert synced.stats["stage_device_s"] is None
+
+
+def test_stage_events_on_cuda_measure_device_time():
+    from sdvg.generation.stage_timing import StageEvents
+
+    ev = StageEvents(["cuda:0"])
+    x = torch.randn(2048, 2048, device="cuda:0")
+    start = ev.start("cuda:0")
+    for _ in range(10):
+        x = x @ x.T / 2048
+    ev.end("target", start, "cuda:0")
+    times = ev.resolve()
+    assert set(times) == {"target"} and times["target"] > 0
+
+
+def test_fast_vae_on_cuda_within_tolerance(gpu_pipe):
+    """cudnn.benchmark (for the decoder's calls only) and channels-last on the GPU, the steady state
+    compiled, against the plain CUDA decode within FAST_VAE_TOLERANCE; the global flag restored."""
+    from test_fast_vae import _compare
+
+    flag = torch.backends.cudnn.benchmark
+    _compare(gpu_pipe.components.vae, gpu_pipe.preset, compile=True)
+    assert torch.backends.cudnn.benchmark == flag
+    kw = dict(mode="target", num_blocks=3, seed=2, target_context="full")
+    plain, fast = gpu_pipe(PROMPT, **kw), gpu_pipe(PROMPT, fast_vae=True, **kw)
+    assert torch.equal(plain.latents, fast.latents)
+    assert np.abs(plain.frames - fast.frames).max() <= 1 / 255 + 1e-7
