@@ -55,7 +55,15 @@ def channels_last(module: nn.Module) -> nn.Module:
 
 
 def to_channels_last(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous(memory_format=torch.channels_last_3d) if x.dim() == 5 else x
+    """A 5-D tensor in channels-last memory with the canonical strides (no copy when it already is, up to
+    the strides of size-1 dimensions, which a compiled step would otherwise guard on and recompile for)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 5:
+        return x
+    if not x.is_contiguous(memory_format=torch.channels_last_3d):
+        x = x.contiguous(memory_format=torch.channels_last_3d)
+    _, c, d, h, w = x.shape
+    strides = (c * d * h * w, 1, h * w * c, w * c, c)
+    return x if x.stride() == strides else x.as_strided(x.shape, strides)
 
 
 class _DecoderOnly(nn.Module):
@@ -88,8 +96,9 @@ class FastVAEDecode:
     def decode(self, latents: torch.Tensor, cache) -> torch.Tensor:
         cuda = self.fast.device.type == "cuda"
         with cudnn_benchmark(True) if cuda else _nothing():
-            pixels = vae_decode_static(lambda frame, *entries: self._steady(cache)(to_channels_last(frame), *entries),
-                                       _FirstFrames(self.fast), latents, cache)
+            pixels = vae_decode_static(
+                lambda frame, *entries: self._steady(cache)(*(to_channels_last(t) for t in (frame, *entries))),
+                _FirstFrames(self.fast), latents, cache)
         return pixels.contiguous()
 
 
