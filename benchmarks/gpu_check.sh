@@ -6,7 +6,8 @@
 # important first, each writing its files as it finishes:
 #   1. latency.py: target-only -> SDVG at 73.1% (pattern router) -> run-ahead -> compile -> the rest
 #      (results.json / results.md / timeline.png / speedup.png, rewritten after every run);
-#   2. host_syncs.py: the drafter lane before/after cuda_graphs, launches and syncs counted, timed
+#   2. host_syncs.py: the drafter lane before/after cuda_graphs, then stage_timing events, then fast_vae
+#      (results written after each), launches and syncs counted, timed
 #      (host-syncs/results.json, .md);
 #   3. stages.py: per-stage eager vs compile (stages.json).
 # Everything lands in $OUT (default results/gpu-<date>); the measurements end within TOTAL_S seconds
@@ -82,11 +83,12 @@ PYTHONUNBUFFERED=1 timeout "$lat_timeout" "$PY" benchmarks/latency.py --preset "
   --deadline "$lat_deadline" --out "$OUT" 2>&1 | tail -24
 rm -f "$OUT/results.csv"  # derivable from results.json
 
-# 2. the drafter lane with and without cuda_graphs (3 blocks)
+# 2. the drafter lane without and with cuda_graphs, events, fast_vae (3 blocks)
 left=$(( deadline - $(date +%s) ))
 if [ "$left" -gt 40 ]; then
   PYTHONUNBUFFERED=1 timeout $(( left / 2 )) "$PY" benchmarks/host_syncs.py --preset "$PRESET" --device "$DEVICE" \
-    --modes draft --num-blocks 3 --repeats "${REPEATS:-1}" --out "$OUT/host-syncs" 2>&1 | tail -4
+    --modes draft --num-blocks 3 --repeats "${REPEATS:-1}" --variants "${HS_VARIANTS:-eager,cuda_graphs,events,fast_vae}" \
+    --out "$OUT/host-syncs" 2>&1 | tail -6
 else
   echo "no time left for the host-sync benchmark"
 fi

@@ -1,7 +1,9 @@
 """Host syncs and kernel launches per block, before (`cuda_graphs=False`, main's path) and after
-(`cuda_graphs=True`), counted on any device; on a GPU the wall time per block as well.
+(`cuda_graphs=True`; then also `stage_timing="events"`, then also `fast_vae=True`), counted on any
+device; on a GPU the wall time per block as well.
 
-    python benchmarks/host_syncs.py --preset tiny --out results/host-syncs-cpu
+    python benchmarks/host_syncs.py --preset tiny --variants eager,cuda_graphs,events,fast_vae \
+        --out results/host-syncs-cpu
     python benchmarks/host_syncs.py --preset real-size --device cuda:0 --out results/host-syncs-h200
 
 What is counted during each video (after one warm-up video per variant, which also captures the
@@ -12,8 +14,9 @@ graphs), divided by the number of blocks:
   scalar_reads    `_local_scalar_dense` (`.item()`, `bool(t)`, `float(t)`: the stage guard's finite check,
                   the router) and `.tolist()` / `.cpu()` / `.numpy()`: each waits for the device;
   stage_syncs     `torch.cuda.synchronize` / `Stream.synchronize` / `Event.synchronize` and the loops' own
-                  per-stage waits (`prepare.sync`, the native driver's `_Stages._done`), counted even on
-                  the CPU where they return at once;
+                  per-stage waits (`prepare.sync`, the native driver's `_Stages._wait`), counted even on
+                  the CPU where they return at once (`stage_timing="events"` makes none; its one wait per
+                  recorded event pair at the end of the video is an `Event.synchronize`, on CUDA only);
   blocking_moves  `.to(device)` / `.cuda()` to another device without `non_blocking`: a host sync (the
                   CPU-drawn noise, the RoPE tables of each eager forward, latents read back); always 0
                   on the CPU, where nothing crosses a device.
@@ -46,6 +49,12 @@ SEED = 0
 _NO_KERNEL = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "detach",
               "_local_scalar_dense", "set_", "resize_", "is_same_size", "record_stream")
 _READS = {"tolist", "cpu", "numpy"}
+# --variants: name -> (label, options); each after `eager` adds its change to the one before
+VARIANTS = {"eager": ("before (eager)", {}),
+            "cuda_graphs": ("after (cuda_graphs)", {"cuda_graphs": True}),
+            "events": ("after (cuda_graphs, stage_timing events)", {"cuda_graphs": True, "stage_timing": "events"}),
+            "fast_vae": ("after (cuda_graphs, events, fast_vae)",
+                         {"cuda_graphs": True, "stage_timing": "events", "fast_vae": True})}
 
 
 class Count:
@@ -130,7 +139,7 @@ def counting(count: Count):
         return wrapped
 
     patch(prepare, "sync", stage_sync)
-    patch(native._Stages, "_done", stage_sync)
+    patch(native._Stages, "_wait", stage_sync)
     patch(torch.cuda, "synchronize", stage_sync)
     patch(torch.cuda.Stream, "synchronize", stage_sync)
     patch(torch.cuda.Event, "synchronize", stage_sync)
@@ -178,6 +187,9 @@ def main(argv=None):
     ap.add_argument("--modes", default="draft,sdvg", help="draft (the drafter lane alone) and/or sdvg (pattern 0110...)")
     ap.add_argument("--scheduler", default="cpp")
     ap.add_argument("--repeats", type=int, default=3, help="timed videos per variant (median), besides the counted one")
+    ap.add_argument("--variants", default="eager,cuda_graphs",
+                    help="comma-separated, in order: " + ", ".join(VARIANTS) + " (each after the first adds its "
+                         "change to the one before it)")
     ap.add_argument("--out", default="results/host-syncs")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -192,12 +204,13 @@ def main(argv=None):
         kw = dict(mode=mode, num_blocks=nb, scheduler=args.scheduler)
         if mode == "sdvg":
             kw.update(router="pattern", pattern="0110")
-        for graphs in (False, True):
-            variant = dict(kw, cuda_graphs=graphs)
-            pipe(PROMPT, seed=SEED, **variant)  # warm-up (captures the graphs)
+        for name in args.variants.split(","):
+            label, changes = VARIANTS[name]
+            variant = dict(kw, **changes)
+            pipe(PROMPT, seed=SEED, **variant)  # warm-up (captures the graphs, compiles the VAE step)
             counts, _ = run(pipe, variant, device)
             wall = timed(pipe, variant, device, args.repeats)
-            row = {"mode": mode, "variant": "after (cuda_graphs)" if graphs else "before (eager)",
+            row = {"mode": mode, "variant": label,
                    "per_block": {k: round(v / nb, 2) for k, v in sorted(counts.items())},
                    "wall_s_per_block": wall / nb}
             res["runs"].append(row)

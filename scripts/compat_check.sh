@@ -37,7 +37,7 @@ assert [r["mode"] for r in lat["runs"]][:2] == ["target", "draft"], lat["runs"]
 hs = json.loads((out / "host-syncs" / "results.json").read_text())
 for d in (lat, st, hs):
     assert d["provenance"]["commit"] and "tf32" in d["provenance"], d.get("provenance")
-assert [r["variant"] for r in hs["runs"]] == ["before (eager)", "after (cuda_graphs)"], hs["runs"]
+assert [r["variant"] for r in hs["runs"]][:2] == ["before (eager)", "after (cuda_graphs)"], hs["runs"]
 for name, row in st["stages"].items():
     assert row["eager_s"] > 0 and row["compile_s"] > 0 and row["compile_max_abs_diff"] < 1e-3, (name, row)
 print("compat_check: gpu_check.sh results are complete")

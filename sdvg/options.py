@@ -32,6 +32,7 @@ BACKENDS: tuple[str, ...] = ("eager", "compile", "tensorrt", "onnxruntime", "tor
 TRT_RUNTIMES: tuple[str, ...] = ("torch", "cuda-python")  # how a TensorRT plan is driven (sdvg/engines/executor.py)
 EARLY_EXIT_ROLES: tuple[str, ...] = ("none", "target", "drafter", "both")
 EXIT_VERIFIERS: tuple[str, ...] = ("stability", "oracle", "head", "pattern")
+STAGE_TIMINGS: tuple[str, ...] = ("sync", "events")
 EXIT_BACKENDS: tuple[str, ...] = ("eager",)  # the stage backends that run a sparse (early-exit) forward
 # Speculative Forcing's published training-free thresholds (one 5-second setting): tau_red, tau_stab.
 PAPER_EXIT_THRESHOLDS: tuple[float, float] = (0.497, 0.327)
@@ -118,6 +119,15 @@ class GenerationOptions:
                                     "position (CUDA graphs; a CPU stand-in elsewhere), its KV cache allocated once "
                                     "per pipeline and reused across videos, and every role's noise draws of a block "
                                     "copied ahead from pinned memory (backend eager; same output)")
+    fast_vae: bool = _opt(False, "decode through a channels-last copy of the VAE decoder, its steady-state frames "
+                                 "through torch.compile (static shapes) and, on CUDA, with cudnn.benchmark on for the "
+                                 "decoder's calls only (backend eager; pixels within a per-dtype tolerance of the plain "
+                                 "decode, not bitwise: docs/engines.md)")
+    stage_timing: str = _opt("sync", "sync: every stage's stream is synchronised after the call (the stage times "
+                                     "measure execution); events: no per-stage wait besides the host reads a stage "
+                                     "makes itself (finite checks, scores), device time per stage from CUDA event "
+                                     "pairs read at the end (stats stage_device_s; the stage times then measure the "
+                                     "host's time in each call); same output", STAGE_TIMINGS)
     backend: str | None = _opt(None, "how stages run: eager, compile (torch.compile'd static stages), tensorrt "
                                      "(engines; needs --engines) or onnxruntime (the ONNX files of build_engines "
                                      "--format onnx; needs --engines) or torch-tensorrt (DiT stages from build_engines "

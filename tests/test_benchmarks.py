@@ -87,9 +87,13 @@ def test_host_syncs_benchmark_counts_before_and_after(tmp_path):
     import host_syncs
 
     res = host_syncs.main(["--preset", "tiny", "--num-blocks", "2", "--modes", "draft", "--repeats", "1",
-                           "--out", str(tmp_path)])
-    before, after = (r["per_block"] for r in res["runs"])
-    assert [r["variant"] for r in res["runs"]] == ["before (eager)", "after (cuda_graphs)"]
+                           "--variants", "eager,cuda_graphs,events", "--out", str(tmp_path)])
+    before, after, events = (r["per_block"] for r in res["runs"])
+    assert [r["variant"] for r in res["runs"]] == ["before (eager)", "after (cuda_graphs)",
+                                                   "after (cuda_graphs, stage_timing events)"]
+    # events: no per-stage wait left; the host reads (the guard's finite checks) stay
+    assert after["stage_syncs"] > 0 and events.get("stage_syncs", 0) == 0
+    assert events["scalar_reads"] == after["scalar_reads"]
     # the drafter's forwards (4 steps + the commit of block 0 over 2 blocks) each became one replay
     assert before.get("graph_replays", 0) == 0 and after["graph_replays"] == 4.5
     assert after["launches"] < before["launches"]

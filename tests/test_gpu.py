@@ -146,3 +146,44 @@ def test_copy_ahead_on_cuda():
     ahead = [gaussian(shape, 3, 1, s, "drafter", "cuda:0") for s in (1, 2, 3)]
     assert torch.equal(on_device.cpu(), noise)
     assert all(torch.equal(a.cpu(), gaussian(shape, 3, 1, s, "drafter")) for a, s in zip(ahead, (1, 2, 3)))
+
+
+def test_stage_timing_events_equal_sync_on_cuda(gpu_pipe):
+    """No per-stage wait (the scheduler's events order the roles' streams; the guard's and the router's
+    reads are the only host waits): bitwise the synchronised video, native (with and without run-ahead)
+    and reference; device times from the event pairs."""
+    kw = dict(router="pattern", pattern=(False, True, True, False), num_blocks=4, seed=5)
+    synced = gpu_pipe(PROMPT, **kw)
+    for scheduler, run_ahead in (("cpp", False), ("cpp", True), ("reference", False)):
+        out = gpu_pipe(PROMPT, scheduler=scheduler, run_ahead=run_ahead, stage_timing="events", **kw)
+        assert torch.equal(synced.latents, out.latents) and np.array_equal(synced.frames, out.frames), scheduler
+        device_s = out.stats["stage_device_s"]
+        assert {"draft", "decode", "target"} <= set(device_s) and all(v > 0 for v in device_s.values())
+    assert synced.stats["stage_device_s"] is None
+
+
+def test_stage_events_on_cuda_measure_device_time():
+    from sdvg.generation.stage_timing import StageEvents
+
+    ev = StageEvents(["cuda:0"])
+    x = torch.randn(2048, 2048, device="cuda:0")
+    start = ev.start("cuda:0")
+    for _ in range(10):
+        x = x @ x.T / 2048
+    ev.end("target", start, "cuda:0")
+    times = ev.resolve()
+    assert set(times) == {"target"} and times["target"] > 0
+
+
+def test_fast_vae_on_cuda_within_tolerance(gpu_pipe):
+    """cudnn.benchmark (for the decoder's calls only) and channels-last on the GPU, the steady state
+    compiled, against the plain CUDA decode within FAST_VAE_TOLERANCE; the global flag restored."""
+    from test_fast_vae import _compare
+
+    flag = torch.backends.cudnn.benchmark
+    _compare(gpu_pipe.components.vae, gpu_pipe.preset, compile=True)
+    assert torch.backends.cudnn.benchmark == flag
+    kw = dict(mode="target", num_blocks=3, seed=2, target_context="full")
+    plain, fast = gpu_pipe(PROMPT, **kw), gpu_pipe(PROMPT, fast_vae=True, **kw)
+    assert torch.equal(plain.latents, fast.latents)
+    assert np.abs(plain.frames - fast.frames).max() <= 1 / 255 + 1e-7

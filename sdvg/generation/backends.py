@@ -76,6 +76,8 @@ class StageRunners:
         self.executor = executor or ExecutorOptions()
         self.graphs = None  # DiTGraphs, made by the first video that asks for cuda_graphs
         self._graphs_on = False  # whether the current video uses them
+        self.fast_vae = None  # FastVAEDecode, made by the first video that asks for fast_vae
+        self._fast_vae_on = False  # whether the current video uses it
         if backend in ENGINE_ARTIFACTS:
             if engines is None:
                 raise ValueError(f"backend {backend!r} needs engines=<folder built by python -m build_engines "
@@ -102,6 +104,18 @@ class StageRunners:
             self.graphs = DiTGraphs()
         self._graphs_on = on
         return self.graphs if on else None
+
+    # ------------------------------------------------------------- fast VAE
+    def use_fast_vae(self, on: bool) -> None:
+        """Called once per video (`prepare`): decode through the pipeline's `FastVAEDecode` when `on`."""
+        if on and self.static:
+            raise ValueError(f"fast_vae needs backend 'eager', not {self.backend!r} (the {self.backend} backend runs "
+                             "its own VAE stage)")
+        if on and self.fast_vae is None:
+            from sdvg.generation.fast_vae import FastVAEDecode
+
+            self.fast_vae = FastVAEDecode(self.comps.vae)
+        self._fast_vae_on = on
 
     # ------------------------------------------------------------------ DiT
     def dit_forward(self, role: str, dit, latents, timesteps, text, frame_offset: int, cache, attn_mask=None,
@@ -147,7 +161,7 @@ class StageRunners:
     def decode(self, latents, cache):
         dec = self.comps.vae
         if not self.static:
-            return dec.decode(latents, cache)
+            return (self.fast_vae if self._fast_vae_on else dec).decode(latents, cache)
         return vae_decode_static(lambda *args: self._vae_stage(cache)(*args), dec, latents, cache)
 
     def _vae_stage(self, cache):

@@ -20,6 +20,7 @@ from sdvg.generation.early_exit.record import block_exits
 from sdvg.generation.noise import block_noise, copy_ahead
 from sdvg.generation.prepare import prepare
 from sdvg.generation.routers import Router
+from sdvg.generation.stage_timing import StageEvents
 from sdvg.generation.transfer import LatentTransfer
 from sdvg.generation.types import BlockRecord, Counters, LoopReport, block_times
 from sdvg.models.components import Components
@@ -37,10 +38,26 @@ class _Stages:
         self.F, self.guard = setup.frames_per_block, setup.guard
         self.transfer = LatentTransfer([comps.drafter_device, comps.target_device])
         self.drafter_dev, self.target_dev, self.vae_dev = comps.drafter_device, comps.target_device, comps.vae.device
+        # stage_timing "events": no per-stage wait; the scheduler's handles carry an event recorded on the
+        # producer's stream that the consumer's stream waits on (csrc/py_scheduler.cpp), and every output the
+        # host reads (the guard's finite checks, the scores) is read by the stage itself
+        self.sync = opts.stage_timing == "sync"
+        self.events = StageEvents([self.drafter_dev, self.target_dev, self.vae_dev])
 
-    def _done(self, out=None):
+    def _wait(self):
+        """stage_timing "sync": the stage's work has run when the call returns (the scheduler's stage
+        times measure execution). This role's stream only: roles still overlap."""
         if "cuda" in (self.drafter_dev.type, self.target_dev.type):
-            torch.cuda.current_stream().synchronize()  # this role's stream only: roles still overlap
+            torch.cuda.current_stream().synchronize()
+
+    def _begin(self, device):
+        return None if self.sync else self.events.start(device)
+
+    def _done(self, out=None, stage=None, start=None, device=None):
+        if self.sync:
+            self._wait()
+        else:
+            self.events.end(stage, start, device)
         return out
 
     def _noise(self, b):
@@ -53,30 +70,38 @@ class _Stages:
         return copy_ahead(noise, self.opts.seed, b, model.schedule.num_steps, model.role, model.device)
 
     def draft(self, b):
+        t0 = self._begin(self.drafter_dev)
         x = self.setup.drafter.denoise(self._noise_for(self.setup.drafter, b), b, b * self.F, self.opts.seed)
         if self.setup.target is not None:
             self.transfer.prefetch(x, self.target_dev)  # an accepted draft goes into the target's cache
-        return self._done(self.guard.draft(x, b))
+        return self._done(self.guard.draft(x, b), "draft", t0, self.drafter_dev)
 
     def drafter_commit(self, b, x):
-        self._done(self.setup.drafter.commit_forward(self.transfer.get(x, self.drafter_dev), b * self.F))
+        t0 = self._begin(self.drafter_dev)
+        self._done(self.setup.drafter.commit_forward(self.transfer.get(x, self.drafter_dev), b * self.F),
+                   "drafter_commit", t0, self.drafter_dev)
 
     def target(self, b):
+        t0 = self._begin(self.target_dev)
         x = self.setup.target.denoise(self._noise_for(self.setup.target, b), b, b * self.F, self.opts.seed)
         self.transfer.prefetch(x, self.vae_dev)  # decoded, and committed into the drafter, over there
-        return self._done(self.guard.target(x, b))
+        return self._done(self.guard.target(x, b), "target", t0, self.target_dev)
 
     def target_commit(self, b, x):
-        self._done(self.setup.target.commit_forward(self.transfer.get(x, self.target_dev), b * self.F))
+        t0 = self._begin(self.target_dev)
+        self._done(self.setup.target.commit_forward(self.transfer.get(x, self.target_dev), b * self.F),
+                   "target_commit", t0, self.target_dev)
 
     def decode(self, x):
+        t0 = self._begin(self.vae_dev)
         return self._done(self.guard.decode(
-            lambda: self.setup.runners.decode(self.transfer.get(x, self.vae_dev), self.setup.vae_cache), x))
+            lambda: self.setup.runners.decode(self.transfer.get(x, self.vae_dev), self.setup.vae_cache), x),
+            "decode", t0, self.vae_dev)
 
     def _score_frames(self, pixels):
+        t0 = self._begin(self.vae_dev)
         s = self.setup.runners.score(self.prompt, to_unit_frames(pixels))
-        self._done()
-        return s
+        return self._done(s, "score", t0, self.vae_dev)  # the guard then reads the scores
 
     def score(self, pixels):
         if self.comps.scorer is None:
@@ -173,7 +198,9 @@ def generate_blocks_native(comps: Components, prompt: str, opts: GenerationOptio
             worker.join()
     if errors:  # a consumer that left early never gets here (GeneratorExit at its yield): the run's own error
         raise errors[0]
+    device_times = stages.events.resolve()  # events: waits for every stage's last work (caches final)
     if report is not None:
+        report.stage_device_s = device_times
         report.counters = sched.counters()
         report.trace = sched.trace()
         report.final_times = sched.block_times()

@@ -339,6 +339,8 @@ def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, s
                   if c.recompute and not c.keep_first_frame] + [0])
     emitted_pixels: deque = deque(maxlen=window)
     graphs = runners.use_graphs(opts.cuda_graphs) if opts.cuda_graphs or hasattr(runners, "use_graphs") else None
+    if opts.fast_vae or hasattr(runners, "use_fast_vae"):
+        runners.use_fast_vae(opts.fast_vae)
 
     def role_model(role: str, dit, device, slack: int) -> RoleModel:
         context = contexts[role]

@@ -26,6 +26,7 @@ from sdvg.generation.early_exit.record import block_exits
 from sdvg.generation.noise import block_noise, copy_ahead
 from sdvg.generation.prepare import prepare, sync
 from sdvg.generation.routers import Router
+from sdvg.generation.stage_timing import StageEvents
 from sdvg.generation.types import STAGE_NAMES, BlockRecord, Counters, LoopReport, block_times
 from sdvg.models.components import Components
 from sdvg.models.vae import to_uint8_frames, to_unit_frames
@@ -50,11 +51,21 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
     trace: list[dict] = []  # every stage call: the same spans as the native scheduler's trace()
     t_start = time.perf_counter()
 
+    # stage_timing "sync": the device is idle before and after each stage (the times measure execution);
+    # "events": no wait (one stream, one thread: stream order is enough), device time from event pairs
+    waits = opts.stage_timing == "sync"
+    events = StageEvents([comps.drafter_device, comps.target_device, comps.vae.device])
+
     def timed(times, name, device, fn):
-        sync(device)
+        if waits:
+            sync(device)
+        start = None if waits else events.start(device)
         t0 = time.perf_counter()
         out = fn()
-        sync(device)
+        if waits:
+            sync(device)
+        else:
+            events.end(name, start, device)
         t1 = time.perf_counter()
         times[name] = times.get(name, 0.0) + t1 - t0
         # b: the block the loop below is producing when this call is made
@@ -149,9 +160,11 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
         yield BlockRecord(b, decision, x_b.float().cpu(), to_uint8_frames(pixels), score, frame_scores,
                           block_times(times), draft_latents=None if draft is None else draft.float().cpu(),
                           emitted_scores=emitted_scores, exits=block_exits(drafter, target, b, decision))
+    device_times = events.resolve() if not waits else None  # events: waits for the video's last work
     counters.scheduler_wall_s = time.perf_counter() - t_start
     counters.stage_call_s = counters.main_stage_s = sum(x["end_s"] - x["start_s"] for x in trace)  # one thread
     if report is not None:
+        report.stage_device_s = device_times
         report.counters = counters
         report.trace = trace
         report.drafter_cache = drafter.cache if drafter else None

@@ -98,6 +98,7 @@ class LoopReport:
     counters: Any = None  # _C.Counters
     trace: list[dict] = field(default_factory=list)  # every stage call: block, stage, thread, start_s, end_s
     final_times: list[dict[str, float]] | None = None  # per-block stage times once every call has ended
+    stage_device_s: dict[str, float] | None = None  # stage_timing "events" on CUDA: device seconds per stage
     drafter_cache: Any = None
     target_cache: Any = None
 
@@ -117,6 +118,7 @@ class RunStats(Mapping):
     counters: dict[str, float] = field(default_factory=dict)  # COUNTER_NAMES
     trace: list[dict] = field(default_factory=list)
     wall_s: float | None = None
+    stage_device_s: dict[str, float] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # set by the caller (video path, prompt index)
     _t0: float = field(default_factory=time.perf_counter, repr=False)
 
@@ -128,6 +130,7 @@ class RunStats(Mapping):
             if report.counters is not None:
                 self.counters = report.counters.as_dict()
             self.trace = list(report.trace)
+            self.stage_device_s = report.stage_device_s
             if report.final_times is not None:  # run-ahead: a drafter commit may end after its block is emitted
                 for b, final in zip(self.blocks, report.final_times):
                     b["times"] = block_times(final)
@@ -185,7 +188,8 @@ class RunStats(Mapping):
                  acceptance_rate=self.acceptance_rate, accepted_blocks=self.accepted_blocks,
                  blocks_done=len(self.blocks))
         d.update({k: self.counters.get(k, 0) for k in COUNTER_NAMES})
-        d.update(trace=self.trace, wall_s=self.wall_s, stage_totals=self.stage_totals())
+        d.update(trace=self.trace, wall_s=self.wall_s, stage_totals=self.stage_totals(),
+                 stage_device_s=self.stage_device_s)
         d.update(self.exit_summary())
         d.update(self.extra)
         d["nonfinite_fields"] = nonfinite_paths(d)
