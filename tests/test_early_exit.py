@@ -322,3 +322,31 @@ def test_cli_writes_the_exit_map_and_the_stats(tmp_path):
         cli.main(["generate", "--prompt", PROMPT, "--num-blocks", "1", "--early-exit", "target",
                   "--exit-thresholds", "0.5,-1", "--quiet", "--out", str(tmp_path / "w.mp4")])
     assert bad.value.code == 2 and not (tmp_path / "w.mp4").exists()
+
+
+def test_stability_history_is_what_the_window_sees(tiny_pipe):
+    """Under a windowed full context the redundancy history is the visible committed frames (sink and
+    window), the very latents committed, and frames out of reach are forgotten."""
+    from sdvg.generation.prepare import prepare
+    from sdvg.generation.types import Counters
+
+    opts = GenerationOptions(mode="target", num_blocks=7, seed=3, early_exit="target", window_frames=6,
+                             sink_frames=1).resolved(tiny_pipe.preset)
+    setup = prepare(tiny_pipe.components, PROMPT, opts, Counters())
+    target = setup.target
+    committed = []
+    for b in range(6):
+        x = target.denoise(torch.randn(setup.block_shape, generator=torch.Generator().manual_seed(b)), b, b * FPB,
+                           opts.seed)
+        target.commit(x, b * FPB)
+        committed.append(x)
+    frames = target.history_frames()
+    video = torch.cat(committed, dim=2)  # [1, C, 18, h, w]
+    want = [f for f in target.cache.visible_frames() if f < 18]  # the committed frames the next block sees
+    assert want[0] == 0 and 1 not in want and 17 in want  # the sink, a gap, the recent window
+    assert len(frames) == len(want)
+    for f, got in zip(want, frames):
+        assert torch.equal(got, video[:, :, f:f + 1])
+    assert all(f == 0 or f >= 18 - 6 - 2 * FPB for f in target._clean_frames)  # the rest forgotten
+    assert 1 not in target._clean_frames
+    assert target.history_tokens(frames).shape == (len(want) * TPF, 64)

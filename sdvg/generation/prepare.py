@@ -117,7 +117,13 @@ class RoleModel:
         if self.context.recompute:
             return list(self._context)
         committed = self.cache.committed_frames
-        return [self._clean_frames[f] for f in self.cache.visible_frames() if f < committed and f in self._clean_frames]
+        visible = self.cache.visible_frames()
+        window = self.context.window
+        if window.window_frames:  # forget frames no window (nor a run-ahead rollback, 2 blocks) can see again
+            reach = committed - window.window_frames - 2 * self.frames_per_block
+            for f in [f for f in self._clean_frames if f < reach and f >= window.sink_frames]:
+                del self._clean_frames[f]
+        return [self._clean_frames[f] for f in visible if f < committed and f in self._clean_frames]
 
     def history_tokens(self, frames: list[torch.Tensor]) -> torch.Tensor:
         from sdvg.generation.early_exit.tokens import to_tokens
