@@ -20,11 +20,9 @@ _ONNX_TYPES = {torch.float32: 1, torch.uint8: 2, torch.int8: 3, torch.int32: 6, 
 
 
 def import_onnxruntime():
-    try:
-        import onnxruntime as ort
-    except Exception as exc:
-        raise RuntimeError(f"{INSTALL_HINT} ({type(exc).__name__}: {exc})") from exc
-    return ort
+    from sdvg.engines.executor import import_optional
+
+    return import_optional("onnxruntime", INSTALL_HINT)
 
 
 def providers_for(device: torch.device) -> list[str]:

@@ -17,11 +17,9 @@ INSTALL_HINT = ("TensorRT is not installed: install the optional extra with `pip
 
 
 def import_tensorrt():
-    try:
-        import tensorrt as trt  # noqa: F401
-    except Exception as exc:  # ImportError, or a placeholder wheel that fails on import
-        raise RuntimeError(f"{INSTALL_HINT} ({type(exc).__name__}: {exc})") from exc
-    return trt
+    from sdvg.engines.executor import import_optional
+
+    return import_optional("tensorrt", INSTALL_HINT)
 
 
 def trt_version() -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from sdvg.engines.executor import require_cuda
+from sdvg.engines.executor import import_optional, require_cuda
 
 INSTALL_HINT = ("torch-tensorrt is not installed: install the optional extra with `pip install "
                 "'sdvg[torch-tensorrt]'` (or -r requirements-torch-tensorrt.txt: torch-tensorrt 2.14.0 for torch "
@@ -26,11 +26,7 @@ ARTIFACT = "torch-tensorrt"
 
 
 def import_torch_tensorrt():
-    try:
-        import torch_tensorrt
-    except Exception as exc:  # ImportError, or the TensorRT libraries it loads are missing
-        raise RuntimeError(f"{INSTALL_HINT} ({type(exc).__name__}: {exc})") from exc
-    return torch_tensorrt
+    return import_optional("torch_tensorrt", INSTALL_HINT)
 
 
 def torch_trt_version() -> str:

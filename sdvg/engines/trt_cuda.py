@@ -40,11 +40,9 @@ class CudaError(RuntimeError):
 
 def import_cuda_python():
     """cuda-python's runtime API module (`cuda.bindings.runtime`), or the install message."""
-    try:
-        from cuda.bindings import runtime as cudart
-    except Exception as exc:  # ImportError, or bindings built for another CUDA major version
-        raise RuntimeError(f"{INSTALL_HINT} ({type(exc).__name__}: {exc})") from exc
-    return cudart
+    from sdvg.engines.executor import import_optional
+
+    return import_optional("cuda.bindings.runtime", INSTALL_HINT)
 
 
 def _text(value) -> str:
