@@ -353,7 +353,10 @@ def _exit_map(args, stats, maps: list, index: int, many: bool) -> None:
         print(f"--exit-map: no emitted block was denoised with early exit (--early-exit {stats['early_exit']}); no "
               "map written", file=sys.stderr)
         return
-    title = f"{stats['mode']}, early exit {stats['early_exit']} ({stats['exit_verifier']}): k_bar {stats['mean_steps']:.2f}"
+    drawn = [m for m in maps if m["steps"] is not None]
+    k_drawn = sum(float(m["steps"].mean()) for m in drawn) / len(drawn)
+    title = (f"{stats['mode']}, early exit {stats['early_exit']} ({stats['exit_verifier']}): {len(drawn)} of {len(maps)} "
+             f"blocks made with early exit, k_bar {k_drawn:.2f} over them ({stats['mean_steps']:.2f} over the video)")
     plot_exit_map(maps, max(ks), _video_path(Path(args.exit_map), index, many), title)
 
 
@@ -704,10 +707,15 @@ def cmd_calibrate_exit(args) -> int:
     finally:
         bar.close()
     red, stab = result["thresholds"]
-    flags = f"--early-exit {args.role} --exit-verifier stability --exit-thresholds {red!r},{stab!r}"
+    from sdvg.evaluation.exit_calibration import role_mode
+
+    flags = (f"--mode {role_mode(args.role)} --early-exit {args.role} --exit-verifier stability "
+             f"--exit-thresholds {red!r},{stab!r}")
     result = {"role": args.role, **result, "measured_mean_steps": measured["mean_steps"],
               "measured_per_video": measured["per_video"], "flags": flags, "seeds": args.seeds,
-              "prompt_count": len(prompts), **source, "options": base.as_dict(), "provenance": pipe.provenance()}
+              "prompt_count": len(prompts), **source,
+              "options": base.replace(mode=role_mode(args.role), early_exit=args.role).as_dict(),
+              "provenance": pipe.provenance()}
     write_text_atomic(out, strict_json(result, indent=2))
     _progress(args, f"k_bar {measured['mean_steps']:.3f} measured with thresholds {red:.4g},{stab:.4g} "
                     f"(oracle at eps {base.exit_eps:g}: {result['oracle_mean_steps']:.3f}); report in {out}")
@@ -793,7 +801,10 @@ def cmd_train_exit_head(args) -> int:
                         f"{fmt(st['stability_auroc'])} ({st['converged_share']:.1%} converged at eps {base.exit_eps:g})")
     _progress(args, f"loss {initial_loss:.4f} -> {final_loss:.4f}; head in {paths['head']}, report in "
                     f"{paths['report']}")
-    print(f"--early-exit {args.role} --exit-verifier head --exit-head {paths['head']} --exit-eps {base.exit_eps!r}")
+    from sdvg.evaluation.exit_calibration import role_mode
+
+    print(f"--mode {role_mode(args.role)} --early-exit {args.role} --exit-verifier head --exit-head {paths['head']} "
+          f"--exit-eps {base.exit_eps!r}")
     return 0
 
 

@@ -229,7 +229,15 @@ class GenerationOptions:
         if self.early_exit != "none" and self.backend is not None and self.backend not in EXIT_BACKENDS:
             raise OptionError(f"early_exit {self.early_exit!r} runs a sparse forward over the active tokens, which "
                               f"only the {', '.join(EXIT_BACKENDS)} backend runs (the {self.backend} stages have "
-                              "static token counts); use --backend eager or --early-exit none")
+                              "static token counts); use backend eager (--backend eager) for early exit")
+        if self.exit_head and self.exit_verifier != "head":
+            raise OptionError(f"exit_head {self.exit_head!r} is read by the head verifier only, but exit_verifier is "
+                              f"{self.exit_verifier!r}: pass --exit-verifier head, or drop --exit-head")
+        for role in (r for r in self.exit_roles() if r in self._roles()):
+            steps = len(preset.recompute_timesteps if modes[role] == "recompute" else preset.timesteps)
+            if self.exit_verifier == "pattern" and self.exit_pattern_steps > steps:
+                raise OptionError(f"exit_pattern_steps {self.exit_pattern_steps:g} exceeds the {role}'s {steps} denoising "
+                                  f"steps ({modes[role]} context): give a mean in [1, {steps}]")
         if self.window_frames and self.sink_frames > self.window_frames:
             raise OptionError(f"sink_frames {self.sink_frames} exceeds window_frames {self.window_frames}")
         if self.sink_frames and not self.window_frames:

@@ -350,3 +350,27 @@ def test_stability_history_is_what_the_window_sees(tiny_pipe):
     assert all(f == 0 or f >= 18 - 6 - 2 * FPB for f in target._clean_frames)  # the rest forgotten
     assert 1 not in target._clean_frames
     assert target.history_tokens(frames).shape == (len(want) * TPF, 64)
+
+
+def test_a_head_trained_for_the_other_role_is_refused(tiny_pipe, tmp_path):
+    from sdvg.models.exit_head import ExitHead, ExitHeadConfig
+
+    path = tmp_path / "drafter_head.safetensors"
+    ExitHead(ExitHeadConfig(dim=tiny_pipe.components.target.config.dim)).save(path, extra={"generator": {"role":
+                                                                                                         "drafter"}})
+    with pytest.raises(ValueError, match="trained on the drafter's hidden states"):
+        tiny_pipe(PROMPT, mode="target", num_blocks=1, early_exit="target", exit_verifier="head", exit_head=str(path))
+
+
+def test_the_pattern_mean_cannot_exceed_the_schedule(tiny_pipe):
+    with pytest.raises(OptionError, match=r"exceeds the target's 4 denoising steps"):
+        tiny_pipe(PROMPT, mode="target", num_blocks=1, early_exit="target", exit_verifier="pattern",
+                  exit_pattern_steps=4.5)
+    out = _latents(tiny_pipe, mode="target", num_blocks=1, early_exit="target", exit_verifier="pattern",
+                   exit_pattern_steps=4.5, target_context="recompute")  # five calls under recompute
+    assert 4.0 < out.stats["mean_steps"] <= 5.0
+
+
+def test_a_head_file_without_the_head_verifier_is_refused(tiny_pipe):
+    with pytest.raises(OptionError, match="is read by the head verifier only"):
+        tiny_pipe(PROMPT, num_blocks=1, early_exit="target", exit_head="head.safetensors")

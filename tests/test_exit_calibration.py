@@ -128,7 +128,9 @@ def test_calibrate_exit_writes_the_report_and_the_measured_k_bar(tmp_path, promp
             assert 0 <= s["precision"] <= 1
     assert any(s["auroc"] is not None for s in rep["steps"])
     assert 1.0 <= rep["measured_mean_steps"] <= 4.0 and len(rep["measured_per_video"]) == 2
-    assert rep["flags"] == f"--early-exit target --exit-verifier stability --exit-thresholds {red!r},{stab!r}"
+    assert rep["flags"] == (f"--mode target --early-exit target --exit-verifier stability --exit-thresholds "
+                            f"{red!r},{stab!r}")
+    assert rep["options"]["mode"] == "target" and rep["options"]["early_exit"] == "target"
     assert capsys.readouterr().out.strip() == rep["flags"]
     if (red, stab) == (0.0, 0.0):
         assert rep["measured_mean_steps"] == 4.0  # thresholds 0 never exit

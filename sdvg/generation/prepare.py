@@ -387,9 +387,20 @@ def exit_verifiers_for(comps: Components, opts: GenerationOptions, runners) -> d
             from sdvg.models.exit_head import ExitHead
 
             dit = getattr(comps, role)
+            trained_for = ExitHead.read_extra(opts.exit_head).get("generator", {}) if _is_file(opts.exit_head) else {}
+            if trained_for.get("role") not in (None, role):
+                raise ValueError(f"exit head {opts.exit_head} was trained on the {trained_for['role']}'s hidden states, "
+                                 f"but early exit asks it to judge the {role}'s; train a head for the {role} (sdvg "
+                                 f"train-exit-head --role {role}) or exit early in the {trained_for['role']}")
             head = ExitHead.load(opts.exit_head, dim=dit.config.dim, device=getattr(comps, f"{role}_device"))
         out[role] = make_verifier(ExitPlan.from_options(opts, head))
     return out
+
+
+def _is_file(path) -> bool:
+    from pathlib import Path
+
+    return Path(path).is_file()
 
 
 def role_schedule(preset, context: RoleContext) -> FlowSchedule:

@@ -117,7 +117,13 @@ class ExitHead(nn.Module):
 
     @staticmethod
     def read_extra(path: str | Path) -> dict:
+        """The `extra` metadata of a head file ({} when the file has none or cannot be read: `load` then
+        says what is wrong with it)."""
         from safetensors import safe_open
 
-        with safe_open(str(path), framework="pt") as f:
-            return json.loads((f.metadata() or {}).get("extra", "{}"))
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                extra = json.loads((f.metadata() or {}).get("extra", "{}"))
+        except Exception:
+            return {}
+        return extra if isinstance(extra, dict) else {}

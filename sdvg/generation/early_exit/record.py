@@ -33,7 +33,7 @@ class ExitRecord:
 
     @property
     def mean_steps(self) -> float:
-        return float(self.steps.float().mean())
+        return float(self.steps.double().mean())
 
     @property
     def max_steps(self) -> int:
