@@ -263,6 +263,7 @@ def cmd_generate(args) -> int:
     check_output_paths(stats=stats_path, timeline=args.timeline, exit_map=args.exit_map,
                        **{("out" if not many else f"out_{i}"): v for i, v in videos.items()})
     opts = options_from_args(args)
+    _warn_unused_exit_flags(args, opts)
     if args.preset in PRESETS:  # the rules that need the preset (video length, windows), before any model loads
         from sdvg.config import get_preset
 
@@ -328,6 +329,20 @@ def _timeline(args, stats, index: int, many: bool) -> None:
              f"{stats['scheduler_wall_s']:.2f} s (the traced run)" + ("" if acc is None else f" at {acc:.0%} acceptance"))
     plot_timeline([{"title": title, "trace": stats["trace"], "decisions": decisions_of(stats.get("blocks", []))}],
                   _video_path(Path(args.timeline), index, many))
+
+
+def _warn_unused_exit_flags(args, opts) -> None:
+    """Say up front which early-exit flags this run will not read (no early exit asked for)."""
+    if opts.early_exit != "none":
+        return
+    from sdvg.options import DEFAULTS, flag_of
+
+    unused = [flag_of(n) for n in ("exit_verifier", "exit_eps", "exit_thresholds", "exit_head", "exit_pattern_steps")
+              if getattr(opts, n) != getattr(DEFAULTS, n)]
+    if getattr(args, "exit_map", None):
+        unused.append("--exit-map")
+    if unused:
+        print(f"note: {', '.join(unused)} have no effect without --early-exit target|drafter|both", file=sys.stderr)
 
 
 def _exit_map_collector(args, maps: list):

@@ -179,8 +179,8 @@ class GenerationOptions:
         if self.exit_head is not None and not isinstance(self.exit_head, str):
             set_("exit_head", str(self.exit_head))
         if self.early_exit != "none" and self.exit_verifier == "head" and not self.exit_head:
-            raise OptionError("exit_verifier 'head' needs the learned head's file: exit_head='head.safetensors' "
-                              "(API) or --exit-head FILE (CLI); train one with `sdvg train-exit-head`")
+            raise OptionError("exit_verifier 'head' needs the learned head's file: exit_head=<path> (API) or "
+                              "--exit-head FILE (CLI); train one with `sdvg train-exit-head`")
         if self.early_exit != "none" and self.mode != "sdvg":
             role = {"target": "target", "draft": "drafter"}[self.mode]
             if self.early_exit not in (role, "both"):

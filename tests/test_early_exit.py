@@ -374,3 +374,13 @@ def test_the_pattern_mean_cannot_exceed_the_schedule(tiny_pipe):
 def test_a_head_file_without_the_head_verifier_is_refused(tiny_pipe):
     with pytest.raises(OptionError, match="is read by the head verifier only"):
         tiny_pipe(PROMPT, num_blocks=1, early_exit="target", exit_head="head.safetensors")
+
+
+def test_cli_says_up_front_which_exit_flags_it_will_not_read(tmp_path, capsys):
+    from sdvg import cli
+
+    assert cli.main(["generate", "--prompt", PROMPT, "--num-blocks", "1", "--mode", "target", "--exit-eps", "0.1",
+                     "--exit-map", str(tmp_path / "m.png"), "--quiet", "--out", str(tmp_path / "v.mp4")]) == 0
+    err = capsys.readouterr().err
+    assert "note: --exit-eps, --exit-map have no effect without --early-exit" in err
+    assert not (tmp_path / "m.png").exists()
