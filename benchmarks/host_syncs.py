@@ -14,7 +14,7 @@ graphs), divided by the number of blocks:
   scalar_reads    `_local_scalar_dense` (`.item()`, `bool(t)`, `float(t)`: the stage guard's finite check,
                   the router) and `.tolist()` / `.cpu()` / `.numpy()`: each waits for the device;
   stage_syncs     `torch.cuda.synchronize` / `Stream.synchronize` / `Event.synchronize` and the loops' own
-                  per-stage waits (`prepare.sync`, the native driver's `_Stages._wait`), counted even on
+                  per-stage waits (the stage calls' `StageCalls._wait`), counted even on
                   the CPU where they return at once (`stage_timing="events"` makes none; its one wait per
                   recorded event pair at the end of the video is an `Event.synchronize`, on CUDA only);
   blocking_moves  `.to(device)` / `.cuda()` to another device without `non_blocking`: a host sync (the
@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from provenance import provenance, provenance_line  # noqa: E402
 from sdvg.config import get_preset  # noqa: E402
-from sdvg.generation import graphs as graphs_mod, native, prepare  # noqa: E402
+from sdvg.generation import graphs as graphs_mod  # noqa: E402
+from sdvg.generation.calls import StageCalls  # noqa: E402
 from sdvg.models.components import build_random  # noqa: E402
 from sdvg.pipeline import SpeculativeVideoPipeline  # noqa: E402
 
@@ -138,15 +139,11 @@ def counting(count: Count):
                 count.paused -= 1
         return wrapped
 
-    patch(prepare, "sync", stage_sync)
-    patch(native._Stages, "_wait", stage_sync)
+    patch(StageCalls, "_wait", stage_sync)
     patch(torch.cuda, "synchronize", stage_sync)
     patch(torch.cuda.Stream, "synchronize", stage_sync)
     patch(torch.cuda.Event, "synchronize", stage_sync)
     patch(graphs_mod.DiTGraphs, "_replay", one_launch)
-    # the reference loop imported `sync` by name
-    from sdvg.generation import reference
-    patch(reference, "sync", stage_sync)
     return patches
 
 

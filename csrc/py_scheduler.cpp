@@ -1,5 +1,5 @@
-// Python executor for the C++ scheduler: each stage is a method of a Python object, entered with
-// the GIL held only for the call itself; the KV-cache pointer moves go straight to the native
+// Python executor for the C++ scheduler: each stage is a method of a typed Python object (a
+// `StageCalls` subclass, through a pybind11 trampoline), entered with the GIL held only for the call itself; the KV-cache pointer moves go straight to the native
 // caches. With CUDA, each role (drafter, target, VAE/reward) runs on its own stream; a handle
 // carries an event recorded on its producer's stream, and a consumer's stream waits on it.
 #include <torch/extension.h>
@@ -7,6 +7,8 @@
 #include <array>
 #include <cmath>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -28,7 +30,8 @@ namespace py = pybind11;
 namespace sdvg {
 namespace {
 
-enum class Role { Drafter = 0, Target = 1, Vae = 2 };
+// The lanes that own a CUDA stream each: the drafter, the target, the VAE and reward.
+enum class Lane { Drafter = 0, Target = 1, Vae = 2 };
 
 struct PyHandle : Value {
   explicit PyHandle(py::object o) : obj(std::move(o)) {}
@@ -37,6 +40,8 @@ struct PyHandle : Value {
     obj = py::object();
   }
   py::object obj;
+  int id = 0;     // stream log: the handle's number, from its producer's record
+  int lane = -1;  // stream log: the lane that produced it
 #ifdef SDVG_WITH_CUDA
   std::shared_ptr<at::cuda::CUDAEvent> ready;  // recorded on the producer's stream
 #endif
@@ -49,22 +54,96 @@ py::object unwrap(const Handle& h) {
   return h ? static_cast<PyHandle*>(h.get())->obj : py::none();
 }
 
-// Per-role CUDA streams (a no-op on the CPU and in CPU builds).
+// ------------------------------------------------------------------ the typed Python boundary
+// One emitted block as Python reads it (`StageCalls.emit`): every field the scheduler records.
+struct EmittedBlock {
+  int index = 0;
+  std::string decision;
+  py::object latents, frames, draft_latents;  // draft_latents: None outside sdvg mode or when skipped
+  py::object score;                           // float, or None when the draft was not scored
+  std::vector<double> frame_scores, emitted_scores;
+  std::map<std::string, double> times;  // seconds per STAGE_NAMES entry, those known when emitted
+  int redrafts = 0;                     // run-ahead drafts of this block thrown away after a rejection
+};
+
+// The stages a Python object implements for the scheduler (subclass `sdvg._C.StageCalls` and
+// override every method; sdvg.generation.calls.StageCalls is sdvg's). Each runs on the calling
+// thread's current stream (the role's own, with CUDA) with the GIL held.
+class StageCalls {
+ public:
+  virtual ~StageCalls() = default;
+  virtual py::object draft(int block) = 0;
+  virtual void drafter_commit(int block, py::object latents) = 0;
+  virtual py::object target(int block) = 0;
+  virtual void target_commit(int block, py::object latents) = 0;
+  virtual py::object decode(py::object latents, const std::string& producer, int block) = 0;
+  virtual std::optional<Scored> score(py::object frames, const std::string& producer, int block) = 0;
+  virtual py::object vae_snapshot() = 0;
+  virtual void vae_restore(py::object snapshot) = 0;
+  virtual void emit(const EmittedBlock& block) = 0;
+};
+
+// pybind11's trampoline: a Python subclass's methods are the overrides.
+class PyStageCalls : public StageCalls {
+ public:
+  using StageCalls::StageCalls;
+  py::object draft(int block) override { PYBIND11_OVERRIDE_PURE(py::object, StageCalls, draft, block); }
+  void drafter_commit(int block, py::object latents) override {
+    PYBIND11_OVERRIDE_PURE(void, StageCalls, drafter_commit, block, latents);
+  }
+  py::object target(int block) override { PYBIND11_OVERRIDE_PURE(py::object, StageCalls, target, block); }
+  void target_commit(int block, py::object latents) override {
+    PYBIND11_OVERRIDE_PURE(void, StageCalls, target_commit, block, latents);
+  }
+  py::object decode(py::object latents, const std::string& producer, int block) override {
+    PYBIND11_OVERRIDE_PURE(py::object, StageCalls, decode, latents, producer, block);
+  }
+  std::optional<Scored> score(py::object frames, const std::string& producer, int block) override {
+    PYBIND11_OVERRIDE_PURE(std::optional<Scored>, StageCalls, score, frames, producer, block);
+  }
+  py::object vae_snapshot() override { PYBIND11_OVERRIDE_PURE(py::object, StageCalls, vae_snapshot, ); }
+  void vae_restore(py::object snapshot) override {
+    PYBIND11_OVERRIDE_PURE(void, StageCalls, vae_restore, snapshot);
+  }
+  void emit(const EmittedBlock& block) override { PYBIND11_OVERRIDE_PURE(void, StageCalls, emit, block); }
+};
+
+const char* lane_name(Lane r) { return r == Lane::Drafter ? "drafter" : r == Lane::Target ? "target" : "vae"; }
+
+// Per-lane CUDA streams (a no-op on the CPU and in CPU builds). Made after `prepare`: every lane's
+// stream first waits for what the setup queued on each device's current stream (the KV caches
+// zeroed, the prompt K/V, the VAE cache). With a `log` (tests, any device) every lane exists and
+// each stream operation is written down instead of made: "setup -> drafter", "record target #4",
+// "wait vae on target #4" (the consumer's stream waits for the handle's producer event).
 class StreamSet {
  public:
-  StreamSet(at::Device drafter, at::Device target) {
+  StreamSet(at::Device drafter, at::Device target, bool log) : logging_(log) {
+    if (logging_) {
+      for (Lane r : {Lane::Drafter, Lane::Target, Lane::Vae}) note(std::string("setup -> ") + lane_name(r));
+      return;
+    }
 #ifdef SDVG_WITH_CUDA
     if (drafter.is_cuda()) {
       streams_[0] = c10::cuda::getStreamFromPool(false, drafter.index());
       streams_[2] = c10::cuda::getStreamFromPool(false, drafter.index());
     }
     if (target.is_cuda()) streams_[1] = c10::cuda::getStreamFromPool(false, target.index());
+    for (auto& s : streams_) {
+      if (!s) continue;
+      at::cuda::CUDAEvent setup;  // the setup's work on this device, in the order it was queued
+      setup.record(c10::cuda::getCurrentCUDAStream(s->device_index()));
+      setup.block(*s);
+    }
 #else
     (void)drafter;
     (void)target;
 #endif
   }
-  bool active(Role r) const {
+  std::vector<std::string> log() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    return log_;
+  }
+  bool active(Lane r) const {
 #ifdef SDVG_WITH_CUDA
     return streams_[static_cast<int>(r)].has_value();
 #else
@@ -73,41 +152,75 @@ class StreamSet {
 #endif
   }
 
-#ifdef SDVG_WITH_CUDA
-  c10::cuda::CUDAStream stream(Role r) const { return *streams_[static_cast<int>(r)]; }
   // The consumer's stream waits for the handle's producer; tensors are marked as used there.
   // Called with the GIL held, inside the stage call's own GIL scope (THPVariable_Check may call
   // PyObject_IsInstance, which needs the GIL while the drafter thread runs beside this one).
-  void consume(Role r, const Handle& h) const {
-    if (!h || !active(r)) return;
+  void consume(Lane r, const Handle& h) const {
+    if (!h) return;
     auto* p = static_cast<PyHandle*>(h.get());
+    if (logging_) {
+      if (p->lane >= 0)
+        note(std::string("wait ") + lane_name(r) + " on " + lane_name(static_cast<Lane>(p->lane)) + " #" +
+             std::to_string(p->id));
+      return;
+    }
+    consume_on_device(r, p);
+  }
+  void produced(Lane r, const Handle& h) const {
+    if (!h) return;
+    auto* p = static_cast<PyHandle*>(h.get());
+    if (logging_) {
+      std::lock_guard<std::mutex> lk(mu_);
+      p->id = ++count_;
+      p->lane = static_cast<int>(r);
+      log_.push_back(std::string("record ") + lane_name(r) + " #" + std::to_string(p->id));
+      return;
+    }
+    produced_on_device(r, p);
+  }
+
+ private:
+  void note(std::string line) const {
+    std::lock_guard<std::mutex> lk(mu_);
+    log_.push_back(std::move(line));
+  }
+#ifdef SDVG_WITH_CUDA
+ public:
+  c10::cuda::CUDAStream stream(Lane r) const { return *streams_[static_cast<int>(r)]; }
+
+ private:
+  void consume_on_device(Lane r, PyHandle* p) const {
+    if (!active(r)) return;
     if (p->ready) p->ready->block(stream(r));
     if (THPVariable_Check(p->obj.ptr())) {
       const at::Tensor& t = THPVariable_Unpack(p->obj.ptr());
       if (t.is_cuda()) t.record_stream(stream(r));
     }
   }
-  void produced(Role r, const Handle& h) const {
-    if (!h || !active(r)) return;
+  void produced_on_device(Lane r, PyHandle* p) const {
+    if (!active(r)) return;
     auto ev = std::make_shared<at::cuda::CUDAEvent>();
     ev->record(stream(r));
-    static_cast<PyHandle*>(h.get())->ready = std::move(ev);
+    p->ready = std::move(ev);
   }
 #else
-  void consume(Role, const Handle&) const {}
-  void produced(Role, const Handle&) const {}
+  void consume_on_device(Lane, PyHandle*) const {}
+  void produced_on_device(Lane, PyHandle*) const {}
 #endif
 
- private:
+  bool logging_ = false;
+  mutable std::mutex mu_;
+  mutable std::vector<std::string> log_;
+  mutable int count_ = 0;
 #ifdef SDVG_WITH_CUDA
   std::array<std::optional<c10::cuda::CUDAStream>, 3> streams_;
 #endif
 };
 
-// Makes the role's stream current for the duration of a stage call.
-class RoleScope {
+// Makes the lane's stream current for the duration of a stage call.
+class LaneScope {
  public:
-  RoleScope(const StreamSet& s, Role r) {
+  LaneScope(const StreamSet& s, Lane r) {
 #ifdef SDVG_WITH_CUDA
     if (s.active(r)) guard_.emplace(s.stream(r));
 #else
@@ -126,99 +239,107 @@ class PyExecutor : public Executor {
  public:
   // The caches of the roles `mode` runs are required (the scheduler moves their pointers itself).
   PyExecutor(Mode mode, py::object stages, py::object drafter_cache, py::object target_cache,
-             at::Device drafter_device, at::Device target_device)
-      : stages_(std::move(stages)),
+             at::Device drafter_device, at::Device target_device, bool log_streams)
+      : stages_obj_(std::move(stages)),
         drafter_cache_obj_(std::move(drafter_cache)),
         target_cache_obj_(std::move(target_cache)),
-        streams_(drafter_device, target_device) {
+        streams_(drafter_device, target_device, log_streams) {
+    if (!py::isinstance<StageCalls>(stages_obj_))
+      throw py::type_error("stages must be an sdvg._C.StageCalls subclass instance (sdvg.generation.calls."
+                           "StageCalls), got " + py::str(py::type::handle_of(stages_obj_).attr("__name__"))
+                                                     .cast<std::string>());
+    stages_ = stages_obj_.cast<StageCalls*>();
     drafter_cache_ = cache_of(drafter_cache_obj_, "drafter", mode != Mode::Target, mode);
     target_cache_ = cache_of(target_cache_obj_, "target", mode != Mode::Draft, mode);
   }
   ~PyExecutor() override {
     py::gil_scoped_acquire gil;
-    stages_ = py::object();
+    stages_obj_ = py::object();
     drafter_cache_obj_ = py::object();
     target_cache_obj_ = py::object();
   }
 
   Handle draft(int b) override {
-    return produce(Role::Drafter, [&] { return stages_.attr("draft")(b); });
+    return produce(Lane::Drafter, [&] { return stages_->draft(b); });
   }
-  void drafter_commit_forward(int b, const Handle& x) override { consume_call(Role::Drafter, "drafter_commit", b, x); }
+  void drafter_commit_forward(int b, const Handle& x) override {
+    consume_call(Lane::Drafter, x, [&] { stages_->drafter_commit(b, unwrap(x)); });
+  }
   void drafter_cache_commit() override { used(drafter_cache_, "drafter").commit(); }
   void drafter_cache_rollback(int64_t frame) override { used(drafter_cache_, "drafter").rollback(frame); }
   Handle target(int b) override {
-    return produce(Role::Target, [&] { return stages_.attr("target")(b); });
+    return produce(Lane::Target, [&] { return stages_->target(b); });
   }
-  void target_commit_forward(int b, const Handle& x) override { consume_call(Role::Target, "target_commit", b, x); }
+  void target_commit_forward(int b, const Handle& x) override {
+    consume_call(Lane::Target, x, [&] { stages_->target_commit(b, unwrap(x)); });
+  }
   void target_cache_commit() override { used(target_cache_, "target").commit(); }
-  Handle decode(const Handle& x) override {
-    return produce(Role::Vae, [&] {
-      streams_.consume(Role::Vae, x);
-      return stages_.attr("decode")(unwrap(x));
+  std::vector<std::string> stream_log() const { return streams_.log(); }
+  Handle decode(const Handle& x, Role producer, int b) override {
+    return produce(Lane::Vae, [&] {
+      streams_.consume(Lane::Vae, x);
+      return stages_->decode(unwrap(x), role_name(producer), b);
     });
   }
-  Scored score(const Handle& frames) override {
-    RoleScope scope(streams_, Role::Vae);
+  Scored score(const Handle& frames, Role producer, int b) override {
+    LaneScope scope(streams_, Lane::Vae);
     py::gil_scoped_acquire gil;
-    streams_.consume(Role::Vae, frames);
-    py::object out = stages_.attr("score")(unwrap(frames));
-    Scored s;
-    if (out.is_none()) {
-      s.valid = false;
-      s.score = std::nan("");
-      return s;
-    }
-    auto tup = out.cast<py::tuple>();
-    s.score = tup[0].cast<double>();
-    s.frame_scores = tup[1].cast<std::vector<double>>();
-    return s;
+    streams_.consume(Lane::Vae, frames);
+    std::optional<Scored> out = stages_->score(unwrap(frames), role_name(producer), b);
+    if (out) return *out;
+    Scored none;  // no reward model ran
+    none.valid = false;
+    none.score = std::nan("");
+    return none;
   }
   Handle vae_snapshot() override {
     py::gil_scoped_acquire gil;
-    return std::make_shared<PyHandle>(stages_.attr("vae_snapshot")());
+    return std::make_shared<PyHandle>(stages_->vae_snapshot());
   }
   void vae_restore(const Handle& s) override {
     py::gil_scoped_acquire gil;
-    stages_.attr("vae_restore")(unwrap(s));
+    stages_->vae_restore(unwrap(s));
   }
+  // On the VAE lane, after the block's tensors are ready there: the host copies of `emit` and the
+  // emitted pixels a recompute role re-encodes later are ordered after their producers.
   void emit(const BlockRecord& r) override {
+    LaneScope scope(streams_, Lane::Vae);
     py::gil_scoped_acquire gil;
-    py::dict d;
-    d["index"] = r.index;
-    d["decision"] = decision_name(r.decision);
-    d["latents"] = unwrap(r.latents);
-    d["frames"] = unwrap(r.frames);
-    d["draft_latents"] = unwrap(r.draft_latents);
-    d["score"] = r.has_score ? py::object(py::float_(r.score)) : py::none();
-    d["frame_scores"] = r.frame_scores;
-    d["emitted_scores"] = r.emitted_scores;
-    d["redrafts"] = r.redrafts;
-    py::dict times;
-    for (int i = 0; i < kNumStages; ++i) times[stage_name(static_cast<Stage>(i))] = r.times[i];
-    d["times"] = times;
-    stages_.attr("emit")(d);
+    for (const Handle* h : {&r.latents, &r.frames, &r.draft_latents}) streams_.consume(Lane::Vae, *h);
+    EmittedBlock e;
+    e.index = r.index;
+    e.decision = decision_name(r.decision);
+    e.latents = unwrap(r.latents);
+    e.frames = unwrap(r.frames);
+    e.draft_latents = unwrap(r.draft_latents);
+    e.score = r.has_score ? py::object(py::float_(r.score)) : py::none();
+    e.frame_scores = r.frame_scores;
+    e.emitted_scores = r.emitted_scores;
+    for (int i = 0; i < kNumStages; ++i) e.times[stage_name(static_cast<Stage>(i))] = r.times[i];
+    e.redrafts = r.redrafts;
+    stages_->emit(e);
   }
 
  private:
-  // Runs `call` on the role's stream with the GIL held: every Python object it makes (the
+  // Runs `call` on the lane's stream with the GIL held: every Python object it makes (the
   // arguments, the result) is created and released under the GIL, also on the drafter thread.
   template <class Call>
-  Handle produce(Role r, Call&& call) {
+  Handle produce(Lane r, Call&& call) {
     Handle h;
     {
-      RoleScope scope(streams_, r);
+      LaneScope scope(streams_, r);
       py::gil_scoped_acquire gil;
       h = std::make_shared<PyHandle>(call());
     }
     streams_.produced(r, h);
     return h;
   }
-  void consume_call(Role r, const char* name, int b, const Handle& x) {
-    RoleScope scope(streams_, r);
+  template <class Call>
+  void consume_call(Lane r, const Handle& x, Call&& call) {
+    LaneScope scope(streams_, r);
     py::gil_scoped_acquire gil;
     streams_.consume(r, x);
-    stages_.attr(name)(b, unwrap(x));
+    call();
   }
   static KVCache* cache_of(const py::object& obj, const char* role, bool needed, Mode mode) {
     if (obj.is_none()) {
@@ -239,7 +360,8 @@ class PyExecutor : public Executor {
     return *cache;
   }
 
-  py::object stages_, drafter_cache_obj_, target_cache_obj_;
+  py::object stages_obj_, drafter_cache_obj_, target_cache_obj_;
+  StageCalls* stages_ = nullptr;  // stages_obj_'s C++ base (the trampoline dispatches to Python)
   KVCache* drafter_cache_ = nullptr;
   KVCache* target_cache_ = nullptr;
   StreamSet streams_;
@@ -395,10 +517,11 @@ py::dict counters_dict(const Counters& c) {
 class PyScheduler {
  public:
   PyScheduler(const SchedulerConfig& config, py::object stages, py::object drafter_cache, py::object target_cache,
-              at::Device drafter_device, at::Device target_device)
+              at::Device drafter_device, at::Device target_device, bool log_streams)
       : executor_(config.mode, std::move(stages), std::move(drafter_cache), std::move(target_cache), drafter_device,
-                  target_device),
+                  target_device, log_streams),
         scheduler_(config, executor_) {}
+  std::vector<std::string> stream_log() const { return executor_.stream_log(); }
 
   void run() {
     py::gil_scoped_release nogil;  // stage calls take the GIL back for themselves
@@ -468,10 +591,50 @@ void register_scheduler(py::module_& m) {
     return s + ")";
   });
 
+  m.attr("ROLE_NAMES") = names_tuple(kRoleNames);
+  py::class_<Scored>(m, "Scored", "A draft's score: the aggregated score and one score per frame")
+      .def(py::init([](double score, std::vector<double> frame_scores) {
+             Scored s;
+             s.score = score;
+             s.frame_scores = std::move(frame_scores);
+             return s;
+           }),
+           py::arg("score"), py::arg("frame_scores"))
+      .def_readonly("score", &Scored::score)
+      .def_readonly("frame_scores", &Scored::frame_scores);
+
+  py::class_<EmittedBlock>(m, "EmittedBlock", "One block as the scheduler emits it (StageCalls.emit)")
+      .def_readonly("index", &EmittedBlock::index)
+      .def_readonly("decision", &EmittedBlock::decision, "forced | accepted | rejected | target | draft")
+      .def_readonly("latents", &EmittedBlock::latents)
+      .def_readonly("frames", &EmittedBlock::frames)
+      .def_readonly("draft_latents", &EmittedBlock::draft_latents)
+      .def_readonly("score", &EmittedBlock::score, "the draft's aggregated score, or None")
+      .def_readonly("frame_scores", &EmittedBlock::frame_scores)
+      .def_readonly("emitted_scores", &EmittedBlock::emitted_scores)
+      .def_readonly("times", &EmittedBlock::times, "seconds per stage (STAGE_NAMES), those known when emitted")
+      .def_readonly("redrafts", &EmittedBlock::redrafts, "run-ahead drafts thrown away after a rejection");
+
+  py::class_<StageCalls, PyStageCalls>(m, "StageCalls",
+                                       "The stages the scheduler calls: subclass and override every method")
+      .def(py::init<>())
+      .def("draft", &StageCalls::draft, py::arg("block"))
+      .def("drafter_commit", &StageCalls::drafter_commit, py::arg("block"), py::arg("latents"))
+      .def("target", &StageCalls::target, py::arg("block"))
+      .def("target_commit", &StageCalls::target_commit, py::arg("block"), py::arg("latents"))
+      .def("decode", &StageCalls::decode, py::arg("latents"), py::arg("producer"), py::arg("block"))
+      .def("score", &StageCalls::score, py::arg("frames"), py::arg("producer"), py::arg("block"))
+      .def("vae_snapshot", &StageCalls::vae_snapshot)
+      .def("vae_restore", &StageCalls::vae_restore, py::arg("snapshot"))
+      .def("emit", &StageCalls::emit, py::arg("block"));
+
   py::class_<PyScheduler>(m, "Scheduler")
-      .def(py::init<const SchedulerConfig&, py::object, py::object, py::object, at::Device, at::Device>(),
+      .def(py::init<const SchedulerConfig&, py::object, py::object, py::object, at::Device, at::Device, bool>(),
            py::arg("config"), py::arg("stages"), py::arg("drafter_cache"), py::arg("target_cache"),
-           py::arg("drafter_device"), py::arg("target_device"))
+           py::arg("drafter_device"), py::arg("target_device"), py::arg("log_streams") = false)
+      .def("stream_log", &PyScheduler::stream_log,
+           "log_streams=True: every stream operation, written down instead of made (tests): 'setup -> LANE', "
+           "'record LANE #N', 'wait LANE on PRODUCER #N'")
       .def("run", &PyScheduler::run, "Run the whole video (releases the GIL; stages re-enter Python)")
       .def("cancel", &PyScheduler::cancel, "Stop after the stage in flight (thread-safe)")
       .def("counters", &PyScheduler::counters, "What the last run did (a Counters)")

@@ -31,6 +31,7 @@ E parse_in(const std::string& name, const char* const (&names)[N], const char* w
 const char* mode_name(Mode m) { return name_in(m, kModeNames); }
 const char* router_name(RouterKind r) { return name_in(r, kRouterNames); }
 const char* decision_name(Decision d) { return name_in(d, kDecisionNames); }
+const char* role_name(Role r) { return name_in(r, kRoleNames); }
 const char* stage_name(Stage s) { return name_in(s, kStageNames); }
 Mode parse_mode(const std::string& name) { return parse_in<Mode>(name, kModeNames, "mode"); }
 RouterKind parse_router(const std::string& name) { return parse_in<RouterKind>(name, kRouterNames, "router"); }
@@ -40,7 +41,6 @@ void SchedulerConfig::validate() const {
   if (num_blocks < 1) os << "num_blocks " << num_blocks << " must be >= 1; ";
   if (frames_per_block < 1) os << "frames_per_block " << frames_per_block << " must be >= 1; ";
   if (drafter_steps < 1) os << "drafter_steps " << drafter_steps << " must be >= 1; ";
-  if (target_steps < 1) os << "target_steps " << target_steps << " must be >= 1; ";
   if (run_ahead_blocks < 1) os << "run_ahead_blocks " << run_ahead_blocks << " must be >= 1; ";
   if (run_ahead && drafter_recompute && !own_context && mode == Mode::Sdvg)
     os << "a recompute drafter cannot roll back a speculative commit (run_ahead with the committed context); ";
@@ -149,18 +149,13 @@ void Scheduler::run() {
 
 // ------------------------------------------------------------------ drafter side
 Handle Scheduler::drafter_draft(int b) {
-  Handle d = timed(b, Stage::Draft, !cfg_.run_ahead, [&] { return ex_.draft(b); });
-  std::lock_guard<std::mutex> lk(mu_);
-  counters_.drafter_forwards += cfg_.denoise_forwards(cfg_.drafter_recompute, cfg_.drafter_steps, b);
-  return d;
+  return timed(b, Stage::Draft, !cfg_.run_ahead, [&] { return ex_.draft(b); });
 }
 
 void Scheduler::drafter_commit(int b, const Handle& latents) {
   timed(b, Stage::DrafterCommit, !cfg_.run_ahead, [&] { ex_.drafter_commit_forward(b, latents); });
   if (cfg_.drafter_recompute) return;  // the latents joined the context: no forward, no pointer move
   ex_.drafter_cache_commit();
-  std::lock_guard<std::mutex> lk(mu_);
-  counters_.drafter_forwards += 1;
 }
 
 bool Scheduler::wait_decision(int b, Handle* emitted) {
@@ -251,8 +246,6 @@ void Scheduler::flush_target_commits(int block) {
     timed(block, Stage::TargetCommit, true, [&] { ex_.target_commit_forward(b, x); });
     if (cfg_.target_recompute) continue;  // the latents joined the context: no forward, no pointer move
     ex_.target_cache_commit();
-    std::lock_guard<std::mutex> lk(mu_);
-    counters_.target_forwards += 1;
   }
   pending_target_commits_.clear();
 }
@@ -265,21 +258,18 @@ void Scheduler::run_main() {
     BlockRecord& rec = records_[b];
     Handle x, frames, d;
     bool accepted = false;
-    auto run_target = [&] {
+    auto run_target = [&] {  // 4. the target denoises the same noise (lazy commits flushed first)
       flush_target_commits(b);
-      Handle t = timed(b, Stage::Target, true, [&] { return ex_.target(b); });
-      std::lock_guard<std::mutex> lk(mu_);
-      counters_.target_forwards += cfg_.denoise_forwards(cfg_.target_recompute, cfg_.target_steps, b);
-      return t;
+      return timed(b, Stage::Target, true, [&] { return ex_.target(b); });
     };
     if (cfg_.mode == Mode::Target) {
       x = run_target();
-      frames = timed(b, Stage::Decode, true, [&] { return ex_.decode(x); });
+      frames = timed(b, Stage::Decode, true, [&] { return ex_.decode(x, Role::Target, b); });
       rec.decision = Decision::Target;
     } else if (cfg_.mode == Mode::Draft) {
       d = obtain_draft(b);
       x = d;
-      frames = timed(b, Stage::Decode, true, [&] { return ex_.decode(x); });
+      frames = timed(b, Stage::Decode, true, [&] { return ex_.decode(x, Role::Drafter, b); });
       rec.decision = Decision::Draft;
       accepted = true;
       settle(b, true, x);
@@ -294,15 +284,15 @@ void Scheduler::run_main() {
         consumed_ = 1;  // block 0 has no draft to take
         cv_.notify_all();
       } else {
-        d = obtain_draft(b);
-        snap = ex_.vae_snapshot();
-        draft_frames = timed(b, Stage::Decode, true, [&] { return ex_.decode(d); });
-        scored = timed(b, Stage::Score, true, [&] { return ex_.score(draft_frames); });
+        d = obtain_draft(b);  // 1. draft (made here, or taken from the run-ahead lane)
+        snap = ex_.vae_snapshot();  // 2. decode + score the draft
+        draft_frames = timed(b, Stage::Decode, true, [&] { return ex_.decode(d, Role::Drafter, b); });
+        scored = timed(b, Stage::Score, true, [&] { return ex_.score(draft_frames, Role::Drafter, b); });
         rec.has_score = scored.valid;
         rec.score = scored.score;
         rec.frame_scores = scored.frame_scores;
       }
-      accepted = !forced && route(b, scored);
+      accepted = !forced && route(b, scored);  // 3. route
       if (accepted) {
         x = d;
         frames = draft_frames;
@@ -312,14 +302,15 @@ void Scheduler::run_main() {
         rec.decision = forced ? Decision::Forced : Decision::Rejected;
         if (d) ex_.vae_restore(snap);
         x = run_target();
-        frames = timed(b, Stage::Decode, true, [&] { return ex_.decode(x); });
+        frames = timed(b, Stage::Decode, true, [&] { return ex_.decode(x, Role::Target, b); });
         if (cfg_.score_emitted)
-          rec.emitted_scores = timed(b, Stage::Score, true, [&] { return ex_.score(frames); }).frame_scores;
+          rec.emitted_scores =
+              timed(b, Stage::Score, true, [&] { return ex_.score(frames, Role::Target, b); }).frame_scores;
       }
       settle(b, accepted, x);
       if (!cfg_.run_ahead && !last) drafter_commit(b, (cfg_.own_context && d) ? d : x);
     }
-    if (cfg_.mode != Mode::Draft) {
+    if (cfg_.mode != Mode::Draft) {  // 5. commit (the drafter's commit is above, or on its lane)
       if (!last) {
         pending_target_commits_.emplace_back(b, x);
         if (!(cfg_.lazy_target_commit && accepted && cfg_.mode == Mode::Sdvg)) flush_target_commits(b);

@@ -5,7 +5,8 @@
 // snapshot/restore, KV-cache pointer moves) and values travel as opaque handles. The same loop
 // therefore runs eager modules, compiled modules or engines, and is unit-tested with fakes.
 //
-// Sequential order (run_ahead = false) is the reference loop of sdvg/reference.py, step for step.
+// Sequential order (run_ahead = false) is the reference loop of sdvg/generation/reference.py, step
+// for step (its numbered steps are the numbered comments of run_main below).
 // With run_ahead, a drafter thread drafts ahead while the main thread decodes, scores and
 // commits. Under the `own` drafter context (the paper's rule) the drafter never waits for a
 // decision: it drafts up to `run_ahead_blocks` blocks beyond the one being decided (a bounded
@@ -40,6 +41,7 @@ namespace sdvg {
 #define SDVG_ROUTERS(X) X(Reward, "reward") X(Random, "random") X(Pattern, "pattern")
 #define SDVG_DECISIONS(X) \
   X(Forced, "forced") X(Accepted, "accepted") X(Rejected, "rejected") X(Target, "target") X(Draft, "draft")
+#define SDVG_ROLES(X) X(Drafter, "drafter") X(Target, "target")
 #define SDVG_STAGES(X)                                                        \
   X(Draft, "draft") X(Decode, "decode") X(Score, "score") X(Target, "target") \
   X(DrafterCommit, "drafter_commit") X(TargetCommit, "target_commit")
@@ -48,6 +50,7 @@ namespace sdvg {
 enum class Mode { SDVG_MODES(SDVG_ENUMERATOR_) };
 enum class RouterKind { SDVG_ROUTERS(SDVG_ENUMERATOR_) };
 enum class Decision { SDVG_DECISIONS(SDVG_ENUMERATOR_) };
+enum class Role { SDVG_ROLES(SDVG_ENUMERATOR_) };
 enum class Stage { SDVG_STAGES(SDVG_ENUMERATOR_) Count };
 #undef SDVG_ENUMERATOR_
 constexpr int kNumStages = static_cast<int>(Stage::Count);
@@ -56,6 +59,7 @@ constexpr int kNumStages = static_cast<int>(Stage::Count);
 inline constexpr const char* kModeNames[] = {SDVG_MODES(SDVG_NAME_)};
 inline constexpr const char* kRouterNames[] = {SDVG_ROUTERS(SDVG_NAME_)};
 inline constexpr const char* kDecisionNames[] = {SDVG_DECISIONS(SDVG_NAME_)};
+inline constexpr const char* kRoleNames[] = {SDVG_ROLES(SDVG_NAME_)};
 inline constexpr const char* kStageNames[] = {SDVG_STAGES(SDVG_NAME_)};
 #undef SDVG_NAME_
 static_assert(std::size(kStageNames) == static_cast<size_t>(kNumStages));
@@ -63,6 +67,7 @@ static_assert(std::size(kStageNames) == static_cast<size_t>(kNumStages));
 const char* mode_name(Mode m);
 const char* router_name(RouterKind r);
 const char* decision_name(Decision d);
+const char* role_name(Role r);
 const char* stage_name(Stage s);
 // Parse a name of the lists above; an unknown name is a std::invalid_argument listing the choices.
 Mode parse_mode(const std::string& name);
@@ -75,8 +80,7 @@ RouterKind parse_router(const std::string& name);
   X(Mode, mode, "sdvg | target | draft")                                                                   \
   X(int, num_blocks, "blocks in the video (>= 1)")                                                         \
   X(int, frames_per_block, "latent frames per block (>= 1)")                                               \
-  X(int, drafter_steps, "drafter model calls per block denoise (>= 1)")                                    \
-  X(int, target_steps, "target model calls per block denoise (>= 1)")                                      \
+  X(int, drafter_steps, "drafter model calls per block denoise (>= 1; counted as skipped when not run)")   \
   X(bool, drafter_recompute, "drafter context rebuilt before each block (one more forward); commits record") \
   X(bool, target_recompute, "target context rebuilt before each block (one more forward); commits record")   \
   X(RouterKind, router, "reward | random | pattern")                                                       \
@@ -103,8 +107,6 @@ struct SchedulerConfig {
     return mode == Mode::Sdvg && skip_first_draft && force_first_reject && !own_context;
   }
   bool forced(int b) const { return mode == Mode::Sdvg && b == 0 && force_first_reject; }
-  // Forwards of one denoise: the steps, plus the context rebuild of a recompute role past block 0.
-  int denoise_forwards(bool recompute, int steps, int b) const { return steps + (recompute && b > 0 ? 1 : 0); }
 };
 
 #define SDVG_FIELD_NAME_(type, name, doc) #name,
@@ -133,7 +135,7 @@ struct BlockRecord {
   std::vector<double> frame_scores;
   std::vector<double> emitted_scores;
   std::array<double, kNumStages> times{};  // seconds per stage (those known when emitted)
-  int redrafts = 0;
+  int redrafts = 0;      // run-ahead drafts of this block thrown away after a rejection
 };
 
 // One stage call on the timeline: when it started and ended (seconds from the start of run()) and
@@ -146,10 +148,11 @@ struct Span {
   double end_s = 0.0;
 };
 
-// What one run did. X(type, name, doc)
+// What one run did. X(type, name, doc). The model forwards are counted where they are made (by the
+// stages, in Python); the scheduler counts its own decisions.
 #define SDVG_COUNTERS(X)                                                                                      \
-  X(int64_t, target_forwards, "target forwards (denoising steps and commit forwards)")                        \
-  X(int64_t, drafter_forwards, "drafter forwards (denoising steps and commit forwards)")                      \
+  X(int64_t, target_forwards, "target forwards (denoising steps and commit forwards; counted by the stages)") \
+  X(int64_t, drafter_forwards, "drafter forwards (denoising steps and commit forwards; counted by the stages)") \
   X(int64_t, skipped_drafter_forwards, "drafter steps not run (block 0's draft under the emitted context)")   \
   X(int64_t, skipped_target_commits, "target commits not run (the last block, accepted blocks left pending)") \
   X(int64_t, skipped_drafter_commits, "drafter commits not run (the last block)")                             \
@@ -170,7 +173,8 @@ inline constexpr const char* kCounterNames[] = {SDVG_COUNTERS(SDVG_COUNTER_NAME_
 #undef SDVG_COUNTER_NAME_
 
 // One executor per generation; stages may be called from two threads (main and drafter) when
-// run_ahead is on, never the same stage concurrently.
+// run_ahead is on, never the same stage concurrently. decode and score are told whose output they
+// handle (`producer`) and for which block: a draft may be rejected, a target's block may not.
 class Executor {
  public:
   virtual ~Executor() = default;
@@ -181,8 +185,8 @@ class Executor {
   virtual Handle target(int block) = 0;
   virtual void target_commit_forward(int block, const Handle& latents) = 0;
   virtual void target_cache_commit() = 0;
-  virtual Handle decode(const Handle& latents) = 0;  // advances the VAE cache
-  virtual Scored score(const Handle& frames) = 0;
+  virtual Handle decode(const Handle& latents, Role producer, int block) = 0;  // advances the VAE cache
+  virtual Scored score(const Handle& frames, Role producer, int block) = 0;
   virtual Handle vae_snapshot() = 0;
   virtual void vae_restore(const Handle& snapshot) = 0;
   virtual void emit(const BlockRecord& block) = 0;

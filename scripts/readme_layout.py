@@ -22,8 +22,11 @@ LAYERS = (
     ("sdvg/cli.py", "the command line"),
 )
 FOLDERS = (
-    ("csrc/", "the native core `sdvg._C`: KV-cache slot table and buffers, the SDVG scheduler and its Python "
-              "executor; `csrc/tests/` C++ unit tests (ctest)"),
+    ("csrc/", "the native core `sdvg._C`: `scheduler.h/.cpp` the SDVG loop (decisions, order, run-ahead; "
+              "`run_main` is the reference loop step for step), `py_scheduler.cpp` the typed Python boundary "
+              "(`StageCalls` trampoline, `EmittedBlock`, `Scored`, per-lane CUDA streams), `kv_slots.h/.cpp` the "
+              "frame slot table, `kv_cache.h/.cpp` the KV buffers, `bindings.cpp` the module; `csrc/tests/` C++ "
+              "unit tests (ctest)"),
     ("build_engines/", "engine export and build (`python -m build_engines`); imports `sdvg`, never the reverse"),
     ("benchmarks/", "latency, scheduler, stage and VAE/reward benchmarks; `gpu_check.sh` for a lent GPU"),
     ("docs/", "design: the method, the cost model, shapes, checkpoint formats, invariants"),

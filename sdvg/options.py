@@ -1,7 +1,9 @@
 """The generation options: declared once, here.
 
-`GenerationOptions` is the single declaration of every option that shapes one generation run and
-of its default. Everything else derives from it:
+Each option is declared once, with its default and help, in one of two halves: `MethodOptions`
+(what video you get: mode, tau, router, aggregation, contexts, forced block, early exit) or
+`RunOptions` (how it runs: scheduler, backend, run-ahead, graphs, stage timing, fast VAE).
+`GenerationOptions` is both as one flat keyword set, and everything else derives from it:
 
 - the API keywords of `SpeculativeVideoPipeline.__call__` / `.stream` (written out by hand for
   readable signatures, defaults read from `DEFAULTS`; `tests/test_options.py` checks they match);
@@ -10,8 +12,9 @@ of its default. Everything else derives from it:
 - the native scheduler's config (`sdvg.generation.native`, every field passed by name; the C++
   side declares no defaults and refuses unknown or missing fields).
 
-Every rule on an option's value lives in `GenerationOptions.__post_init__`. This module imports
-no torch, so `sdvg --help` stays fast.
+Every rule on an option's value lives here: a method rule in `MethodOptions`, a run rule in
+`RunOptions`, the roles of a mode in `MODE_ROLES`, what needs the eager backend in
+`backend_conflicts`. This module imports no torch, so `sdvg --help` stays fast.
 """
 from __future__ import annotations
 
@@ -48,9 +51,29 @@ def _opt(default, help: str, choices: tuple[str, ...] | None = None, metavar: st
     return field(default=default, metadata={"help": help, "choices": choices, "metavar": metavar, **extra})
 
 
+# The roles each mode runs (the one place that says it).
+MODE_ROLES: dict[str, tuple[str, ...]] = {"sdvg": ("drafter", "target"), "target": ("target",), "draft": ("drafter",)}
+# The run options that only the eager backend runs, and why (checked in one place: `backend_conflicts`).
+EAGER_ONLY: dict[str, str] = {
+    "cuda_graphs": "compile: compile_mode='reduce-overhead' captures its own graphs; engines run their own",
+    "fast_vae": "the static backends run their own VAE stage",
+}
+
+
+def _check_fields(obj, cls) -> None:
+    """The rules every option of `cls` shares: a declared choice, a bool that is a bool."""
+    for f in dataclasses.fields(cls):
+        choices, value = f.metadata["choices"], getattr(obj, f.name)
+        if choices is not None and not (value is None and f.default is None) and value not in choices:
+            raise OptionError(f"unknown {f.name} {value!r}; choose one of {', '.join(choices)}")
+        if isinstance(f.default, bool) and not isinstance(value, bool):
+            raise OptionError(f"{f.name} must be True or False, got {value!r}")
+
+
 @dataclass(frozen=True)
-class GenerationOptions:
-    """One generation run's options (frozen; validated on construction)."""
+class MethodOptions:
+    """What video you get: the method's options (frozen; validated on construction). Two runs with the
+    same method options give the same video whatever their `RunOptions`."""
 
     mode: str = _opt("sdvg", "sdvg: speculative (drafter proposes, target regenerates rejected blocks); "
                              "target: target-only; draft: drafter-only", MODES)
@@ -71,8 +94,6 @@ class GenerationOptions:
                                        "whatever the decision: the paper's rule; the drafter never waits for a "
                                        "decision) or committed (the emitted blocks: drafts follow the target's "
                                        "corrections, but the drafter waits for each decision)", DRAFTER_CONTEXTS)
-    skip_first_draft: bool = _opt(True, "under committed context and a forced block 0, do not draft block 0 "
-                                        "(its draft is never used)")
     target_context: str | None = _opt(None, "how the target's KV cache holds history: full (every committed block, "
                                             "Self-Forcing's 4 steps + t = 0 commit) or recompute (Krea: rebuilt "
                                             "from --kv-cache-frames clean frames before each block, 5 calls); "
@@ -87,15 +108,6 @@ class GenerationOptions:
                                            "history; default: the preset's)", metavar="N")
     sink_frames: int | None = _opt(None, "full context with a window: first frames always kept (default: the "
                                          "preset's)", metavar="N")
-    lazy_target_commit: bool = _opt(True, "commit accepted blocks into the target's cache only when the target "
-                                          "next runs (a trailing run of accepted blocks costs the target nothing)")
-    score_emitted: bool = _opt(False, "also score the target's frames of rejected blocks (a quality proxy)")
-    scheduler: str = _opt("cpp", "cpp: the native scheduler; reference: the plain Python loop (the oracle; "
-                                 "bitwise the same video)", SCHEDULERS)
-    run_ahead: bool = _opt(False, "draft ahead on a drafter thread while the current block is decoded, scored "
-                                  "and committed (scheduler cpp; same output)")
-    run_ahead_blocks: int = _opt(2, "run-ahead: drafts the drafter may hold ahead of the block being decided "
-                                    "(a bounded queue; the committed context allows one)", metavar="N")
     early_exit: str = _opt("none", "token-level early exit of the denoising loop (Speculative Forcing): which "
                                    "role's tokens may leave the loop once converged (docs/early-exit.md)",
                            EARLY_EXIT_ROLES)
@@ -115,32 +127,12 @@ class GenerationOptions:
                                        "train-exit-head)", metavar="FILE")
     exit_pattern_steps: float = _opt(1.65, "pattern verifier: the mean denoising steps per token it aims at "
                                            "(1.65: the paper's mean)", metavar="K")
-    cuda_graphs: bool = _opt(False, "replay the drafter's denoising steps from graphs captured once per block "
-                                    "position (CUDA graphs; a CPU stand-in elsewhere), its KV cache allocated once "
-                                    "per pipeline and reused across videos, and every role's noise draws of a block "
-                                    "copied ahead from pinned memory (backend eager; same output)")
-    fast_vae: bool = _opt(False, "decode through a channels-last copy of the VAE decoder, its steady-state frames "
-                                 "through torch.compile (static shapes) and, on CUDA, with cudnn.benchmark on for the "
-                                 "decoder's calls only (backend eager; pixels within a per-dtype tolerance of the plain "
-                                 "decode, not bitwise: docs/engines.md)")
-    stage_timing: str = _opt("sync", "sync: every stage's stream is synchronised after the call (the stage times "
-                                     "measure execution); events: no per-stage wait besides the host reads a stage "
-                                     "makes itself (finite checks, scores), device time per stage from CUDA event "
-                                     "pairs read at the end (stats stage_device_s; the stage times then measure the "
-                                     "host's time in each call); same output", STAGE_TIMINGS)
-    backend: str | None = _opt(None, "how stages run: eager, compile (torch.compile'd static stages), tensorrt "
-                                     "(engines; needs --engines) or onnxruntime (the ONNX files of build_engines "
-                                     "--format onnx; needs --engines) or torch-tensorrt (DiT stages from build_engines "
-                                     "--format torch-tensorrt, the others TensorRT; needs --engines); default: the "
-                                     "pipeline's", BACKENDS)
 
     def __post_init__(self) -> None:
-        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (normalised values)
-        for f in dataclasses.fields(self):
-            choices = f.metadata["choices"]
-            value = getattr(self, f.name)
-            if choices is not None and not (value is None and f.default is None) and value not in choices:
-                raise OptionError(f"unknown {f.name} {value!r}; choose one of {', '.join(choices)}")
+        _check_fields(self, MethodOptions)
+        self._check_method(lambda name, value: object.__setattr__(self, name, value))
+
+    def _check_method(self, set_) -> None:
         set_("tau", _number("tau", self.tau, allow_inf=True))
         if self.num_blocks is not None:
             set_("num_blocks", _integer("num_blocks", self.num_blocks, low=1))
@@ -150,7 +142,6 @@ class GenerationOptions:
         for name in ("window_frames", "sink_frames"):
             if getattr(self, name) is not None:
                 set_(name, _integer(name, getattr(self, name), low=0))
-        set_("run_ahead_blocks", _integer("run_ahead_blocks", self.run_ahead_blocks, low=1))
         prob = _number("accept_prob", self.accept_prob)
         if not 0.0 <= prob <= 1.0:
             raise OptionError(f"accept_prob {prob} must lie in [0, 1]")
@@ -159,11 +150,6 @@ class GenerationOptions:
         if self.router == "pattern" and not self.pattern:
             raise OptionError("router 'pattern' needs a decision pattern: pass pattern='0110' (API) or "
                               "--pattern 0110 (CLI)")
-        for f in dataclasses.fields(self):
-            if isinstance(f.default, bool) and not isinstance(getattr(self, f.name), bool):
-                raise OptionError(f"{f.name} must be True or False, got {getattr(self, f.name)!r}")
-        if self.run_ahead and self.scheduler != "cpp":
-            raise OptionError("run_ahead needs scheduler 'cpp' (the reference loop is sequential)")
         self._check_early_exit(set_)
 
     def _check_early_exit(self, set_) -> None:
@@ -186,6 +172,80 @@ class GenerationOptions:
             if self.early_exit not in (role, "both"):
                 raise OptionError(f"early_exit {self.early_exit!r} names a role that mode {self.mode!r} does not run; "
                                   f"use --early-exit {role}")
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The roles the mode runs ("drafter", "target")."""
+        return MODE_ROLES[self.mode]
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a video runs: the scheduler, the stage backend, run-ahead, graphs, timing (frozen; validated
+    on construction). They change the cost and the statistics, never the video (the fast VAE: within
+    its documented tolerance)."""
+
+    skip_first_draft: bool = _opt(True, "under committed context and a forced block 0, do not draft block 0 "
+                                        "(its draft is never used)")
+    lazy_target_commit: bool = _opt(True, "commit accepted blocks into the target's cache only when the target "
+                                          "next runs (a trailing run of accepted blocks costs the target nothing)")
+    score_emitted: bool = _opt(False, "also score the target's frames of rejected blocks (a quality proxy)")
+    scheduler: str = _opt("cpp", "cpp: the native scheduler; reference: the plain Python loop (the oracle; "
+                                 "bitwise the same video)", SCHEDULERS)
+    run_ahead: bool = _opt(False, "draft ahead on a drafter thread while the current block is decoded, scored "
+                                  "and committed (scheduler cpp; same output)")
+    run_ahead_blocks: int = _opt(2, "run-ahead: drafts the drafter may hold ahead of the block being decided "
+                                    "(a bounded queue; the committed context allows one)", metavar="N")
+    cuda_graphs: bool = _opt(False, "replay the drafter's denoising steps from graphs captured once per block "
+                                    "position (CUDA graphs; a CPU stand-in elsewhere), its KV cache allocated once "
+                                    "per pipeline and reused across videos, and every role's noise draws of a block "
+                                    "copied ahead from pinned memory (backend eager; same output)")
+    fast_vae: bool = _opt(False, "decode through a channels-last copy of the VAE decoder, its steady-state frames "
+                                 "through torch.compile (static shapes) and, on CUDA, with cudnn.benchmark on for the "
+                                 "decoder's calls only (backend eager; pixels within a per-dtype tolerance of the plain "
+                                 "decode, not bitwise: docs/engines.md)")
+    stage_timing: str = _opt("sync", "sync: every stage's stream is synchronised after the call (the stage times "
+                                     "measure execution); events: no per-stage wait besides the host reads a stage "
+                                     "makes itself (finite checks, scores), device time per stage from CUDA event "
+                                     "pairs read at the end (stats stage_device_s; the stage times then measure the "
+                                     "host's time in each call); same output", STAGE_TIMINGS)
+    backend: str | None = _opt(None, "how stages run: eager, compile (torch.compile'd static stages), tensorrt "
+                                     "(engines; needs --engines) or onnxruntime (the ONNX files of build_engines "
+                                     "--format onnx; needs --engines) or torch-tensorrt (DiT stages from build_engines "
+                                     "--format torch-tensorrt, the others TensorRT; needs --engines); default: the "
+                                     "pipeline's", BACKENDS)
+
+    def __post_init__(self) -> None:
+        _check_fields(self, RunOptions)
+        self._check_run(lambda name, value: object.__setattr__(self, name, value))
+
+    def _check_run(self, set_) -> None:
+        set_("run_ahead_blocks", _integer("run_ahead_blocks", self.run_ahead_blocks, low=1))
+        if self.run_ahead and self.scheduler != "cpp":
+            raise OptionError("run_ahead needs scheduler 'cpp' (the reference loop is sequential)")
+
+
+@dataclass(frozen=True)
+class GenerationOptions(RunOptions, MethodOptions):
+    """One generation run's options: the method's and the run's, one flat keyword set (the API keywords,
+    CLI flags and statistics fields); `.method` and `.run` give the two halves. Frozen; validated on
+    construction (each half's rules, then the rules that join them)."""
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (normalised values)
+        _check_fields(self, GenerationOptions)
+        self._check_method(set_)
+        self._check_run(set_)
+        conflicts = backend_conflicts(self, self.backend)
+        if conflicts:
+            raise OptionError(conflicts[0])
+
+    @property
+    def method(self) -> MethodOptions:
+        return MethodOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(MethodOptions)})
+
+    @property
+    def run(self) -> RunOptions:
+        return RunOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RunOptions)})
 
     def exit_roles(self) -> tuple[str, ...]:
         """The roles whose denoising loop may let tokens exit early."""
@@ -213,12 +273,9 @@ class GenerationOptions:
         out._check_contexts(preset, window_given=self.window_frames is not None)
         return out
 
-    def _roles(self) -> tuple[str, ...]:
-        return {"sdvg": ("drafter", "target"), "target": ("target",), "draft": ("drafter",)}[self.mode]
-
     def _check_contexts(self, preset, window_given: bool) -> None:
         frames = self.num_blocks * preset.video.frames_per_block
-        modes = {role: self.context_mode(role) for role in self._roles()}
+        modes = {role: self.context_mode(role) for role in self.roles}
         if "recompute" in modes.values() and self.kv_cache_frames > frames:
             raise OptionError(f"kv_cache_frames {self.kv_cache_frames} is larger than the video ({frames} latent "
                               f"frames in {self.num_blocks} blocks); use at most {frames} (Krea's default: 3)")
@@ -226,14 +283,13 @@ class GenerationOptions:
             raise OptionError(f"window_frames {self.window_frames}: a recompute context already keeps only "
                               f"kv_cache_frames = {self.kv_cache_frames} frames; drop --window-frames or use "
                               "--target-context full")
-        if self.early_exit != "none" and self.backend is not None and self.backend not in EXIT_BACKENDS:
-            raise OptionError(f"early_exit {self.early_exit!r} runs a sparse forward over the active tokens, which "
-                              f"only the {', '.join(EXIT_BACKENDS)} backend runs (the {self.backend} stages have "
-                              "static token counts); use backend eager (--backend eager) for early exit")
+        conflicts = backend_conflicts(self, self.backend)
+        if conflicts:
+            raise OptionError(conflicts[0])
         if self.exit_head and self.exit_verifier != "head":
             raise OptionError(f"exit_head {self.exit_head!r} is read by the head verifier only, but exit_verifier is "
                               f"{self.exit_verifier!r}: pass --exit-verifier head, or drop --exit-head")
-        for role in (r for r in self.exit_roles() if r in self._roles()):
+        for role in (r for r in self.exit_roles() if r in self.roles):
             steps = len(preset.recompute_timesteps if modes[role] == "recompute" else preset.timesteps)
             if self.exit_verifier == "pattern" and self.exit_pattern_steps > steps:
                 raise OptionError(f"exit_pattern_steps {self.exit_pattern_steps:g} exceeds the {role}'s {steps} denoising "
@@ -272,6 +328,23 @@ class GenerationOptions:
         return d
 
 
+
+
+def backend_conflicts(opts, backend: str | None) -> list[str]:
+    """Why `opts` cannot run on stage `backend` (None: not chosen yet, nothing to say): the one place
+    that says which options need the eager backend. Each entry names the option and the fix."""
+    if backend is None or backend in EXIT_BACKENDS:
+        return []
+    out = []
+    if opts.early_exit != "none":
+        out.append(f"early_exit {opts.early_exit!r} runs a sparse forward over the active tokens, which only the "
+                   f"{', '.join(EXIT_BACKENDS)} backend runs (the {backend} stages have static token counts); use "
+                   "backend eager (--backend eager) for early exit")
+    for name, why in EAGER_ONLY.items():
+        if getattr(opts, name):
+            out.append(f"{name} needs backend 'eager', not {backend!r} ({why}); use --backend eager or drop "
+                       f"{flag_of(name)}")
+    return out
 
 
 def _number(name: str, value, allow_inf: bool = False) -> float:
@@ -374,6 +447,8 @@ def describe_protocol(name: str, opts: "GenerationOptions", height: int, width: 
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(GenerationOptions)}
+METHOD_OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(MethodOptions))
+RUN_OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RunOptions))
 OPTION_NAMES: tuple[str, ...] = tuple(FIELDS)
 DEFAULTS = GenerationOptions()
 

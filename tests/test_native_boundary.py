@@ -7,7 +7,7 @@ import torch
 
 from sdvg._native import _C
 
-FIELDS = dict(mode="sdvg", num_blocks=5, frames_per_block=3, drafter_steps=4, target_steps=5,
+FIELDS = dict(mode="sdvg", num_blocks=5, frames_per_block=3, drafter_steps=4,
               drafter_recompute=False, target_recompute=False, router="random", tau=-0.25,
               accept_prob=0.5, uniforms=[0.125, 0.75, 0.5, 0.25, 1.0], pattern=[False, True, True],
               force_first_reject=True, own_context=False, skip_first_draft=True, lazy_target_commit=False,
@@ -186,8 +186,112 @@ def test_missing_cache_is_refused_by_role():
     for mode, caches in (("target", (None, _cache())), ("draft", (_cache(), None))):
         stages = _stages(*caches)
         _C.Scheduler(_config(mode=mode), stages, *caches, cpu, cpu).run()  # the unused role needs no cache
-        assert [r["decision"] for r in stages.emitted] == [mode] * 5
+        assert [r.decision for r in stages.emitted] == [mode] * 5
 
 
 def test_kv_cache_has_no_discard_or_reset():
     assert not hasattr(_C.KVCache, "discard") and not hasattr(_C.KVCache, "reset")
+
+
+# ------------------------------------------------------------------ the typed stage boundary
+def test_stages_must_be_a_stage_calls_subclass():
+    cpu = torch.device("cpu")
+    d, t = _cache(), _cache()
+
+    class Duck:  # every method by name, but not the typed boundary
+        def draft(self, block):
+            return torch.zeros(1)
+
+    with pytest.raises(TypeError, match=r"stages must be an sdvg._C.StageCalls subclass instance"):
+        _C.Scheduler(_config(run_ahead=False), Duck(), d, t, cpu, cpu)
+
+
+def test_a_stage_method_left_out_is_named():
+    from sdvg.generation.fake_stages import FakeStages
+
+    class NoScore(FakeStages):
+        score = _C.StageCalls.score  # the pure virtual, as if never overridden
+
+    cpu = torch.device("cpu")
+    d, t = _cache(), _cache()
+    stages = NoScore(score=None)
+    stages.caches = {"drafter": d, "target": t}
+    with pytest.raises(RuntimeError, match=r"StageCalls::score"):
+        _C.Scheduler(_config(run_ahead=False, router="pattern"), stages, d, t, cpu, cpu).run()
+
+
+def test_decode_and_score_are_told_the_producer_and_block():
+    cpu = torch.device("cpu")
+    d, t = _cache(), _cache()
+    stages = _stages(d, t)
+    stages._score = (1.0, [1.0, 2.0])
+    _C.Scheduler(_config(run_ahead=False, router="pattern", pattern=[False, True, False], num_blocks=3,
+                         uniforms=[]), stages, d, t, cpu, cpu).run()
+    assert stages.producers == [("decode", "target", 0), ("score", "target", 0),  # block 0: forced, no draft
+                                ("decode", "drafter", 1), ("score", "drafter", 1),  # accepted
+                                ("decode", "drafter", 2), ("score", "drafter", 2), ("decode", "target", 2),
+                                ("score", "target", 2)]  # rejected; score_emitted scores the target's frames
+    assert _C.ROLE_NAMES == ("drafter", "target")
+
+
+def test_every_emitted_field_reaches_python():
+    """The scheduler's EmittedBlock: every field read (redrafts included: per block in the stats)."""
+    cpu = torch.device("cpu")
+    d, t = _cache(), _cache()
+    stages = _stages(d, t)
+    stages._score = (1.0, [1.0, 2.0])
+    s = _C.Scheduler(_config(run_ahead=True, router="pattern", pattern=[False, True, False, False, True],
+                             own_context=False, uniforms=[]), stages, d, t, cpu, cpu)
+    s.run()
+    fields = {n for n in dir(_C.EmittedBlock) if not n.startswith("_")}
+    assert fields == {"index", "decision", "latents", "frames", "draft_latents", "score", "frame_scores",
+                      "emitted_scores", "times", "redrafts"}
+    assert sum(b.redrafts for b in stages.emitted) == s.counters().redrafts > 0
+    assert [b.index for b in stages.emitted] == list(range(5))
+    assert set(stages.emitted[1].times) == set(_C.STAGE_NAMES)
+
+
+def test_redrafts_per_block_in_the_stats(tiny_pipe):
+    out = tiny_pipe("a red fox", num_blocks=4, router="pattern", pattern="0100", drafter_context="committed",
+                    run_ahead=True)
+    blocks = out.stats["blocks"]
+    assert sum(b["redrafts"] for b in blocks) == out.stats["redrafts"] > 0
+
+
+# ------------------------------------------------------------------ stream order (recorded, any device)
+def _stream_log(options):
+    from sdvg.generation.fake_stages import FakeStages, fake_scheduler
+
+    stages = FakeStages()
+    s = fake_scheduler(stages, options, log_streams=True)
+    s.run()
+    return s.stream_log()
+
+
+def _waits(log):
+    """Every cross-lane hand-over: (consumer, producer) of each wait, checked against its record."""
+    recorded, out = {}, []
+    for i, line in enumerate(log):
+        words = line.split()
+        if words[0] == "record":
+            recorded[words[2]] = (words[1], i)
+        elif words[0] == "wait":
+            consumer, producer, handle = words[1], words[3], words[4]
+            assert handle in recorded and recorded[handle] == (producer, recorded[handle][1]), line
+            assert recorded[handle][1] < i, f"{line}: waits for an event not yet recorded"
+            out.append((consumer, producer))
+    return out
+
+
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_every_lane_waits_for_the_setup_and_each_hand_over(run_ahead):
+    from sdvg.options import GenerationOptions
+
+    log = _stream_log(GenerationOptions(router="pattern", pattern="0110", num_blocks=5, run_ahead=run_ahead,
+                                        drafter_context="committed", lazy_target_commit=False))
+    assert log[:3] == ["setup -> drafter", "setup -> target", "setup -> vae"]  # before any stage call
+    waits = set(_waits(log))
+    # drafts decoded (vae on drafter), target blocks decoded (vae on target), accepted drafts into the target,
+    # target blocks into the committed drafter context; emit reads every block's tensors on the vae lane
+    assert {("vae", "drafter"), ("vae", "target"), ("target", "drafter"), ("drafter", "target")} <= waits
+    assert {("vae", "vae")} <= waits  # emit: the frames decoded on the vae lane

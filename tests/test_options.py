@@ -18,13 +18,13 @@ CHANGED = dict(mode="target", tau=-1.5, num_blocks=2, seed=7, router="pattern", 
                lazy_target_commit=False, score_emitted=True, scheduler="cpp", run_ahead=True, run_ahead_blocks=3,
                early_exit="target", exit_verifier="head", exit_eps=0.1, exit_thresholds=(0.4, 0.3),
                exit_head="head.safetensors", exit_pattern_steps=2.0, cuda_graphs=True,
-               fast_vae=True, stage_timing="events", backend="compile")
+               fast_vae=True, stage_timing="events", backend="eager")
 CLI_TEXT = dict(mode="target", tau="-1.5", num_blocks="2", seed="7", router="pattern", accept_prob="0.25",
                 pattern="10", aggregation="mean", drafter_context="committed", target_context="recompute",
                 drafter_cache="recompute", kv_cache_frames="2", window_frames="6", sink_frames="3",
                 run_ahead_blocks="3", scheduler="cpp", early_exit="target", exit_verifier="head", exit_eps="0.1",
                 exit_thresholds="0.4,0.3", exit_head="head.safetensors", exit_pattern_steps="2.0", stage_timing="events",
-                backend="compile")
+                backend="eager")
 
 
 def test_changed_covers_every_option():
@@ -92,9 +92,9 @@ def test_native_config_gets_every_field_by_name():
     from sdvg._native import _C
     from sdvg.generation.native import scheduler_config
 
-    cfg = scheduler_config(GenerationOptions(**CHANGED).replace(router="random"), 3, 4, 5, False, True)
+    cfg = scheduler_config(GenerationOptions(**CHANGED).replace(router="random"), 3, 4, False, True)
     assert cfg.num_blocks == 2 and cfg.tau == -1.5 and not cfg.own_context and cfg.run_ahead
-    assert not cfg.lazy_target_commit and cfg.run_ahead_blocks == 3 and cfg.target_recompute and cfg.target_steps == 5
+    assert not cfg.lazy_target_commit and cfg.run_ahead_blocks == 3 and cfg.target_recompute and cfg.drafter_steps == 4
     assert len(cfg.uniforms) == 2 and set(_C.SchedulerConfig.FIELDS) >= {"mode", "tau", "pattern", "run_ahead"}
 
 
@@ -199,3 +199,37 @@ def test_paper_protocol():
     assert "832x480 (the paper's)" in describe_protocol("paper", opts, 480, 832, random_weights=False)[1]
     with pytest.raises(OptionError, match="unknown protocol 'iclr'"):
         protocol_options("iclr")
+
+
+def test_method_and_run_options_partition_the_declaration():
+    from sdvg.options import METHOD_OPTION_NAMES, RUN_OPTION_NAMES, MethodOptions, RunOptions
+
+    assert not set(METHOD_OPTION_NAMES) & set(RUN_OPTION_NAMES)
+    assert METHOD_OPTION_NAMES + RUN_OPTION_NAMES == OPTION_NAMES  # each declared once, method first
+    assert {"mode", "tau", "router", "aggregation", "drafter_context", "force_first_reject", "early_exit",
+            "target_context", "drafter_cache"} <= set(METHOD_OPTION_NAMES)
+    assert {"scheduler", "backend", "run_ahead", "cuda_graphs", "stage_timing", "fast_vae"} <= set(RUN_OPTION_NAMES)
+    opts = GenerationOptions(**CHANGED)
+    assert isinstance(opts.method, MethodOptions) and isinstance(opts.run, RunOptions)
+    assert GenerationOptions(**dataclasses.asdict(opts.method), **dataclasses.asdict(opts.run)) == opts
+    with pytest.raises(OptionError, match="tau is NaN"):
+        MethodOptions(tau=math.nan)  # each half validates its own fields
+    with pytest.raises(OptionError, match="run_ahead needs scheduler 'cpp'"):
+        RunOptions(scheduler="reference", run_ahead=True)
+
+
+@pytest.mark.parametrize("option", ["cuda_graphs", "fast_vae", "early_exit"])
+def test_eager_only_options_are_refused_with_another_backend_at_construction(option):
+    value = "target" if option == "early_exit" else True
+    with pytest.raises(OptionError, match=rf"{option}.*eager"):
+        GenerationOptions(mode="target", backend="compile", **{option: value})
+    GenerationOptions(mode="target", backend="eager", **{option: value})  # fine on eager
+    GenerationOptions(mode="target", **{option: value})  # backend unset: checked when resolved
+
+
+def test_every_backend_has_one_registry_entry():
+    from sdvg.generation.backends import REGISTRY
+    from sdvg.options import BACKENDS
+
+    assert tuple(REGISTRY) == BACKENDS
+    assert [name for name, b in REGISTRY.items() if not b.static] == ["eager"]

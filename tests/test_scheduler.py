@@ -193,7 +193,7 @@ def test_run_ahead_drafts_on_the_drafter_thread():
 
     s = FakeStages(costs=0.002)
     sched = _fake_run(s, run_ahead=True)
-    assert [r["decision"] for r in s.emitted] == ["forced"] + ["accepted"] * 5
+    assert [r.decision for r in s.emitted] == ["forced"] + ["accepted"] * 5
     c, trace = sched.counters(), sched.trace()
     assert c.speculative_drafts >= 1 and c.redrafts == 0
     assert {x["stage"] for x in trace if x["thread"] == "drafter"} == {"draft", "drafter_commit"}
@@ -201,7 +201,7 @@ def test_run_ahead_drafts_on_the_drafter_thread():
     seq = FakeStages(costs=0.002)
     sched = _fake_run(seq, run_ahead=False)
     assert sched.counters().speculative_drafts == 0 and {x["thread"] for x in sched.trace()} == {"main"}
-    assert [r["decision"] for r in seq.emitted] == [r["decision"] for r in s.emitted]
+    assert [r.decision for r in seq.emitted] == [r.decision for r in s.emitted]
 
 
 def test_stage_exception_surfaces_with_its_message():

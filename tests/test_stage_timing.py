@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from sdvg.generation import native, reference
+from sdvg.generation.calls import StageCalls
 from sdvg.generation.stage_timing import StageEvents
 
 PROMPT = "a red fox"
@@ -21,8 +21,7 @@ def test_events_give_the_same_video_without_stage_waits(tiny_pipe, monkeypatch, 
             return fn(*a, **k)
         return wrapped
 
-    monkeypatch.setattr(native._Stages, "_wait", counted(native._Stages._wait))
-    monkeypatch.setattr(reference, "sync", counted(reference.sync))
+    monkeypatch.setattr(StageCalls, "_wait", counted(StageCalls._wait))
     kw = dict(KW, scheduler=scheduler, run_ahead=run_ahead)
     synced = tiny_pipe(PROMPT, **kw)
     assert waits["n"] > 0  # sync: every stage waited for (a no-op on the CPU, counted all the same)

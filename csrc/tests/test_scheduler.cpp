@@ -47,6 +47,12 @@ struct Fake : Executor {
   std::mutex mu;
   std::vector<std::string> log;
   std::vector<BlockRecord> emitted;
+  // The forwards, counted where they are made (as sdvg's stages do): 4 steps per denoise (plus the
+  // context rebuild of a recompute target past block 0), one per full-context commit.
+  int steps = 4;
+  bool target_recompute = false;
+  int64_t drafter_forwards = 0, target_forwards = 0;
+  std::vector<std::string> producers;  // "decode drafter 2", "score target 3": whose output, which block
   int target_sleep_ms = 0;  // a slow target and decode (run-ahead queue test)
   int decode_sleep_ms = 0;
   bool log_scores = false;
@@ -57,10 +63,14 @@ struct Fake : Executor {
   }
   Handle draft(int b) override {
     note("draft " + std::to_string(b));
+    std::lock_guard<std::mutex> lk(mu);
+    drafter_forwards += steps;
     return mk(mix(drafter.context_hash(1), b));
   }
   void drafter_commit_forward(int b, const Handle& x) override {
     note("dcommit " + std::to_string(b));
+    std::lock_guard<std::mutex> lk(mu);
+    drafter_forwards += 1;
     drafter.pending = val(x);
   }
   void drafter_cache_commit() override { drafter.committed.push_back(drafter.pending); }
@@ -71,21 +81,29 @@ struct Fake : Executor {
   Handle target(int b) override {
     note("target " + std::to_string(b));
     if (target_sleep_ms) std::this_thread::sleep_for(std::chrono::milliseconds(target_sleep_ms));
+    target_forwards += steps + (target_recompute && b > 0 ? 1 : 0);
     return mk(mix(target_cache.context_hash(2), b));
   }
   void target_commit_forward(int b, const Handle& x) override {
     note("tcommit " + std::to_string(b));
+    if (!target_recompute) target_forwards += 1;
     target_cache.pending = val(x);
   }
   void target_cache_commit() override { target_cache.committed.push_back(target_cache.pending); }
-  Handle decode(const Handle& x) override {
+  void produced_by(const char* stage, Role r, int b) {
+    std::lock_guard<std::mutex> lk(mu);
+    producers.push_back(std::string(stage) + " " + role_name(r) + " " + std::to_string(b));
+  }
+  Handle decode(const Handle& x, Role r, int b) override {
+    produced_by("decode", r, b);
     if (decode_sleep_ms) std::this_thread::sleep_for(std::chrono::milliseconds(decode_sleep_ms));
     vae.push_back(val(x));
     uint64_t h = 3;
     for (auto v : vae) h = mix(h, v);
     return mk(h);
   }
-  Scored score(const Handle& frames) override {
+  Scored score(const Handle& frames, Role r, int b) override {
+    produced_by("score", r, b);
     if (log_scores) note("score");
     Scored s;
     s.score = static_cast<double>(val(frames) % 1000) / 1000.0;
@@ -107,7 +125,6 @@ static SchedulerConfig base_cfg(int n) {
   c.num_blocks = n;
   c.frames_per_block = 3;
   c.drafter_steps = 4;
-  c.target_steps = 4;
   c.drafter_recompute = false;
   c.target_recompute = false;
   c.run_ahead_blocks = 1;
@@ -153,9 +170,14 @@ static void test_sequential_call_order() {
   CHECK(f.emitted[1].decision == Decision::Accepted && val(f.emitted[1].latents) == val(f.emitted[1].draft_latents));
   CHECK(f.emitted[2].decision == Decision::Rejected);
   const auto& c = s.counters();
-  CHECK(c.target_forwards == 4 + 1 + 1 + 4);
-  CHECK(c.drafter_forwards == 4 + 4 + 2);
+  CHECK(f.target_forwards == 4 + 1 + 1 + 4);
+  CHECK(f.drafter_forwards == 4 + 4 + 2);
   CHECK(c.skipped_drafter_forwards == 4);
+  // decode and score are told whose output they handle: the forced block and the rejected block's
+  // target output, the drafts of blocks 1 and 2
+  const std::vector<std::string> producers = {"decode target 0", "decode drafter 1", "score drafter 1",
+                                              "decode drafter 2", "score drafter 2", "decode target 2"};
+  CHECK(f.producers == producers);
   CHECK(c.skipped_target_commits == 1);  // block 2 is last
   CHECK(c.skipped_drafter_commits == 1);
 }
@@ -168,7 +190,7 @@ static void test_trailing_accepts_cost_the_target_nothing() {
   for (auto& l : f.log) tcommits += l.rfind("tcommit", 0) == 0;
   CHECK(tcommits == 1);  // only block 0, before the accepted run
   CHECK(s.counters().skipped_target_commits == 4);
-  CHECK(s.counters().target_forwards == 5);
+  CHECK(f.target_forwards == 5);
 }
 
 static void test_run_ahead_equals_sequential(bool own) {
@@ -187,7 +209,8 @@ static void test_run_ahead_equals_sequential(bool own) {
       CHECK(a.emitted[i].decision == b.emitted[i].decision);
       CHECK(val(a.emitted[i].frames) == val(b.emitted[i].frames));
     }
-    CHECK(sa.counters().target_forwards == sb.counters().target_forwards);
+    CHECK(a.target_forwards == b.target_forwards);
+    CHECK(a.producers == b.producers);
     CHECK(sa.counters().skipped_target_commits == sb.counters().skipped_target_commits);
     if (own) CHECK(sb.counters().redrafts == 0);  // `own`: the drafter never waits, never redrafts
   }
@@ -251,7 +274,7 @@ static void test_trace_spans() {
     static void nap() { std::this_thread::sleep_for(std::chrono::milliseconds(3)); }
     Handle draft(int b) override { nap(); return Fake::draft(b); }
     Handle target(int b) override { nap(); return Fake::target(b); }
-    Handle decode(const Handle& x) override { nap(); return Fake::decode(x); }
+    Handle decode(const Handle& x, Role r, int b) override { nap(); return Fake::decode(x, r, b); }
   };
   for (bool run_ahead : {false, true}) {
     Slow f;
@@ -302,7 +325,7 @@ static bool contains(const std::string& s, const std::string& part) { return s.f
 // A config left as constructed has no blocks, frames or steps: validate() and the scheduler refuse it.
 static void test_zero_config_is_invalid() {
   const SchedulerConfig zero;
-  CHECK(zero.num_blocks == 0 && zero.frames_per_block == 0 && zero.drafter_steps == 0 && zero.target_steps == 0);
+  CHECK(zero.num_blocks == 0 && zero.frames_per_block == 0 && zero.drafter_steps == 0);
   CHECK(zero.tau == 0.0 && zero.accept_prob == 0.0 && zero.uniforms.empty() && zero.pattern.empty());
   CHECK(!zero.force_first_reject && !zero.own_context && !zero.skip_first_draft && !zero.lazy_target_commit);
   CHECK(!zero.score_emitted && !zero.run_ahead);
@@ -310,7 +333,6 @@ static void test_zero_config_is_invalid() {
   CHECK(contains(why, "num_blocks 0 must be >= 1"));
   CHECK(contains(why, "frames_per_block 0 must be >= 1"));
   CHECK(contains(why, "drafter_steps 0 must be >= 1"));
-  CHECK(contains(why, "target_steps 0 must be >= 1"));
   CHECK(contains(why, "run_ahead_blocks 0 must be >= 1"));
   Fake f;
   bool threw = false;
@@ -366,19 +388,20 @@ static void test_names() {
   }
   CHECK(why == "unknown router 'oracle'; choose reward, random or pattern");
   CHECK(std::size(kCounterNames) == 10 && std::string(kCounterNames[7]) == "scheduler_wall_s");
-  CHECK(std::size(kConfigFieldNames) == 19 && std::string(kConfigFieldNames[0]) == "mode");
+  CHECK(std::size(kConfigFieldNames) == 18 && std::string(kConfigFieldNames[0]) == "mode");
 }
 
 // A recompute target: each target denoise past block 0 adds one context forward; committing a block
 // hands its latents over (the stage is called) but runs no forward and moves no pointer.
 static void test_recompute_target_counts() {
   Fake f;
+  f.steps = 5;
+  f.target_recompute = true;
   SchedulerConfig c = pattern_cfg({false, true, false}, false, true, 3);
   c.target_recompute = true;
-  c.target_steps = 5;
   Scheduler s(c, f);
   s.run();
-  CHECK(s.counters().target_forwards == 5 + (5 + 1));  // block 0 (no context yet), block 2 (rejected)
+  CHECK(f.target_forwards == 5 + (5 + 1));  // block 0 (no context yet), block 2 (rejected)
   CHECK(f.target_cache.committed.empty());              // no pointer move
   int tcommits = 0;
   for (auto& l : f.log) tcommits += l.rfind("tcommit", 0) == 0;

@@ -5,9 +5,12 @@ torch-tensorrt programs of `--format torch-tensorrt`, the other stages as Tensor
 are validated against this setup (config, weights, shapes, precision, device, versions) before they
 run.
 
-A `StageRunners` object is built once per pipeline and backend and holds the compiled modules or
-engine executors (`sdvg.engines.executor`) explicitly, one per stage (`sdvg.engines.signatures`),
-each loaded when first needed; the loops call `dit_forward`, `decode` and `score` through it."""
+Each backend is one entry of `REGISTRY` behind one interface (`make`: a static stage from its module
+or its engine signature); what needs the eager backend is refused in one place, before loading
+(`sdvg.options.backend_conflicts`). A `StageRunners` object is built once per pipeline and backend
+and holds the compiled modules or engine executors (`sdvg.engines.executor`) explicitly, one per
+stage (`sdvg.engines.signatures`), each made when first needed; the loops call `dit_forward`,
+`decode` and `score` through it."""
 from __future__ import annotations
 
 import shlex
@@ -21,10 +24,67 @@ from sdvg.engines.stages import (DiTStep, RewardStep, VAEDecodeStep, dit_forward
 from sdvg.options import BACKENDS
 
 STAGE_BACKENDS = BACKENDS  # declared once, in sdvg.options
-# engine backend -> (artifact of its DiT stages, artifact of its other stages) in the engine cache; the
-# `python -m build_engines --format` that builds a folder for it is the DiT stages' artifact
-ENGINE_ARTIFACTS = {"tensorrt": ("tensorrt", "tensorrt"), "onnxruntime": ("onnx", "onnx"),
-                    "torch-tensorrt": ("torch-tensorrt", "tensorrt")}
+
+
+class CompiledStages:
+    """`compile`: each static stage module through torch.compile."""
+
+    static = True
+
+    def make(self, runners: "StageRunners", make_step, signature, dynamic, extra):
+        return torch.compile(make_step().eval(), mode=runners.compile_mode, dynamic=dynamic)
+
+
+class EngineStages:
+    """An engine backend: each static stage an executor of a validated engine-cache artifact. `dit_artifact`
+    holds its DiT stages (and names the `build_engines --format` that builds the folder), `other_artifact`
+    the VAE and reward stages; `libraries()` imports what it runs on, or raises the install message."""
+
+    static = True
+
+    def __init__(self, dit_artifact: str, other_artifact: str, libraries):
+        self.dit_artifact, self.other_artifact, self.libraries = dit_artifact, other_artifact, libraries
+
+    def make(self, runners: "StageRunners", make_step, signature, dynamic, extra):
+        return runners._engine(signature(), extra)
+
+
+class EagerStages:
+    """`eager`: the modules as they are (no static stage is ever made)."""
+
+    static = False
+
+    def make(self, runners, make_step, signature, dynamic, extra):
+        raise AssertionError("the eager backend runs no static stage")
+
+
+def _tensorrt():
+    from sdvg.engines.tensorrt import import_tensorrt
+
+    import_tensorrt()
+
+
+def _onnxruntime():
+    from sdvg.engines.onnxruntime import import_onnxruntime
+
+    import_onnxruntime()
+
+
+def _torch_tensorrt():
+    from sdvg.engines.torch_trt import import_torch_tensorrt
+
+    _tensorrt()
+    import_torch_tensorrt()
+
+
+# The registry: one entry per backend of sdvg.options.BACKENDS (tests/test_trt_executors.py checks they match).
+REGISTRY = {"eager": EagerStages(), "compile": CompiledStages(),
+            "tensorrt": EngineStages("tensorrt", "tensorrt", _tensorrt),
+            "onnxruntime": EngineStages("onnx", "onnx", _onnxruntime),
+            "torch-tensorrt": EngineStages("torch-tensorrt", "tensorrt", _torch_tensorrt)}
+# engine backend -> (artifact of its DiT stages, artifact of its other stages) in the engine cache
+ENGINE_ARTIFACTS = {name: (b.dit_artifact, b.other_artifact) for name, b in REGISTRY.items()
+                    if isinstance(b, EngineStages)}
 BUILD_FORMATS = tuple(dict.fromkeys(dit for dit, _ in ENGINE_ARTIFACTS.values()))  # build_engines --format choices
 
 
@@ -39,22 +99,6 @@ def engine_artifact(backend: str, family: str) -> str:
     return dit if family.endswith("_dit") else other
 
 
-def _import_check(backend: str) -> None:
-    """The backend's libraries, or their install message, before anything is loaded."""
-    from sdvg.engines.tensorrt import import_tensorrt
-
-    if backend == "onnxruntime":
-        from sdvg.engines.onnxruntime import import_onnxruntime
-
-        import_onnxruntime()
-        return
-    import_tensorrt()
-    if backend == "torch-tensorrt":
-        from sdvg.engines.torch_trt import import_torch_tensorrt
-
-        import_torch_tensorrt()
-
-
 class StageRunners:
     """`build_flags`: the `python -m build_engines` flags that load these components' weights (the
     checkpoint flags, or --weights-seed), for the rebuild command an engine error names."""
@@ -63,13 +107,13 @@ class StageRunners:
                  compile_mode: str | None = None, build_flags=(), executor: ExecutorOptions | None = None):
         if backend not in STAGE_BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {STAGE_BACKENDS}")
-        self.comps, self.backend = comps, backend
+        self.comps, self.backend, self.stages_of = comps, backend, REGISTRY[backend]
         self.build_flags = list(build_flags)
         p = comps.preset
         self._fpb = p.video.frames_per_block
         self._tpf = {role: p.video.tokens_per_frame(p.vae, dit.config)
                      for role, dit in (("drafter", comps.drafter), ("target", comps.target)) if dit is not None}
-        self._compile_mode = compile_mode
+        self.compile_mode = compile_mode
         self._stages: dict = {}  # stage name -> callable (compiled module or engine)
         self._text: dict = {}  # role -> (TextKV, stacked K, stacked V) of its last prompt (one thread per role)
         self._cache = None
@@ -78,11 +122,11 @@ class StageRunners:
         self._graphs_on = False  # whether the current video uses them
         self.fast_vae = None  # FastVAEDecode, made by the first video that asks for fast_vae
         self._fast_vae_on = False  # whether the current video uses it
-        if backend in ENGINE_ARTIFACTS:
+        if isinstance(self.stages_of, EngineStages):
             if engines is None:
                 raise ValueError(f"backend {backend!r} needs engines=<folder built by python -m build_engines "
                                  f"--format {build_format(backend)}> (CLI: --engines DIR)")
-            _import_check(backend)
+            self.stages_of.libraries()
             from sdvg.engines.cache import EngineCache
 
             self.engines = Path(engines)
@@ -90,14 +134,19 @@ class StageRunners:
 
     @property
     def static(self) -> bool:
-        return self.backend != "eager"
+        return self.stages_of.static
+
+    def _stage(self, name: str, make_step, signature, dynamic=False, extra=()):
+        """The static stage `name`, made once by the backend: `make_step()` the module (compile),
+        `signature()` its engine signature (engine backends)."""
+        if name not in self._stages:
+            self._stages[name] = self.stages_of.make(self, make_step, signature, dynamic, extra)
+        return self._stages[name]
 
     # ----------------------------------------------------------- CUDA graphs
     def use_graphs(self, on: bool):
-        """Called once per video (`prepare`): the pipeline's `DiTGraphs` when `on`, else None."""
-        if on and self.static:
-            raise ValueError(f"cuda_graphs needs backend 'eager', not {self.backend!r} (compile: "
-                             "compile_mode='reduce-overhead' captures its own graphs)")
+        """Called once per video (`prepare`, after `options.backend_conflicts`): the pipeline's `DiTGraphs`
+        when `on`, else None."""
         if on and self.graphs is None:
             from sdvg.generation.graphs import DiTGraphs
 
@@ -107,10 +156,8 @@ class StageRunners:
 
     # ------------------------------------------------------------- fast VAE
     def use_fast_vae(self, on: bool) -> None:
-        """Called once per video (`prepare`): decode through the pipeline's `FastVAEDecode` when `on`."""
-        if on and self.static:
-            raise ValueError(f"fast_vae needs backend 'eager', not {self.backend!r} (the {self.backend} backend runs "
-                             "its own VAE stage)")
+        """Called once per video (`prepare`, after `options.backend_conflicts`): decode through the
+        pipeline's `FastVAEDecode` when `on`."""
         if on and self.fast_vae is None:
             from sdvg.generation.fast_vae import FastVAEDecode
 
@@ -144,18 +191,12 @@ class StageRunners:
     def _dit_stage(self, role: str, frames: int, cached: bool):
         from sdvg.engines.signatures import dit_signature, dit_stage_name
 
-        name = dit_stage_name(role, frames, cached)
-        if name not in self._stages:
-            dit = getattr(self.comps, role)
-            if self.backend == "compile":
-                # the cached stage's visible and cache lengths vary: automatic dynamic shapes after the first
-                self._stages[name] = torch.compile(DiTStep(dit, self._fpb).eval(), mode=self._compile_mode,
-                                                   dynamic=None if cached else False)
-            else:
-                extra = () if frames == self._fpb else ("--kv-cache-frames", str(frames))
-                self._stages[name] = self._engine(dit_signature(self.comps.preset, role, frames, cached, dit.dtype),
-                                                  extra)
-        return self._stages[name]
+        dit = getattr(self.comps, role)
+        # compile: the cached stage's visible and cache lengths vary (automatic dynamic shapes after the first)
+        return self._stage(dit_stage_name(role, frames, cached), lambda: DiTStep(dit, self._fpb),
+                           lambda: dit_signature(self.comps.preset, role, frames, cached, dit.dtype),
+                           dynamic=None if cached else False,
+                           extra=() if frames == self._fpb else ("--kv-cache-frames", str(frames)))
 
     # ------------------------------------------------------------------ VAE
     def decode(self, latents, cache):
@@ -165,19 +206,18 @@ class StageRunners:
         return vae_decode_static(lambda *args: self._vae_stage(cache)(*args), dec, latents, cache)
 
     def _vae_stage(self, cache):
-        if "vae_decode" not in self._stages:
-            dec = self.comps.vae
-            step = VAEDecodeStep.for_cache(dec, cache).eval()
-            if self.backend == "compile":
-                self._stages["vae_decode"] = torch.compile(step, mode=self._compile_mode, dynamic=False)
-            else:
-                from sdvg.engines.signatures import vae_signature, vae_tensor_slots
+        dec = self.comps.vae
 
-                if vae_tensor_slots(self.comps.preset) != (step.num_entries, step.tensor_slots):
-                    raise RuntimeError("the VAE decoder's cache differs from the one its engine signature was derived "
-                                       "from; rebuild the engines")
-                self._stages["vae_decode"] = self._engine(vae_signature(self.comps.preset, dec.dtype))
-        return self._stages["vae_decode"]
+        def signature():
+            from sdvg.engines.signatures import vae_signature, vae_tensor_slots
+
+            step = VAEDecodeStep.for_cache(dec, cache)
+            if vae_tensor_slots(self.comps.preset) != (step.num_entries, step.tensor_slots):
+                raise RuntimeError("the VAE decoder's cache differs from the one its engine signature was derived "
+                                   "from; rebuild the engines")
+            return vae_signature(self.comps.preset, dec.dtype)
+
+        return self._stage("vae_decode", lambda: VAEDecodeStep.for_cache(dec, cache), signature)
 
     # --------------------------------------------------------------- reward
     def score(self, prompt: str, unit_frames):
@@ -190,16 +230,11 @@ class StageRunners:
             return self._reward_stage(images.shape[0])(images, tok.ids, tok.mask)
 
     def _reward_stage(self, frames: int):
-        name = f"reward_{frames}f"
-        if name not in self._stages:
-            sc = self.comps.scorer
-            if self.backend == "compile":
-                self._stages[name] = torch.compile(RewardStep(sc).eval(), mode=self._compile_mode, dynamic=False)
-            else:
-                from sdvg.engines.signatures import reward_signature
+        from sdvg.engines.signatures import reward_signature
 
-                self._stages[name] = self._engine(reward_signature(self.comps.preset, frames, sc.dtype))
-        return self._stages[name]
+        sc = self.comps.scorer
+        return self._stage(f"reward_{frames}f", lambda: RewardStep(sc),
+                           lambda: reward_signature(self.comps.preset, frames, sc.dtype))
 
     # -------------------------------------------------------------- engines
     def rebuild_command(self, extra=()) -> str:

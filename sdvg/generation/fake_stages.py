@@ -1,4 +1,4 @@
-"""The shared fake of the stage protocol (`types.StageCalls`): the native scheduler without models.
+"""The shared fake of the stage calls (`sdvg._C.StageCalls`): the native scheduler without models.
 
 Used by the scheduler's tests (CPU and GPU) and by `benchmarks/scheduler.py`. Each stage call does
 a controlled amount of work: sleep for a set time (releases the GIL like device work), or keep the
@@ -25,7 +25,7 @@ FRAMES_PER_BLOCK = 3
 NUM_STEPS = 4
 
 
-class FakeStages:
+class FakeStages(_C.StageCalls):
     """costs: seconds per stage name (a number for all, or a mapping; missing stages cost 0).
     spin_cycles: instead of sleeping, keep the GPU busy for that many cycles per call on the current
     stream and wait for that stream (records which stream each role ran on in `streams`).
@@ -34,6 +34,7 @@ class FakeStages:
     def __init__(self, costs: float | Mapping[str, float] = 0.0, fail_at: int | None = None,
                  score: tuple[float, list[float]] | None = (1.0, [1.0, 2.0]), spin_cycles: int | None = None,
                  device: str | torch.device = "cpu"):
+        _C.StageCalls.__init__(self)
         unknown = set(costs) - set(STAGE_NAMES) if isinstance(costs, Mapping) else set()
         if unknown:
             raise ValueError(f"unknown stages {sorted(unknown)}; stages are {STAGE_NAMES}")
@@ -41,7 +42,8 @@ class FakeStages:
         self.fail_at, self._score, self.spin_cycles = fail_at, score, spin_cycles
         self.device = torch.device(device)
         self.calls: list[tuple[str, int | None]] = []
-        self.emitted: list[dict] = []
+        self.producers: list[tuple[str, str, int]] = []  # (stage, producer, block) of each decode and score
+        self.emitted: list = []  # the _C.EmittedBlock of each block
         self.streams: dict[str, int] = {}  # role -> CUDA stream handle (spin mode)
         self.caches: dict[str, object] = {}  # role -> native KV cache (set by fake_scheduler)
 
@@ -81,13 +83,15 @@ class FakeStages:
         self._work("target_commit", block, "target")
         self._forward("target")
 
-    def decode(self, latents):
-        self._work("decode", None, "vae")
+    def decode(self, latents, producer: str, block: int):
+        self.producers.append(("decode", producer, block))
+        self._work("decode", block, "vae")
         return latents * 2
 
-    def score(self, frames):
-        self._work("score", None, "vae")
-        return self._score
+    def score(self, frames, producer: str, block: int):
+        self.producers.append(("score", producer, block))
+        self._work("score", block, "vae")
+        return None if self._score is None else _C.Scored(*self._score)
 
     def vae_snapshot(self):
         return len(self.calls)
@@ -95,8 +99,8 @@ class FakeStages:
     def vae_restore(self, snapshot) -> None:
         pass
 
-    def emit(self, record: dict) -> None:
-        self.emitted.append(record)
+    def emit(self, block) -> None:
+        self.emitted.append(block)
 
 
 def fake_caches(num_blocks: int):
@@ -109,13 +113,14 @@ def fake_caches(num_blocks: int):
     return cache(), cache()
 
 
-def fake_scheduler(stages: FakeStages, options: GenerationOptions, device: str | torch.device = "cpu"):
-    """A native scheduler over `stages` with the run's options (num_blocks must be set)."""
+def fake_scheduler(stages: FakeStages, options: GenerationOptions, device: str | torch.device = "cpu",
+                   log_streams: bool = False):
+    """A native scheduler over `stages` with the run's options (num_blocks must be set). `log_streams`:
+    every lane's stream operation is written down instead of made (`stream_log()`), on any device."""
     if options.num_blocks is None:
         raise ValueError("fake_scheduler needs options with num_blocks set")
     drafter_cache, target_cache = fake_caches(options.num_blocks)
     stages.caches = {"drafter": drafter_cache, "target": target_cache}
     dev = torch.device(device)
-    return _C.Scheduler(scheduler_config(options, FRAMES_PER_BLOCK, NUM_STEPS, NUM_STEPS), stages, drafter_cache,
-                        target_cache,
-                        dev, dev)
+    return _C.Scheduler(scheduler_config(options, FRAMES_PER_BLOCK, NUM_STEPS), stages, drafter_cache,
+                        target_cache, dev, dev, log_streams=log_streams)

@@ -1,7 +1,7 @@
 """NaN/inf in a stage output: an error naming the stage and the block, except for a draft.
 
-Both schedulers call their stages through one `StageGuard` per video (`Setup.guard`), so they make
-the same decisions:
+Both schedulers call their stages through one `StageGuard` per video (`Setup.guard`, called by the
+stage-call object of `calls.py`), so they make the same decisions:
 
 - the target's latents, the VAE decode of the emitted block and the reward scores of emitted
   frames (`score_emitted`) must be finite, else `NonFiniteError` ("target output of block 3 holds
@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 import threading
 import warnings
-import weakref
 
 import torch
 
@@ -62,39 +61,39 @@ _HINT = ("a numerical overflow (fp16: use bf16 or fp32) or bad weights (weights 
 
 
 class StageGuard:
-    """The finite checks of one video's stage outputs. Stage outputs are tagged with the role and block
-    that made them (by object identity), so the decode and score stages know whether they handle a draft."""
+    """The finite checks of one video's stage outputs. The stage calls say whose output they hand over
+    (`producer`: "drafter" or "target") and for which block; a draft found non-finite is remembered by
+    its block until its score stage rejects it (a redraft of the block replaces the finding)."""
 
     def __init__(self, opts: GenerationOptions):
         self.mode, self.router, self.seed = opts.mode, Router.from_options(opts), opts.seed
         self.force_first_reject, self.own_context = opts.force_first_reject, opts.drafter_context == "own"
-        self._tags: dict[int, tuple] = {}  # id(tensor) -> (weakref, role, block, problem or None)
-        self._lock = threading.Lock()  # the drafter thread (run-ahead) tags drafts while the main one reads
+        self._problems: dict[int, str] = {}  # block -> what is wrong with its current draft
+        self._lock = threading.Lock()  # the drafter thread (run-ahead) checks drafts while the main one reads
         self.rejected: list[int] = []  # blocks whose draft was rejected for NaN/inf, in order
 
-    # ------------------------------------------------------------------ tags
-    def _tag(self, t, role: str, block: int, problem: str | None) -> None:
+    def _set_problem(self, block: int, problem: str | None) -> None:
         with self._lock:
-            for key in [k for k, v in self._tags.items() if v[0]() is None]:
-                del self._tags[key]
-            self._tags[id(t)] = (weakref.ref(t), role, block, problem)
+            if problem is None:
+                self._problems.pop(block, None)
+            else:
+                self._problems[block] = problem
 
-    def _origin(self, t) -> tuple[str, int, str | None]:
+    def _problem(self, producer: str, block: int) -> str | None:
+        if producer != "drafter":
+            return None
         with self._lock:
-            entry = self._tags.get(id(t))
-        if entry is None or entry[0]() is not t:
-            return "unknown", -1, None
-        return entry[1:]
+            return self._problems.get(block)
 
     # ---------------------------------------------------------------- stages
     def draft(self, x: torch.Tensor, block: int) -> torch.Tensor:
-        """The drafter's latents of `block`: tagged; in mode `draft` (the draft is the block) NaN/inf raises."""
+        """The drafter's latents of `block`; in mode `draft` (the draft is the block) NaN/inf raises."""
         nan, inf = nonfinite_counts(x)
         problem = f"drafter output of block {block} holds {describe(nan, inf)}" if nan or inf else None
         if problem and self.mode != "sdvg":
             raise NonFiniteError(f"{problem}; in mode {self.mode!r} the draft is the block and nothing replaces it "
                                  f"({_HINT})", "draft", block)
-        self._tag(x, "draft", block, problem)
+        self._set_problem(block, problem)
         return x
 
     def target(self, x: torch.Tensor, block: int) -> torch.Tensor:
@@ -103,34 +102,30 @@ class StageGuard:
         if nan or inf:
             raise NonFiniteError(f"target output of block {block} holds {describe(nan, inf)}; the block cannot be "
                                  f"emitted ({_HINT})", "target", block)
-        self._tag(x, "target", block, None)
         return x
 
-    def decode(self, fn, latents):
-        """`fn()` decodes `latents`; a draft already found non-finite is not decoded (its block is
-        rejected and the VAE cache restored; `latents` comes back as its placeholder). NaN/inf in the
-        pixels of a draft marks the draft; in those of an emitted block it raises."""
-        role, block, problem = self._origin(latents)
-        if problem is not None:
+    def decode(self, fn, latents, producer: str, block: int):
+        """`fn()` decodes `producer`'s `latents` of `block`; a draft already found non-finite is not
+        decoded (its block is rejected and the VAE cache restored; `latents` comes back as its
+        placeholder). NaN/inf in the pixels of a draft marks the draft; in those of an emitted block it raises."""
+        if self._problem(producer, block) is not None:
             return latents
         pixels = fn()
         nan, inf = nonfinite_counts(pixels)
         if nan or inf:
-            what = f"VAE decode of the draft of block {block} holds {describe(nan, inf)}"
-            if role == "draft" and self.mode == "sdvg":
-                self._tag(pixels, "draft", block, what)
+            if producer == "drafter" and self.mode == "sdvg":
+                self._set_problem(block, f"VAE decode of the draft of block {block} holds {describe(nan, inf)}")
                 return pixels
             raise NonFiniteError(f"decode output of block {block} holds {describe(nan, inf)}; the block cannot be "
                                  "emitted (the latents were finite: the VAE overflowed or its weights are bad)",
                                  "decode", block)
-        self._tag(pixels, role, block, None)
         return pixels
 
-    def score(self, fn, pixels, aggregator) -> tuple[float, list[float]]:
-        """(aggregated score, per-frame scores) of decoded `pixels` (`fn(pixels)` scores them). A
-        non-finite draft is rejected (NaN, not scored when its latents or pixels were the problem);
-        non-finite scores of emitted frames raise."""
-        role, block, problem = self._origin(pixels)
+    def score(self, fn, pixels, aggregator, producer: str, block: int) -> tuple[float, list[float]]:
+        """(aggregated score, per-frame scores) of `producer`'s decoded `pixels` of `block` (`fn(pixels)`
+        scores them). A non-finite draft is rejected (NaN, not scored when its latents or pixels were the
+        problem); non-finite scores of emitted frames raise."""
+        problem = self._problem(producer, block)
         if problem is not None:
             self.reject(block, problem)
             return math.nan, []
@@ -140,16 +135,16 @@ class StageGuard:
         if bad:
             nan = sum(math.isnan(v) for v in bad)
             counts = describe(nan, len(bad) - nan)
-            if role == "draft":
+            if producer == "drafter":
                 self.reject(block, f"reward scores of the draft of block {block} hold {counts}")
                 return math.nan, frame_scores
             raise NonFiniteError(f"reward scores of the emitted frames of block {block} hold {counts} (the frames "
                                  "were finite: the reward model overflowed or its weights are bad)", "score", block)
-        return aggregator(s), frame_scores
+        return float(aggregator(s)), frame_scores
 
-    def judge(self, pixels) -> None:
+    def judge(self, producer: str, block: int) -> None:
         """The score stage without a reward model: a non-finite draft is rejected (or raises, see `reject`)."""
-        role, block, problem = self._origin(pixels)
+        problem = self._problem(producer, block)
         if problem is not None:
             self.reject(block, problem)
 

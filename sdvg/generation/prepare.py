@@ -3,6 +3,7 @@ cache and its prompt K/V, the VAE cache and the stage runners. Shared by the ref
 native driver (neither imports the other)."""
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -18,12 +19,7 @@ from sdvg.models.kv_cache import KVCacheSpec
 from sdvg.models.memory import (MemoryItem, check_budget, device_key, kv_arithmetic, prompt_kv_bytes,
                                 resident_items)
 from sdvg.models.reward import Aggregator
-from sdvg.options import GenerationOptions
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from sdvg.options import GenerationOptions, backend_conflicts
 
 
 class RoleModel:
@@ -82,19 +78,23 @@ class RoleModel:
         if self.exit_verifier is not None:
             return self._denoise_with_exit(noise, block, position, seed)
         x = noise.to(self.device)
-        n_frames = x.shape[2]
         steps = self.schedule.num_steps
         for i in range(steps):
-            t = torch.full((1, n_frames), self.schedule.timesteps[i], device=self.device)
-            flow = self.forward(x, t, position)
+            x0 = self.x0_at(x, i, position)
             self._count()
-            x0 = self.schedule.to_x0(x, flow, i)
-            if i + 1 < steps:
-                eps = gaussian(x.shape, seed, block, i + 1, self.role, self.device)
-                x = self.schedule.renoise(x0, eps, i + 1)
-            else:
-                x = x0
+            x = self.renoised(x0, i + 1, block, seed) if i + 1 < steps else x0
         return x
+
+    def x0_at(self, x: torch.Tensor, i: int, position: int, active=None, hidden=None) -> torch.Tensor:
+        """One denoising call: the model's flow for `x` at step i's timestep -> the clean estimate x0
+        (float32 [1, C, F, h, w]). The plain loop, the oracle's rollout and the early-exit loop all step here
+        (`active`, `hidden`: the sparse forward of early exit)."""
+        t = torch.full((1, x.shape[2]), self.schedule.timesteps[i], device=self.device)
+        return self.schedule.to_x0(x, self.forward(x, t, position, active=active, hidden=hidden), i)
+
+    def renoised(self, x0: torch.Tensor, i: int, block: int, seed: int) -> torch.Tensor:
+        """`x0` re-noised to step i's level with this role's draw of (seed, block, i)."""
+        return self.schedule.renoise(x0, gaussian(x0.shape, seed, block, i, self.role, self.device), i)
 
     # ------------------------------------------------------------ early exit
     def _denoise_with_exit(self, noise: torch.Tensor, block: int, position: int, seed: int) -> torch.Tensor:
@@ -129,7 +129,7 @@ class RoleModel:
         from sdvg.generation.early_exit.tokens import to_tokens
 
         if not frames:
-            return torch.zeros((0, self.dit.config.in_channels * int(torch.tensor(self.patch).prod())),
+            return torch.zeros((0, self.dit.config.in_channels * math.prod(self.patch)),
                                device=self.device)
         return to_tokens(torch.cat([f.to(self.device) for f in frames], dim=2), self.patch)
 
@@ -145,7 +145,7 @@ class RoleModel:
             if self.vae is None or not self.emitted_pixels:
                 raise RuntimeError(f"{self.role}: re-encoding the first context frame needs the VAE and the emitted "
                                    "pixel window")
-            first = self.vae.encode_frame(self.emitted_pixels[0]).to(self.device)
+            first = self.vae.encode_frame(self.emitted_pixels.oldest()).to(self.device)
         rest = list(self.recent) if self.committed_frames > 1 else []
         return [first] + rest
 
@@ -169,8 +169,8 @@ class RoleModel:
     # ----------------------------------------------------------------- commit
     def commit_forward(self, latents: torch.Tensor, frame0: int) -> None:
         """full: the clean forward at t = 0 writes the block's K/V into the pending slots (pointer
-        unchanged; `cache.commit()` moves it). recompute: the block's latents join the context (no
-        forward; the native scheduler does not move this cache's pointer)."""
+        unchanged: the loop that runs, Python or C++, moves it with `cache.commit()`). recompute: the
+        block's latents join the context (no forward, no pointer move)."""
         if frame0 != self.committed_frames:
             raise ValueError(f"{self.role}: committing a block at frame {frame0}, expected {self.committed_frames}")
         if self.context.recompute:
@@ -189,12 +189,6 @@ class RoleModel:
                 for j, f in enumerate(latents.detach().float().split(1, dim=2)):
                     self._clean_frames[frame0 + j] = f
 
-    def commit(self, latents: torch.Tensor, frame0: int) -> None:
-        """Commit a block: the clean forward and the pointer move (full) or its latents recorded (recompute)."""
-        self.commit_forward(latents, frame0)
-        if not self.context.recompute:
-            self.cache.commit()
-
 
 def cache_spec(comps: Components, dit, context: RoleContext, num_blocks: int, slack_frames: int = 0,
                runners=None) -> KVCacheSpec:
@@ -209,13 +203,9 @@ def allocate_cache(comps: Components, dit, device, context: RoleContext, num_blo
     return cache_spec(comps, dit, context, num_blocks, slack_frames, runners).allocate(dit.dtype, device)
 
 
-def _role_names(mode: str) -> list[str]:
-    return [r for r, runs in (("drafter", mode in ("sdvg", "draft")), ("target", mode in ("sdvg", "target"))) if runs]
-
-
 def _roles(comps: Components, opts: GenerationOptions) -> list[tuple[str, object, torch.device]]:
     """(role, DiT, device) of each role the mode runs."""
-    return [(role, getattr(comps, role), getattr(comps, f"{role}_device")) for role in _role_names(opts.mode)]
+    return [(role, getattr(comps, role), getattr(comps, f"{role}_device")) for role in opts.roles]
 
 
 def video_memory(comps: Components, opts: GenerationOptions, slack_frames: int = 0, runners=None) -> list[MemoryItem]:
@@ -243,7 +233,7 @@ def resident_components(comps: Components) -> list[MemoryItem]:
 
 def _fixes(opts: GenerationOptions) -> str:
     fixes = [f"fewer blocks (num_blocks is {opts.num_blocks})"]
-    full = [r for r in _role_names(opts.mode) if not opts.role_context(r).recompute]
+    full = [r for r in opts.roles if not opts.role_context(r).recompute]
     if full:
         flags = " / ".join({"drafter": "drafter_cache='recompute'", "target": "target_context='recompute'"}[r]
                            for r in full)
@@ -284,6 +274,39 @@ def check_memory(comps: Components, opts: GenerationOptions, slack_frames: int =
     return needs
 
 
+class PixelWindow:
+    """The last `maxlen` emitted pixel frames ([1, 3, 1, H, W] each) a recompute role re-encodes its first
+    context frame from. They are written where blocks are emitted (the VAE lane under the native scheduler)
+    and read on the role's lane: a read waits for an event recorded after the write, and marks the frame
+    as used on the reading stream (a no-op off CUDA)."""
+
+    def __init__(self, maxlen: int):
+        self.frames: deque = deque(maxlen=maxlen)
+        self._written = None  # torch.cuda.Event recorded on the writing stream after the last write
+
+    def __len__(self) -> int:
+        return len(self.frames)
+
+    def extend(self, pixels: torch.Tensor) -> None:
+        """Append a block's pixels [1, 3, T, H, W] (call once per block, in order)."""
+        if not self.frames.maxlen:
+            return
+        self.frames.extend(pixels.split(1, dim=2))
+        if pixels.is_cuda:
+            self._written = torch.cuda.Event()
+            self._written.record(torch.cuda.current_stream(pixels.device))
+
+    def oldest(self) -> torch.Tensor:
+        """The oldest frame, ordered after its write on the calling thread's current stream."""
+        frame = self.frames[0]
+        if frame.is_cuda:
+            stream = torch.cuda.current_stream(frame.device)
+            if self._written is not None:
+                stream.wait_event(self._written)
+            frame.record_stream(stream)
+        return frame
+
+
 @dataclass
 class Setup:
     """What one video needs besides the loop: schedule, models with fresh caches, VAE cache."""
@@ -295,14 +318,13 @@ class Setup:
     frames_per_block: int
     block_shape: tuple
     runners: object
-    emitted_pixels: deque  # the last emitted pixel frames ([1, 3, 1, H, W] each) a recompute role re-encodes
+    emitted_pixels: "PixelWindow"  # the last emitted pixel frames a recompute role re-encodes
     guard: StageGuard  # the NaN/inf checks of every stage output (both schedulers)
 
     def observe(self, pixels: torch.Tensor) -> None:
         """Record a block's emitted pixels [1, 3, T, H, W] (call once per block, in order, before the next
         block is denoised)."""
-        if self.emitted_pixels.maxlen:
-            self.emitted_pixels.extend(pixels.split(1, dim=2))
+        self.emitted_pixels.extend(pixels)
 
 
 def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, slack_frames: int = 0,
@@ -321,15 +343,15 @@ def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, s
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("prompt is empty; give a non-empty text prompt")
     p = comps.preset
-    need_drafter = opts.mode in ("sdvg", "draft")
-    need_target = opts.mode in ("sdvg", "target")
-    if need_drafter and comps.drafter is None:
-        raise ValueError(f"mode {opts.mode!r} needs a drafter, but none is loaded")
-    if need_target and comps.target is None:
-        raise ValueError(f"mode {opts.mode!r} needs a target, but none is loaded")
+    for role in opts.roles:
+        if getattr(comps, role) is None:
+            raise ValueError(f"mode {opts.mode!r} needs a {role}, but none is loaded")
+    conflicts = backend_conflicts(opts, runners.backend)
+    if conflicts:
+        raise ValueError(conflicts[0])
     if opts.mode == "sdvg" and opts.router == "reward" and comps.scorer is None:
         raise ValueError("router 'reward' needs the ImageReward model; load one or use router 'random'/'pattern'")
-    verifiers = exit_verifiers_for(comps, opts, runners)  # bad exit settings refused before allocating
+    verifiers = exit_verifiers_for(comps, opts)  # bad exit settings refused before allocating
     if exit_verifiers:
         unknown = sorted(set(exit_verifiers) - set(verifiers))
         if unknown:
@@ -339,11 +361,10 @@ def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, s
     check_memory(comps, opts, slack_frames, runners, memory_budget_gib, prompt)
     emb = comps.text_encoder.encode(prompt)
     zf = p.video.frames_per_block
-    roles = [r for r, needed in (("drafter", need_drafter), ("target", need_target)) if needed]
-    contexts = {role: opts.role_context(role) for role in roles}
+    contexts = {role: opts.role_context(role) for role in opts.roles}
     window = max([c.pixel_window(p.vae.temporal_stride) for c in contexts.values()
                   if c.recompute and not c.keep_first_frame] + [0])
-    emitted_pixels: deque = deque(maxlen=window)
+    emitted_pixels = PixelWindow(window)
     graphs = runners.use_graphs(opts.cuda_graphs) if opts.cuda_graphs or hasattr(runners, "use_graphs") else None
     if opts.fast_vae or hasattr(runners, "use_fast_vae"):
         runners.use_fast_vae(opts.fast_vae)
@@ -360,26 +381,21 @@ def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, s
                          zf, p.video.tokens_per_frame(p.vae, dit.config), comps.vae, emitted_pixels,
                          verifiers.get(role))
 
-    drafter = role_model("drafter", comps.drafter, comps.drafter_device, slack_frames) if need_drafter else None
-    target = role_model("target", comps.target, comps.target_device, 0) if need_target else None
+    drafter = role_model("drafter", comps.drafter, comps.drafter_device, slack_frames) if "drafter" in contexts else None
+    target = role_model("target", comps.target, comps.target_device, 0) if "target" in contexts else None
     lh, lw = p.video.latent_hw(p.vae)
     return Setup(Aggregator(opts.aggregation), drafter, target, comps.vae.new_cache(), zf,
                  (1, p.vae.z_dim, zf, lh, lw), runners, emitted_pixels, StageGuard(opts))
 
 
-def exit_verifiers_for(comps: Components, opts: GenerationOptions, runners) -> dict:
+def exit_verifiers_for(comps: Components, opts: GenerationOptions) -> dict:
     """A fresh early-exit verifier per role that exits early (`opts.early_exit`), or {}. Refuses a
     backend without the sparse forward and a head file that does not fit the role's model."""
     from sdvg.generation.early_exit import ExitPlan, make_verifier
-    from sdvg.options import EXIT_BACKENDS
 
-    roles = [r for r in opts.exit_roles() if r in _role_names(opts.mode)]
+    roles = [r for r in opts.exit_roles() if r in opts.roles]
     if not roles:
         return {}
-    if runners.backend not in EXIT_BACKENDS:
-        raise ValueError(f"early_exit {opts.early_exit!r} runs a sparse forward over the active tokens, which only "
-                         f"the {', '.join(EXIT_BACKENDS)} backend runs (the {runners.backend} stages have static "
-                         "token counts); use backend='eager' or early_exit='none'")
     out = {}
     for role in roles:
         head = None
@@ -387,7 +403,7 @@ def exit_verifiers_for(comps: Components, opts: GenerationOptions, runners) -> d
             from sdvg.models.exit_head import ExitHead
 
             dit = getattr(comps, role)
-            trained_for = ExitHead.read_extra(opts.exit_head).get("generator", {}) if _is_file(opts.exit_head) else {}
+            trained_for = ExitHead.read_extra(opts.exit_head).get("generator", {})  # {} for a missing file
             if trained_for.get("role") not in (None, role):
                 raise ValueError(f"exit head {opts.exit_head} was trained on the {trained_for['role']}'s hidden states, "
                                  f"but early exit asks it to judge the {role}'s; train a head for the {role} (sdvg "
@@ -395,12 +411,6 @@ def exit_verifiers_for(comps: Components, opts: GenerationOptions, runners) -> d
             head = ExitHead.load(opts.exit_head, dim=dit.config.dim, device=getattr(comps, f"{role}_device"))
         out[role] = make_verifier(ExitPlan.from_options(opts, head))
     return out
-
-
-def _is_file(path) -> bool:
-    from pathlib import Path
-
-    return Path(path).is_file()
 
 
 def role_schedule(preset, context: RoleContext) -> FlowSchedule:

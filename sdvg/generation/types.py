@@ -1,5 +1,5 @@
 """The run types both schedulers share: stage and counter names (exported once by the native core),
-the stage protocol the native scheduler calls, one block record, and one run-statistics type.
+one block record, and one run-statistics type (the stage calls are `calls.StageCalls`).
 
 The reference loop (`reference.py`) and the native driver (`native.py`) both import this module and
 neither imports the other; the API, the CLI, the JSON statistics and the benchmarks read the same
@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator
 
 import torch
 
@@ -40,30 +40,6 @@ def block_times(stage_seconds: Mapping[str, float]) -> dict[str, float]:
     return times
 
 
-class StageCalls(Protocol):
-    """The stage calls the native scheduler makes (`sdvg._C.Scheduler`); each runs on the calling
-    thread's current stream. Implemented by `native._Stages` and by the shared fake
-    (`sdvg.generation.fake_stages.FakeStages`) that tests and the scheduler benchmark use."""
-
-    def draft(self, block: int) -> Any: ...  # the drafter's x0 of block b (K/V into its pending slot)
-
-    def drafter_commit(self, block: int, latents: Any) -> None: ...  # t = 0 forward, pointer unchanged
-
-    def target(self, block: int) -> Any: ...
-
-    def target_commit(self, block: int, latents: Any) -> None: ...
-
-    def decode(self, latents: Any) -> Any: ...  # advances the VAE cache
-
-    def score(self, frames: Any) -> tuple[float, list[float]] | None: ...  # None: no reward model
-
-    def vae_snapshot(self) -> Any: ...
-
-    def vae_restore(self, snapshot: Any) -> None: ...
-
-    def emit(self, record: dict) -> None: ...  # index, decision, latents, frames, draft_latents, score, ...
-
-
 @dataclass
 class BlockRecord:
     """One emitted block."""
@@ -78,12 +54,13 @@ class BlockRecord:
     draft_latents: torch.Tensor | None = None  # the drafter's proposal (sdvg mode)
     emitted_scores: list[float] | None = None  # the emitted frames' scores (score_emitted)
     exits: Any = None  # early exit: the block's BlockExits (sdvg/generation/early_exit/record.py)
+    redrafts: int = 0  # run-ahead drafts of this block thrown away after a rejection (scheduler cpp)
 
     def stats(self) -> dict:
         """The block's entry in the statistics (JSON-ready)."""
         out = {"index": self.index, "decision": self.decision, "score": self.score,
                "frame_scores": list(self.frame_scores), "times": dict(self.times),
-               "frames": int(self.frames.shape[0])}
+               "frames": int(self.frames.shape[0]), "redrafts": self.redrafts}
         if self.emitted_scores is not None:
             out["emitted_scores"] = list(self.emitted_scores)
         if self.exits is not None:

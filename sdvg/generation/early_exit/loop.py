@@ -18,7 +18,6 @@ import torch
 from sdvg.generation.early_exit.record import ExitRecord
 from sdvg.generation.early_exit.tokens import token_grid, token_mask_to_latents
 from sdvg.generation.early_exit.view import BlockContext, StepView
-from sdvg.generation.noise import gaussian
 
 
 @dataclass(frozen=True)
@@ -62,15 +61,13 @@ def make_verifier(plan: ExitPlan):
 def dense_rollout(model, noise: torch.Tensor, block: int, position: int, seed: int) -> list[torch.Tensor]:
     """The full schedule without exits: every call's x0 [1, C, F, H, W] (float32). Writes the pending
     cache slot like any denoise (a following denoise of the block overwrites it at its first call)."""
-    sched = model.schedule
     x = noise.to(model.device)
     out = []
-    for i in range(sched.num_steps):
-        t = torch.full((1, x.shape[2]), sched.timesteps[i], device=model.device)
-        x0 = sched.to_x0(x, model.forward(x, t, position), i)
+    for i in range(model.schedule.num_steps):
+        x0 = model.x0_at(x, i, position)
         out.append(x0)
-        if i + 1 < sched.num_steps:
-            x = sched.renoise(x0, gaussian(x.shape, seed, block, i + 1, model.role, model.device), i + 1)
+        if i + 1 < model.schedule.num_steps:
+            x = model.renoised(x0, i + 1, block, seed)
     return out
 
 
@@ -78,11 +75,11 @@ def denoise_with_exit(model, verifier, noise: torch.Tensor, block: int, position
                       history) -> tuple[torch.Tensor, ExitRecord]:
     """Denoise `noise` [1, C, F, H, W] (float32) for block `block` at RoPE position `position` with
     early exit -> (x0 [1, C, F, H, W] float32 on the model's device, its ExitRecord). `model` is the
-    RoleModel (forward, schedule, role, device, patch); `history()` gives the clean history tokens
+    RoleModel (x0_at, renoised, schedule, role, device, patch); `history()` gives the clean history tokens
     the attention window sees [N, D]."""
-    sched, device, patch = model.schedule, model.device, model.patch
+    device, patch = model.device, model.patch
     x = noise.to(device)
-    K = sched.num_steps
+    K = model.schedule.num_steps
     grid = token_grid(tuple(x.shape), patch)
     num_tokens = grid[0] * grid[1] * grid[2]
     verifier.start(BlockContext(model.role, block, seed, K, tuple(x.shape), patch, history,
@@ -94,12 +91,10 @@ def denoise_with_exit(model, verifier, noise: torch.Tensor, block: int, position
     out = torch.zeros_like(x)  # the committed tokens' x0
     prev_x0, forwards = None, 0
     for i in range(K):
-        t = torch.full((1, x.shape[2]), sched.timesteps[i], device=device)
         dense = active.numel() == num_tokens
         hidden = [] if verifier.needs_hidden else None
-        flow = model.forward(x, t, position, active=None if dense else active, hidden=hidden)
+        x0 = model.x0_at(x, i, position, active=None if dense else active, hidden=hidden)  # at the active tokens
         forwards += 1
-        x0 = sched.to_x0(x, flow, i)  # meaningful at the active tokens
         if i + 1 == K:
             break
         view = StepView(i, K, x0, prev_x0, active, hidden[0][0] if hidden else None, patch)
@@ -114,7 +109,7 @@ def denoise_with_exit(model, verifier, noise: torch.Tensor, block: int, position
             active = active[~exits]
             if active.numel() == 0:
                 break
-        x = sched.renoise(x0, gaussian(x.shape, seed, block, i + 1, model.role, device), i + 1)
+        x = model.renoised(x0, i + 1, block, seed)
         prev_x0 = x0
     if active.numel():
         keep = token_mask_to_latents(frozen, tuple(x.shape), patch)

@@ -1,0 +1,168 @@
+"""The stage calls of one video: the one object both loops call (`reference.py` in Python, the
+native scheduler through `sdvg._C.StageCalls`, its typed pybind11 boundary).
+
+Each call runs one stage of the method on the calling thread's current stream and owns the glue
+around it, once for both loops:
+
+- timing: `stage_timing="sync"` waits for the stage's stream before and after the call (the stage
+  times measure execution); `"events"` records a CUDA event pair around it instead (`StageEvents`);
+- the trace: when the loop is Python (`record_trace=True`) every call is a span on the timeline and
+  its seconds are charged to the block being produced (`begin_block`); the native scheduler keeps
+  its own trace and block times;
+- copy-ahead: under `cuda_graphs` a block's noise draws come from pinned memory, copied ahead;
+- the NaN/inf guard (`StageGuard`), told explicitly whose output a decode or a score handles;
+- device moves of latents between the roles (`LatentTransfer`).
+
+The KV write pointer is not moved here: a commit call runs the t = 0 forward only, and the loop that
+runs (Python or C++) moves the pointer after it. The forwards are counted by the models as they make
+them (`RoleModel`, into the run's counters).
+"""
+from __future__ import annotations
+
+import queue
+import time
+
+import torch
+
+from sdvg._native import _C
+from sdvg.generation.early_exit.record import block_exits
+from sdvg.generation.noise import block_noise, copy_ahead
+from sdvg.generation.stage_timing import StageEvents
+from sdvg.generation.transfer import LatentTransfer
+from sdvg.generation.types import STAGE_NAMES, BlockRecord, block_times
+from sdvg.models.components import Components
+from sdvg.models.vae import to_uint8_frames, to_unit_frames
+from sdvg.options import GenerationOptions
+
+ROLE_NAMES: tuple[str, ...] = tuple(_C.ROLE_NAMES)  # drafter, target: whose output a decode or score handles
+
+
+class StageCalls(_C.StageCalls):
+    """The stages of one prepared video (`setup`, from `prepare`). `record_trace`: the calling loop is
+    Python and this object keeps the trace and the per-block times; `sink`: where `emit` (the native
+    scheduler's hand-over) puts each finished `BlockRecord`."""
+
+    def __init__(self, comps: Components, prompt: str, opts: GenerationOptions, setup, record_trace: bool = False,
+                 sink: queue.Queue | None = None):
+        _C.StageCalls.__init__(self)
+        self.comps, self.prompt, self.opts, self.setup, self.sink = comps, prompt, opts, setup, sink
+        self.guard, self.frames_per_block = setup.guard, setup.frames_per_block
+        self.drafter_dev, self.target_dev, self.vae_dev = comps.drafter_device, comps.target_device, comps.vae.device
+        self.transfer = LatentTransfer([self.drafter_dev, self.target_dev])
+        self.waits = opts.stage_timing == "sync"
+        self.events = StageEvents([self.drafter_dev, self.target_dev, self.vae_dev])
+        self.trace: list[dict] | None = [] if record_trace else None
+        self.times: dict[int, dict[str, float]] = {}  # record_trace: block -> seconds per stage
+        self.block = 0  # record_trace: the block the loop is producing (its calls are charged to it)
+        self.t_start = time.perf_counter()
+
+    # ------------------------------------------------------------------ glue
+    def begin_block(self, block: int) -> None:
+        """The Python loop starts producing `block`: the calls that follow are charged to it."""
+        self.block = block
+        self.times[block] = {k: 0.0 for k in STAGE_NAMES}
+
+    def _wait(self, device) -> None:
+        if torch.device(device).type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+
+    def _call(self, stage: str, device, fn):
+        """`fn()` as stage `stage` on `device`: waited for or timed by events, traced when the loop is Python."""
+        if self.waits:
+            self._wait(device)
+        start = None if self.waits else self.events.start(device)
+        t0 = time.perf_counter()
+        out = fn()
+        if self.waits:
+            self._wait(device)
+        else:
+            self.events.end(stage, start, device)
+        if self.trace is not None:
+            t1 = time.perf_counter()
+            self.times[self.block][stage] += t1 - t0
+            self.trace.append({"block": self.block, "stage": stage, "thread": "main",
+                               "start_s": t0 - self.t_start, "end_s": t1 - self.t_start})
+        return out
+
+    def _noise(self, model, block: int) -> torch.Tensor:
+        """The block's noise (shared by both roles); under cuda_graphs its draws are copied ahead."""
+        noise = block_noise(self.setup.block_shape, self.opts.seed, block)
+        if not self.opts.cuda_graphs:
+            return noise
+        return copy_ahead(noise, self.opts.seed, block, model.schedule.num_steps, model.role, model.device)
+
+    # ---------------------------------------------------------------- stages
+    def draft(self, block: int) -> torch.Tensor:
+        """The drafter denoises noise_b -> x_hat (its K/V into the pending slot)."""
+        def run():
+            drafter = self.setup.drafter
+            x = drafter.denoise(self._noise(drafter, block), block, block * self.frames_per_block, self.opts.seed)
+            if self.setup.target is not None:
+                self.transfer.prefetch(x, self.target_dev)  # an accepted draft goes into the target's cache
+            return self.guard.draft(x, block)
+        return self._call("draft", self.drafter_dev, run)
+
+    def target(self, block: int) -> torch.Tensor:
+        """The target denoises the same noise_b -> x_b."""
+        def run():
+            target = self.setup.target
+            x = target.denoise(self._noise(target, block), block, block * self.frames_per_block, self.opts.seed)
+            self.transfer.prefetch(x, self.vae_dev)  # decoded, and committed into the drafter, over there
+            return self.guard.target(x, block)
+        return self._call("target", self.target_dev, run)
+
+    def drafter_commit(self, block: int, latents: torch.Tensor) -> None:
+        """The drafter's t = 0 forward over the block (full) or its latents recorded (recompute)."""
+        drafter = self.setup.drafter
+        self._call("drafter_commit", self.drafter_dev, lambda: drafter.commit_forward(
+            self.transfer.get(latents, self.drafter_dev), block * self.frames_per_block))
+
+    def target_commit(self, block: int, latents: torch.Tensor) -> None:
+        target = self.setup.target
+        self._call("target_commit", self.target_dev, lambda: target.commit_forward(
+            self.transfer.get(latents, self.target_dev), block * self.frames_per_block))
+
+    def decode(self, latents: torch.Tensor, producer: str, block: int) -> torch.Tensor:
+        """The VAE decodes `producer`'s latents of `block` (advances the VAE cache)."""
+        runners, cache = self.setup.runners, self.setup.vae_cache
+        return self._call("decode", self.vae_dev, lambda: self.guard.decode(
+            lambda: runners.decode(self.transfer.get(latents, self.vae_dev), cache), latents, producer, block))
+
+    def score(self, frames: torch.Tensor, producer: str, block: int):
+        """ImageReward per frame, aggregated -> `_C.Scored`; None without a reward model."""
+        if self.comps.scorer is None:
+            self.guard.judge(producer, block)  # a non-finite draft: rejected (or an error) as with a reward model
+            return None
+
+        def run():
+            def scores(pixels):
+                return self.setup.runners.score(self.prompt, to_unit_frames(pixels))
+            return self.guard.score(scores, frames, self.setup.aggregator, producer, block)
+        score, frame_scores = self._call("score", self.vae_dev, run)
+        return _C.Scored(score, frame_scores)
+
+    def vae_snapshot(self):
+        return self.setup.vae_cache.snapshot()
+
+    def vae_restore(self, snapshot) -> None:
+        self.setup.vae_cache.restore(snapshot)
+
+    # ----------------------------------------------------------------- blocks
+    def block_record(self, index: int, decision: str, latents: torch.Tensor, frames: torch.Tensor,
+                     draft_latents: torch.Tensor | None, score: float | None, frame_scores, emitted_scores,
+                     times, redrafts: int = 0) -> BlockRecord:
+        """One emitted block, as both loops yield it (host copies of the tensors)."""
+        return BlockRecord(
+            index, decision, latents.float().cpu(), to_uint8_frames(frames), score, list(frame_scores),
+            block_times(times), draft_latents=None if draft_latents is None else draft_latents.float().cpu(),
+            emitted_scores=list(emitted_scores) if self.opts.score_emitted else None,
+            exits=block_exits(self.setup.drafter, self.setup.target, index, decision), redrafts=redrafts)
+
+    def emit(self, block: _C.EmittedBlock) -> None:
+        """The native scheduler hands over a finished block (on the VAE lane, its tensors ready there)."""
+        self.setup.observe(block.frames)  # before the next block's target denoise (same thread)
+        self.transfer.release(block.latents)
+        self.transfer.release(block.draft_latents)
+        self.sink.put(self.block_record(block.index, block.decision, block.latents, block.frames,
+                                        block.draft_latents, block.score, block.frame_scores, block.emitted_scores,
+                                        block.times, block.redrafts))
