@@ -21,7 +21,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
-from sdvg.config import CONTEXT_MODES, KVWindow, RoleContext
+from sdvg.config import CONTEXT_MODES, VAE_DECODERS, KVWindow, RoleContext
 
 MODES: tuple[str, ...] = ("sdvg", "target", "draft")
 ROUTERS: tuple[str, ...] = ("reward", "random", "pattern")
@@ -123,6 +123,10 @@ class GenerationOptions:
                                  "through torch.compile (static shapes) and, on CUDA, with cudnn.benchmark on for the "
                                  "decoder's calls only (backend eager; pixels within a per-dtype tolerance of the plain "
                                  "decode, not bitwise: docs/engines.md)")
+    vae_decoder: str | None = _opt(None, "the streaming VAE decoder's temporal-upsample cache: wan (Wan2.1, "
+                                         "Self-Forcing, diffusers: the previous and current frames) or krea (Krea "
+                                         "Realtime Video's server: the current frame twice; other pixels from latent "
+                                         "frame 3 on); default: the preset's (wan; docs/method.md)", VAE_DECODERS)
     stage_timing: str = _opt("sync", "sync: every stage's stream is synchronised after the call (the stage times "
                                      "measure execution); events: no per-stage wait besides the host reads a stage "
                                      "makes itself (finite checks, scores), device time per stage from CUDA event "
@@ -203,7 +207,8 @@ class GenerationOptions:
         changes = {}
         defaults = {"num_blocks": preset.video.num_blocks, "target_context": preset.target_context,
                     "drafter_cache": preset.drafter_cache, "kv_cache_frames": preset.kv_cache_frames,
-                    "window_frames": preset.kv_window.window_frames, "sink_frames": preset.kv_window.sink_frames}
+                    "window_frames": preset.kv_window.window_frames, "sink_frames": preset.kv_window.sink_frames,
+                    "vae_decoder": preset.vae_decoder}
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 changes[name] = value

@@ -303,8 +303,8 @@ class SpeculativeVideoPipeline:
                early_exit: str = D.early_exit, exit_verifier: str = D.exit_verifier,
                exit_eps: float = D.exit_eps, exit_thresholds=D.exit_thresholds, exit_head: str | None = D.exit_head,
                exit_pattern_steps: float = D.exit_pattern_steps, cuda_graphs: bool = D.cuda_graphs,
-               fast_vae: bool = D.fast_vae, stage_timing: str = D.stage_timing,
-               backend: str | None = D.backend) -> BlockStream:
+               fast_vae: bool = D.fast_vae, vae_decoder: str | None = D.vae_decoder,
+               stage_timing: str = D.stage_timing, backend: str | None = D.backend) -> BlockStream:
         """Yield each block as soon as its frames are final; the returned stream's `.stats` is
         complete once it is exhausted. The keywords are the generation options
         (`sdvg.options.GenerationOptions`, whose field docs say what each does):
@@ -324,7 +324,8 @@ class SpeculativeVideoPipeline:
         pattern (exit_pattern_steps).
         cuda_graphs: replay the drafter's steps from graphs captured per block position (backend eager).
         fast_vae: channels-last, compiled steady-state VAE decode (cudnn.benchmark on CUDA; backend eager;
-        within a tolerance of the plain decode). stage_timing: sync | events (no per-stage waits).
+        within a tolerance of the plain decode). vae_decoder: wan | krea, the VAE's temporal-upsample cache
+        (None: the preset's; docs/method.md). stage_timing: sync | events (no per-stage waits).
         backend: eager | compile | tensorrt | onnxruntime | torch-tensorrt (None: the pipeline's)."""
         options = _options(locals())
         return self.run(prompt, options)
@@ -341,7 +342,8 @@ class SpeculativeVideoPipeline:
                  run_ahead_blocks: int = D.run_ahead_blocks, early_exit: str = D.early_exit,
                  exit_verifier: str = D.exit_verifier, exit_eps: float = D.exit_eps, exit_thresholds=D.exit_thresholds,
                  exit_head: str | None = D.exit_head, exit_pattern_steps: float = D.exit_pattern_steps,
-                 cuda_graphs: bool = D.cuda_graphs, fast_vae: bool = D.fast_vae, stage_timing: str = D.stage_timing,
+                 cuda_graphs: bool = D.cuda_graphs, fast_vae: bool = D.fast_vae,
+                 vae_decoder: str | None = D.vae_decoder, stage_timing: str = D.stage_timing,
                  backend: str | None = D.backend, generator: torch.Generator | None = None, output_type: str = "np",
                  return_dict: bool = True,
                  callback_on_block_end: Callable[["SpeculativeVideoPipeline", BlockRecord], None] | None = None):
