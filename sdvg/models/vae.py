@@ -79,10 +79,16 @@ def build_vae(config: VAEConfig):
                             temperal_downsample=list(config.temporal_downsample)).eval()
 
 
+WAN_VAE_FILE = "Wan2.1_VAE.pth"  # its name in Wan-AI/Wan2.1-T2V-1.3B (and -14B)
+
+
 def load_vae_weights(vae, path: str | Path) -> None:
-    """Original `Wan2.1_VAE.pth` keys or a diffusers folder/file; weights_only, strict keys; every tensor
-    floating and finite (checked per file, by the file's key names)."""
+    """Original `Wan2.1_VAE.pth` keys (the file, or a folder holding it such as `Wan-AI/Wan2.1-T2V-1.3B`)
+    or a diffusers folder/file; weights_only, strict keys; every tensor floating and finite (checked per
+    file, by the file's key names)."""
     path = Path(path)
+    if path.is_dir() and (path / WAN_VAE_FILE).is_file():  # the Wan2.1 release's folder, as it ships
+        path = path / WAN_VAE_FILE
     if path.is_dir():
         folder = path / "vae" if (path / "vae").is_dir() else path
         files = sorted(folder.glob("*.safetensors"))
