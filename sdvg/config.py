@@ -384,8 +384,9 @@ PRESETS: dict[str, Preset] = {
             drafter=HubSource("gdhe17/Self-Forcing", "checkpoints/self_forcing_dmd.pt"),
             target=HubSource("krea/krea-realtime-video", "krea-realtime-video-14b.safetensors"),
             vae=HubSource("Wan-AI/Wan2.1-T2V-1.3B", "Wan2.1_VAE.pth"),
-            text_encoder=HubSource("Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
-                                   patterns=("text_encoder/*", "tokenizer/*")),
+            # Wan's original umT5 file and its tokenizer: the same repo as the VAE (one download)
+            text_encoder=HubSource("Wan-AI/Wan2.1-T2V-1.3B",
+                                   patterns=("models_t5_umt5-xxl-enc-bf16.pth", "google/umt5-xxl/*")),
             reward=HubSource("THUDM/ImageReward", "ImageReward.pt"),
             reward_tokenizer=HubSource("google-bert/bert-base-uncased",
                                        patterns=("vocab.txt", "tokenizer_config.json", "tokenizer.json",
