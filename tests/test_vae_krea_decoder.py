@@ -108,3 +108,19 @@ def test_krea_rule_survives_snapshot_restore_and_the_static_step(dec):
 def test_unknown_vae_decoder_refused(dec):
     with pytest.raises(ValueError, match="unknown vae_decoder 'kera'; choose one of wan, krea"):
         dec.new_cache("kera")
+
+
+def test_pipeline_option_reaches_the_decoder_and_the_stats(tiny_pipe):
+    from sdvg.options import GenerationOptions
+
+    runs = {rule: tiny_pipe.generate("a red fox", tiny_pipe.resolve(GenerationOptions(
+        mode="target", num_blocks=2, seed=3, vae_decoder=rule))) for rule in ("wan", "krea")}
+    wan, krea = runs["wan"], runs["krea"]
+    assert tiny_pipe.resolve(GenerationOptions()).vae_decoder == "wan"  # the tiny preset's default
+    assert torch.equal(wan.latents, krea.latents)  # the decoder changes pixels only
+    assert wan.stats.as_dict()["vae_decoder"] == "wan" and krea.stats.as_dict()["vae_decoder"] == "krea"
+    first_pixel_of_latent_3 = 1 + 4 * 2
+    a, b = torch.as_tensor(wan.frames), torch.as_tensor(krea.frames)  # uint8 [F, H, W, 3]
+    assert a.shape == b.shape and a.shape[0] == 1 + 4 * 5
+    assert torch.equal(a[:first_pixel_of_latent_3], b[:first_pixel_of_latent_3])
+    assert not torch.equal(a[first_pixel_of_latent_3:], b[first_pixel_of_latent_3:])
