@@ -55,7 +55,7 @@ class TextEncoder:
 
         folder = Path(folder)
         original = folder if folder.suffix == ".pth" else folder / WAN_UMT5_FILE
-        if original.is_file() and not (folder / "config.json").is_file():
+        if original.is_file():  # the Wan release folder also holds the DiT's config.json: the file decides
             return cls._from_original(original, tokenizer_folder or original.parent / WAN_UMT5_TOKENIZER, config)
         if (folder / "text_encoder").is_dir():
             tokenizer_folder = tokenizer_folder or folder / "tokenizer"
