@@ -9,6 +9,9 @@ import os
 from setuptools import find_packages, setup
 from torch.utils import cpp_extension
 
+INSTALL_REQUIRES = ["torch>=2.11", "diffusers>=0.42,<1", "transformers>=5,<6", "tokenizers>=0.21",
+                    "huggingface_hub>=1,<3", "safetensors>=0.4", "numpy>=1.26", "matplotlib>=3.8", "imageio>=2.31",
+                    "imageio-ffmpeg>=0.5", "tqdm>=4.66", "PyYAML>=6", "Pillow>=10"]
 SOURCES = ["csrc/kv_slots.cpp", "csrc/kv_cache.cpp", "csrc/scheduler.cpp", "csrc/py_scheduler.cpp", "csrc/bindings.cpp"]
 
 
@@ -60,9 +63,9 @@ setup(
     ext_modules=[extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
     python_requires=">=3.10",
-    # every package sdvg imports (the ImageReward scorer is transformers' BLIP classes: no image-reward)
-    install_requires=["torch>=2.11", "diffusers>=0.42", "transformers>=5", "tokenizers", "safetensors", "numpy",
-                      "matplotlib", "imageio", "imageio-ffmpeg", "tqdm"],
+    # every package sdvg imports, as ranges that keep an installed torch (>= 2.11): exactly requirements.txt
+    # (tests/test_requirements.py). The ImageReward scorer is transformers' BLIP classes: no image-reward.
+    install_requires=INSTALL_REQUIRES,
     extras_require={
         # `--evaluator drift`; install with the runtime lock as constraint (requirements-eval.txt). vbench
         # is no extra: it pins transformers 4.33.2 and numpy < 2 (its own environment: requirements-vbench.txt)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv with the pinned stack and build sdvg (with its native core) into it.
+# Create .venv with the pinned stack (requirements-torch.txt, then the lock requirements-lock.txt) and
+# build sdvg (with its native core) into it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -9,6 +10,6 @@ fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 python -m pip install -q -r requirements-torch.txt
-python -m pip install -q -r requirements.txt
+python -m pip install -q -r requirements-lock.txt
 python -m pip install -q --no-build-isolation --no-deps -e .
 python -c "import torch, sdvg._C as C; print('sdvg._C built:', C.build_info())"

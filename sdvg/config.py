@@ -112,6 +112,8 @@ class KVWindow:
 
 
 CONTEXT_MODES: tuple[str, ...] = ("full", "recompute")
+# The streaming VAE decoder's temporal-upsample cache rule (sdvg.models.vae): Wan2.1's or Krea's.
+VAE_DECODERS: tuple[str, ...] = ("wan", "krea")
 
 
 @dataclass(frozen=True)
@@ -290,6 +292,10 @@ class Preset:
     drafter_cache: str = "full"
     target_context: str = "full"
     kv_cache_frames: int = 3
+    # The VAE decoder's temporal-upsample cache rule (VAE_DECODERS; the vae_decoder option overrides it):
+    # "wan" keeps [previous, current] upsampler inputs (Wan2.1, Self-Forcing, diffusers), "krea" [current,
+    # current] (Krea's server); docs/method.md says why "wan" is every preset's default.
+    vae_decoder: str = "wan"
     sources: PresetSources | None = None  # None: a random-weight preset
 
     @property
@@ -328,6 +334,8 @@ class Preset:
         rt = self.recompute_timesteps
         if not rt or any(not 0 <= t <= 1000 for t in rt) or any(t == 0 for t in rt[:-1]):
             raise ConfigError(f"recompute_timesteps {rt} must lie in [0, 1000], only the last may be 0")
+        if self.vae_decoder not in VAE_DECODERS:
+            raise ConfigError(f"vae_decoder {self.vae_decoder!r} is not one of {VAE_DECODERS}")
         for name in ("drafter_cache", "target_context"):
             RoleContext(getattr(self, name), self.kv_cache_frames, window=self.kv_window
                         if getattr(self, name) == "full" else KVWindow())
@@ -376,8 +384,9 @@ PRESETS: dict[str, Preset] = {
             drafter=HubSource("gdhe17/Self-Forcing", "checkpoints/self_forcing_dmd.pt"),
             target=HubSource("krea/krea-realtime-video", "krea-realtime-video-14b.safetensors"),
             vae=HubSource("Wan-AI/Wan2.1-T2V-1.3B", "Wan2.1_VAE.pth"),
-            text_encoder=HubSource("Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
-                                   patterns=("text_encoder/*", "tokenizer/*")),
+            # Wan's original umT5 file and its tokenizer: the same repo as the VAE (one download)
+            text_encoder=HubSource("Wan-AI/Wan2.1-T2V-1.3B",
+                                   patterns=("models_t5_umt5-xxl-enc-bf16.pth", "google/umt5-xxl/*")),
             reward=HubSource("THUDM/ImageReward", "ImageReward.pt"),
             reward_tokenizer=HubSource("google-bert/bert-base-uncased",
                                        patterns=("vocab.txt", "tokenizer_config.json", "tokenizer.json",

@@ -24,7 +24,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
-from sdvg.config import CONTEXT_MODES, KVWindow, RoleContext
+from sdvg.config import CONTEXT_MODES, VAE_DECODERS, KVWindow, RoleContext
 
 MODES: tuple[str, ...] = ("sdvg", "target", "draft")
 ROUTERS: tuple[str, ...] = ("reward", "random", "pattern")
@@ -127,6 +127,10 @@ class MethodOptions:
                                        "train-exit-head)", metavar="FILE")
     exit_pattern_steps: float = _opt(1.65, "pattern verifier: the mean denoising steps per token it aims at "
                                            "(1.65: the paper's mean)", metavar="K")
+    vae_decoder: str | None = _opt(None, "the streaming VAE decoder's temporal-upsample cache: wan (Wan2.1, "
+                                         "Self-Forcing, diffusers: the previous and current frames) or krea (Krea "
+                                         "Realtime Video's server: the current frame twice; other pixels from latent "
+                                         "frame 3 on); default: the preset's (wan; docs/method.md)", VAE_DECODERS)
 
     def __post_init__(self) -> None:
         _check_fields(self, MethodOptions)
@@ -263,7 +267,8 @@ class GenerationOptions(RunOptions, MethodOptions):
         changes = {}
         defaults = {"num_blocks": preset.video.num_blocks, "target_context": preset.target_context,
                     "drafter_cache": preset.drafter_cache, "kv_cache_frames": preset.kv_cache_frames,
-                    "window_frames": preset.kv_window.window_frames, "sink_frames": preset.kv_window.sink_frames}
+                    "window_frames": preset.kv_window.window_frames, "sink_frames": preset.kv_window.sink_frames,
+                    "vae_decoder": preset.vae_decoder}
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 changes[name] = value

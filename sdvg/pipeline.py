@@ -26,7 +26,7 @@ from sdvg.config import Preset, config_hash, get_preset
 from sdvg.generation.types import BlockRecord, LoopReport, RunStats
 from sdvg.models.components import Components, build_random, load_pretrained
 from sdvg.models.fingerprint import file_fingerprint, random_fingerprint
-from sdvg.models.hub import resolve_components
+from sdvg.models.hub import preset_for, resolve_components
 from sdvg.options import DEFAULTS as D
 from sdvg.options import OPTION_NAMES, SEED_MAX, GenerationOptions
 
@@ -199,18 +199,25 @@ class SpeculativeVideoPipeline:
                         memory_budget_gib: float | None = None) -> "SpeculativeVideoPipeline":
         """Real weights. Each component is a local path (see docs/checkpoints.md for the formats), a
         hub repo `org/name[@revision][/path/in/repo]`, or None: the file the preset publishes for it
-        (`Preset.sources`; `from_pretrained("wan2.1")` finds everything in the HF cache). Missing files
+        (`Preset.sources`; `from_pretrained("wan2.1")` finds everything in the HF cache). `preset` may also be
+        the hub repo of a published model (`"Wan-AI/Wan2.1-T2V-1.3B"`, `"gdhe17/Self-Forcing"`,
+        `"krea/krea-realtime-video"`, ...): the preset that loads it, that repo giving the components it
+        holds; a repo no preset loads is refused with the list of those that are. Missing files
         are reported together, with the command that fetches them. torch_dtype overrides the preset's
         precision. `reward=None` on a random-weight preset builds no reward model. memory_budget_gib: see
         the class."""
         from sdvg.models.memory import check_budget_gib
 
         check_budget_gib(memory_budget_gib)  # before any weights are read
-        preset = get_preset(preset) if isinstance(preset, str) else preset
+        repo_specs = {}
+        if isinstance(preset, str):  # a preset name, or the hub repo of a published model a preset loads
+            name, repo_specs = preset_for(preset)
+            preset = get_preset(name)
         if torch_dtype is not None:
             preset = preset.replace(precision=precision_of(torch_dtype))
         specs = dict(drafter=drafter, target=target, vae=vae, text_encoder=text_encoder, reward=reward,
                      reward_tokenizer=reward_tokenizer)
+        specs.update({role: spec for role, spec in repo_specs.items() if specs[role] is None})
         defaults = {} if preset.sources is None else {role: getattr(preset.sources, role) for role in specs}
         paths = resolve_components(specs, defaults)
         needed = [role for role in ("drafter", "target", "vae", "text_encoder") if paths[role] is None]
@@ -300,7 +307,7 @@ class SpeculativeVideoPipeline:
                window_frames: int | None = D.window_frames, sink_frames: int | None = D.sink_frames,
                early_exit: str = D.early_exit, exit_verifier: str = D.exit_verifier,
                exit_eps: float = D.exit_eps, exit_thresholds=D.exit_thresholds, exit_head: str | None = D.exit_head,
-               exit_pattern_steps: float = D.exit_pattern_steps,
+               exit_pattern_steps: float = D.exit_pattern_steps, vae_decoder: str | None = D.vae_decoder,
                # the run options (RunOptions): how it runs, never what video it gives
                skip_first_draft: bool = D.skip_first_draft, lazy_target_commit: bool = D.lazy_target_commit,
                score_emitted: bool = D.score_emitted, scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead,
@@ -326,7 +333,8 @@ class SpeculativeVideoPipeline:
         pattern (exit_pattern_steps).
         cuda_graphs: replay the drafter's steps from graphs captured per block position (backend eager).
         fast_vae: channels-last, compiled steady-state VAE decode (cudnn.benchmark on CUDA; backend eager;
-        within a tolerance of the plain decode). stage_timing: sync | events (no per-stage waits).
+        within a tolerance of the plain decode). vae_decoder: wan | krea, the VAE's temporal-upsample cache
+        (None: the preset's; docs/method.md). stage_timing: sync | events (no per-stage waits).
         backend: eager | compile | tensorrt | onnxruntime | torch-tensorrt (None: the pipeline's)."""
         options = _options(locals())
         return self.run(prompt, options)
@@ -341,6 +349,7 @@ class SpeculativeVideoPipeline:
                  sink_frames: int | None = D.sink_frames, early_exit: str = D.early_exit,
                  exit_verifier: str = D.exit_verifier, exit_eps: float = D.exit_eps, exit_thresholds=D.exit_thresholds,
                  exit_head: str | None = D.exit_head, exit_pattern_steps: float = D.exit_pattern_steps,
+                 vae_decoder: str | None = D.vae_decoder,
                  skip_first_draft: bool = D.skip_first_draft, lazy_target_commit: bool = D.lazy_target_commit,
                  score_emitted: bool = D.score_emitted, scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead,
                  run_ahead_blocks: int = D.run_ahead_blocks,

@@ -136,3 +136,48 @@ def test_cli_resolves_repo_ids_offline(offline_cache, tmp_path):
                         "--target", "test-org/target/missing.safetensors", "--prompt", PROMPT, "--quiet",
                         "--out", str(tmp_path / "w.mp4")], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "missing.safetensors" in r.stderr and "download" in r.stderr
+
+
+def test_published_repo_ids_give_their_preset(offline_cache):
+    from sdvg import SpeculativeVideoPipeline
+    from sdvg.config import ConfigError, get_preset
+    from sdvg.models.hub import preset_for
+
+    assert preset_for("tiny") == ("tiny", {})
+    assert preset_for("Wan-AI/Wan2.1-T2V-1.3B") == ("wan2.1", {"vae": "Wan-AI/Wan2.1-T2V-1.3B",
+                                                               "text_encoder": "Wan-AI/Wan2.1-T2V-1.3B"})
+    assert preset_for("gdhe17/Self-Forcing") == ("wan2.1", {"drafter": "gdhe17/Self-Forcing"})
+    assert preset_for("krea/krea-realtime-video@v1") == ("wan2.1", {"target": "krea/krea-realtime-video@v1"})
+    assert preset_for("Wan-AI/Wan2.1-T2V-1.3B-Diffusers")[0] == "wan2.1"
+    sources = get_preset("wan2.1").sources  # the umT5 and the VAE from the one Wan release repo, as it ships
+    assert sources.vae.repo_id == sources.text_encoder.repo_id == "Wan-AI/Wan2.1-T2V-1.3B"
+    assert parse_source("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", sources.text_encoder, "text_encoder") == HubSource(
+        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", patterns=("text_encoder/*", "tokenizer/*"))
+
+    with pytest.raises(MissingWeightsError) as exc:  # the wan2.1 preset; nothing of it is cached here
+        SpeculativeVideoPipeline.from_pretrained("Wan-AI/Wan2.1-T2V-1.3B", drafter_device="cpu")
+    msg = str(exc.value)
+    assert "text_encoder: Wan-AI/Wan2.1-T2V-1.3B ['models_t5_umt5-xxl-enc-bf16.pth', 'google/umt5-xxl/*']" in msg
+    assert "vae: Wan-AI/Wan2.1-T2V-1.3B Wan2.1_VAE.pth" in msg and "target: krea/krea-realtime-video" in msg
+    with pytest.raises(ConfigError, match=r"'org/unknown' is neither a preset \(.*wan2.1\) nor a hub repo that a "
+                                          r"preset loads \(gdhe17/Self-Forcing \(wan2.1: drafter\).*; give a preset "
+                                          r"and this repo as one component, e.g. from_pretrained\('wan2.1', "
+                                          r"target='org/unknown'\)"):
+        SpeculativeVideoPipeline.from_pretrained("org/unknown", drafter_device="cpu")
+
+
+def test_wan_release_layout_resolves_from_the_cache(offline_cache, tmp_path):
+    from test_umt5_original_format import PROMPT as TEXT, _wan_folder
+
+    from sdvg.config import get_preset
+    from sdvg.models.text_encoder import TextEncoder
+    from sdvg.models.tokenizers import tiny_umt5_tokenizer
+
+    home, _, _ = offline_cache
+    source = TextEncoder.random(get_preset("tiny").text_encoder, tiny_umt5_tokenizer(), seed=4)
+    folder, _ = _wan_folder(tmp_path, source)
+    add_repo(home / "hub", "test-org/wan21", {str(p.relative_to(folder)): p for p in folder.rglob("*") if p.is_file()})
+    spec = HubSource("test-org/wan21", patterns=("models_t5_umt5-xxl-enc-bf16.pth", "google/umt5-xxl/*"))
+    path = resolve_components({"text_encoder": None}, {"text_encoder": spec})["text_encoder"]
+    loaded = TextEncoder.from_pretrained(path, config=source.config)
+    assert torch.equal(loaded.encode(TEXT), source.encode(TEXT))

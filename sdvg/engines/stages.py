@@ -182,10 +182,11 @@ def vae_decode_static(step, decoder, latents, cache):
             continue
         slots = [j for j, e in enumerate(cache.entries) if e is not None]
         pixels, *new_cache = step(frame.to(decoder.device), *(cache.entries[j] for j in slots))
-        entries = [None] * len(cache.entries)
+        entries, before = [None] * len(cache.entries), cache.entries
         for j, t in zip(slots, new_cache):
             entries[j] = t
         cache.entries = entries
+        cache.settle(before)  # the temporal upsamplers' cache rule (sdvg.models.vae, vae_decoder)
         cache.frames_decoded += 1
         outs.append(pixels)
     return torch.cat(outs, dim=2)

@@ -22,7 +22,7 @@ from sdvg.io import DEFAULT_FPS
 MUSIQ_FILE = "musiq_koniq_ckpt-e95806b9.pth"  # pyiqa's `musiq` metric: MUSIQ trained on KonIQ-10k
 MUSIQ_URL = f"https://huggingface.co/chaofengc/IQA-PyTorch-Weights/resolve/main/{MUSIQ_FILE}"
 MUSIQ_ENV = "SDVG_MUSIQ_WEIGHTS"
-EVAL_INSTALL = "pip install -r requirements-eval.txt (or pip install -c requirements.txt '.[eval]')"
+EVAL_INSTALL = "pip install --no-deps -r requirements-eval.txt (or pip install -c requirements-lock.txt '.[eval]')"
 
 
 def musiq_weights_candidates(path: str | os.PathLike | None = None) -> list[Path]:

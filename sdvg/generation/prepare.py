@@ -384,7 +384,7 @@ def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, s
     drafter = role_model("drafter", comps.drafter, comps.drafter_device, slack_frames) if "drafter" in contexts else None
     target = role_model("target", comps.target, comps.target_device, 0) if "target" in contexts else None
     lh, lw = p.video.latent_hw(p.vae)
-    return Setup(Aggregator(opts.aggregation), drafter, target, comps.vae.new_cache(), zf,
+    return Setup(Aggregator(opts.aggregation), drafter, target, comps.vae.new_cache(opts.vae_decoder), zf,
                  (1, p.vae.z_dim, zf, lh, lw), runners, emitted_pixels, StageGuard(opts))
 
 

@@ -16,9 +16,66 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from sdvg.config import HubSource
+from sdvg.config import PRESETS, ConfigError, HubSource
 
 _REPO = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.\-]*/[\w.\-]+?)(?:@(?P<rev>[\w.\-/]+?))?(?:/(?P<path>.+))?$")
+
+
+# Published repos that hold a preset's components in another layout than the preset's own source: the
+# diffusers conversion of the Wan2.1 release (its text_encoder/ + tokenizer/ and vae/ folders).
+PUBLISHED: dict[str, tuple[str, dict[str, HubSource]]] = {
+    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": ("wan2.1", {
+        "text_encoder": HubSource("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", patterns=("text_encoder/*", "tokenizer/*")),
+        "vae": HubSource("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", patterns=("vae/*",)),
+    }),
+}
+
+
+def repo_roles(repo: str) -> dict[str, dict[str, HubSource]]:
+    """{preset name: {role: source}} of every preset that loads a component from hub repo `repo`."""
+    out: dict[str, dict[str, HubSource]] = {}
+    for preset in PRESETS.values():
+        if preset.sources is not None:
+            for role in ("drafter", "target", "vae", "text_encoder", "reward", "reward_tokenizer"):
+                source = getattr(preset.sources, role)
+                if source.repo_id == repo:
+                    out.setdefault(preset.name, {})[role] = source
+    if repo in PUBLISHED:
+        name, roles = PUBLISHED[repo]
+        out.setdefault(name, {}).update(roles)
+    return out
+
+
+def preset_for(name: str) -> tuple[str, dict[str, str]]:
+    """(preset name, {role: hub spec}) for a preset name, or for the hub repo of a published model
+    (`org/name[@revision]`): the preset that loads it, with that repo as the spec of the components it
+    holds. Anything else: a ConfigError that lists the presets and the repos they load."""
+    if name in PRESETS:
+        return name, {}
+    m = _REPO.match(name)
+    users = repo_roles(m.group("repo")) if m is not None and not name.startswith((".", "/", "~")) else {}
+    if len(users) == 1:
+        (preset, roles), = users.items()
+        return preset, {role: name for role in roles}
+    known = "; ".join(f"{repo} ({preset}: {', '.join(roles)})" for repo, preset, roles in published_repos())
+    if len(users) > 1:
+        raise ConfigError(f"hub repo {name!r} is loaded by presets {sorted(users)}; name the preset: "
+                          f"from_pretrained('{sorted(users)[0]}')")
+    raise ConfigError(f"{name!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a hub repo that a preset "
+                      f"loads ({known}); give a preset and this repo as one component, e.g. "
+                      f"from_pretrained('wan2.1', target='{name}')")
+
+
+def published_repos() -> list[tuple[str, str, list[str]]]:
+    """(repo, preset, roles) for every hub repo some preset loads, in preset order."""
+    rows: dict[tuple[str, str], list[str]] = {}
+    for preset in PRESETS.values():
+        if preset.sources is not None:
+            for role in ("drafter", "target", "vae", "text_encoder", "reward", "reward_tokenizer"):
+                rows.setdefault((getattr(preset.sources, role).repo_id, preset.name), []).append(role)
+    for repo, (preset, roles) in PUBLISHED.items():
+        rows.setdefault((repo, preset), []).extend(roles)
+    return [(repo, preset, roles) for (repo, preset), roles in rows.items()]
 
 
 class MissingWeightsError(FileNotFoundError):
@@ -44,8 +101,10 @@ def hub_cli() -> str:
     return "hf" if int(huggingface_hub.__version__.split(".")[0]) >= 1 else "huggingface-cli"
 
 
-def parse_source(spec: str, default: HubSource | None) -> HubSource | None:
-    """A hub source from `org/name[@revision][/path]`, or None when `spec` does not look like one."""
+def parse_source(spec: str, default: HubSource | None, role: str | None = None) -> HubSource | None:
+    """A hub source from `org/name[@revision][/path]`, or None when `spec` does not look like one. `org/name`
+    alone: the preset default's file or folders when it is the default's repo, the folders `PUBLISHED`
+    names for `role` when it is a published repo, else the whole repo."""
     m = _REPO.match(spec)
     if m is None or spec.startswith((".", "/", "~")):
         return None
@@ -54,6 +113,8 @@ def parse_source(spec: str, default: HubSource | None) -> HubSource | None:
         base = HubSource(repo, path)
     elif default is not None and default.repo_id == repo:
         base = default
+    elif repo in PUBLISHED and role in PUBLISHED[repo][1]:
+        base = PUBLISHED[repo][1][role]
     else:
         base = HubSource(repo)  # the whole repo (a folder)
     return replace(base, revision=rev) if rev else base
@@ -91,7 +152,7 @@ def resolve_components(specs: dict[str, str | Path | None], defaults: dict[str, 
                 continue
             source = default
         else:
-            source = parse_source(str(spec), default)
+            source = parse_source(str(spec), default, role)
             if source is None:
                 raise FileNotFoundError(f"{role}: {spec} is neither a local file or folder nor a hub repo id "
                                         "(org/name[@revision][/path/in/repo])")

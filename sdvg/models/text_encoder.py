@@ -43,18 +43,26 @@ class TextEncoder:
     @classmethod
     def from_pretrained(cls, folder: str | Path, tokenizer_folder: str | Path | None = None,
                         config: TextEncoderConfig | None = None) -> "TextEncoder":
-        """A transformers folder of UMT5EncoderModel (or a diffusers Wan folder's text_encoder/). Refused
-        (CheckpointError): a non-floating tensor in its weight files, a NaN/inf in the loaded weights."""
+        """A transformers folder of UMT5EncoderModel (or a diffusers Wan folder's text_encoder/), or Wan's
+        original umT5 file as it ships (`models_t5_umt5-xxl-enc-bf16.pth`, or a folder holding it, such as
+        `Wan-AI/Wan2.1-T2V-1.3B`; the tokenizer from its `google/umt5-xxl/` folder unless `tokenizer_folder`
+        is given; sdvg/models/umt5_original.py). Refused (CheckpointError): a non-floating tensor in its
+        weight files, a NaN/inf in the loaded weights, a file that is not a flat dict of tensors."""
         from transformers import AutoTokenizer, UMT5EncoderModel
 
         from sdvg.models.checkpoints import check_file_dtypes, check_module_weights
+        from sdvg.models.umt5_original import WAN_UMT5_FILE, WAN_UMT5_TOKENIZER
 
         folder = Path(folder)
+        original = folder if folder.suffix == ".pth" else folder / WAN_UMT5_FILE
+        if original.is_file():  # the Wan release folder also holds the DiT's config.json: the file decides
+            return cls._from_original(original, tokenizer_folder or original.parent / WAN_UMT5_TOKENIZER, config)
         if (folder / "text_encoder").is_dir():
             tokenizer_folder = tokenizer_folder or folder / "tokenizer"
             folder = folder / "text_encoder"
         if not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"{folder} is not a UMT5 encoder folder (no config.json)")
+            raise FileNotFoundError(f"{folder} is not a UMT5 encoder folder (no config.json) nor holds Wan's "
+                                    f"{WAN_UMT5_FILE}")
         # transformers casts to float32 as it reads: the files' dtypes are checked first (headers only),
         # the values once loaded (by the model's parameter names)
         check_file_dtypes(sorted(f for f in folder.iterdir() if f.suffix in (".safetensors", ".bin")))
@@ -64,6 +72,22 @@ class TextEncoder:
         cfg = config or TextEncoderConfig(d_model=model.config.d_model, d_ff=model.config.d_ff,
                                           num_layers=model.config.num_layers, num_heads=model.config.num_heads,
                                           d_kv=model.config.d_kv, vocab_size=model.config.vocab_size)
+        return cls(model, tok, cfg)
+
+    @classmethod
+    def _from_original(cls, path: Path, tokenizer_folder: Path, config: TextEncoderConfig | None) -> "TextEncoder":
+        from transformers import AutoTokenizer
+
+        from sdvg.models.umt5_original import load_original_umt5
+
+        if not Path(tokenizer_folder).is_dir():
+            raise FileNotFoundError(f"{path}: the umT5 tokenizer folder {tokenizer_folder} does not exist (Wan ships it "
+                                    "beside the weights as google/umt5-xxl/); pass its folder")
+        model = load_original_umt5(path, config)
+        c = model.config
+        cfg = config or TextEncoderConfig(d_model=c.d_model, d_ff=c.d_ff, num_layers=c.num_layers, num_heads=c.num_heads,
+                                          d_kv=c.d_kv, vocab_size=c.vocab_size)
+        tok = AutoTokenizer.from_pretrained(str(tokenizer_folder), local_files_only=True)
         return cls(model, tok, cfg)
 
     def to(self, device, precision: Precision = "fp32") -> "TextEncoder":
