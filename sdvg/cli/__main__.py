@@ -1,4 +1,4 @@
-"""`python -m sdvg.cli ...` (e.g. under torchrun): the `sdvg` command."""
+"""`python -m sdvg.cli ...`: the `sdvg` command (the form torchrun runs)."""
 import sys
 
 from sdvg.cli.main import main

@@ -1,5 +1,5 @@
-"""Pipeline building from the flags: the default loader every loading command receives (`main`
-takes another, e.g. a test's ready pipeline), the device placement under torchrun, and the line that says
+"""Pipeline building from the flags (the default loader of the commands that load one; `main` takes
+another, such as a test's ready pipeline), the device placement under torchrun, and the lines that say
 what --protocol set."""
 from __future__ import annotations
 
