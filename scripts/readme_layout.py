@@ -29,7 +29,8 @@ FOLDERS = (
     ("docs/", "design: the method, the cost model, shapes, checkpoint formats, invariants"),
     ("scripts/", "setup, tests, the GPU-image compatibility check, the ImageReward oracle (the image-reward "
                  "package in its own environment), this layout"),
-    ("tests/", "the pytest suite (CPU; `gpu` / `tensorrt` markers skip without the hardware)"),
+    ("tests/", "the pytest suite (CPU; `gpu` / `tensorrt` markers skip without the hardware; `slow` marks the "
+               "whole-video tests, which `scripts/test.sh --fast` leaves out)"),
     ("results/", "committed benchmark results"),
 )
 
