@@ -280,7 +280,8 @@ def test_memory_command_budget():
     assert "target KV cache                  7.14 GiB   (recompute: 6 frames x 1560 tokens x 40 layers" in target
     assert "total                           34.15 GiB   fits the budget of 44.7 GiB" in target
     r = _cli("memory", "--preset", "wan2.1", "--budget-gib", "44.7", "--target-context", "full")
-    assert r.returncode == 2 and "device cuda:1 (target) needs 59.14 GiB > budget 44.7 GiB" in r.stderr
+    assert r.returncode == 2  # the device, what it needs, the budget and the fix are named
+    assert all(s in r.stderr for s in ("cuda:1", "59.14 GiB", "44.7 GiB", "recompute target context"))
     r = _cli("memory", "--preset", "wan2.1", "--json", "--target-device", "cuda:0")
     plan = json.loads(r.stdout)
     assert plan["kv_cache_gib_per_mode"]["target"]["full"] > 32 and plan["contexts"]["target"] == "recompute"
