@@ -35,6 +35,7 @@ class _Phases:
         yield Bar()
 
 
+@pytest.mark.slow
 def test_calibrate_exit_thresholds_reports_the_flags_and_the_measured_k_bar(tiny_pipe):
     phases = _Phases()
     res = calibrate_exit_thresholds(tiny_pipe, ["a cat on a wall"], [0, 1], BASE, "target", 0.6, "precision",
@@ -55,6 +56,7 @@ def test_head_training_job_refuses_shared_seeds():
         HeadTrainingJob(["a"], ["b"], [0, 1], [1], "target", BASE, ec.TrainConfig(), None, "tiny")
 
 
+@pytest.mark.slow
 def test_train_exit_head_writes_the_folder_and_resumes_to_the_same_head(tiny_pipe, tmp_path):
     import torch
     from safetensors.torch import load_file

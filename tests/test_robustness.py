@@ -202,6 +202,7 @@ def _wait_for(path: Path, proc, timeout=120.0):
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129), (signal.SIGINT, 130)])
 def test_signal_mid_video_closes_the_mp4_and_marks_the_stats(tmp_path, sig, code):
     proc = _spawn(tmp_path, "--num-blocks", "200")
@@ -216,6 +217,7 @@ def test_signal_mid_video_closes_the_mp4_and_marks_the_stats(tmp_path, sig, code
     assert not partial_path(tmp_path / "v.mp4").exists()
 
 
+@pytest.mark.slow
 def test_ctrl_c_before_the_first_block_leaves_no_video(tmp_path):
     proc = _spawn(tmp_path, "--num-blocks", "2")
     time.sleep(0.5)  # importing / loading

@@ -40,6 +40,7 @@ def _no_model(monkeypatch):
     monkeypatch.setattr(SpeculativeVideoPipeline, "from_pretrained", fail)
 
 
+@pytest.mark.slow
 def test_sweep_records_resume_refusal_and_reports(tmp_path, monkeypatch, capsys):
     from sdvg.generation.routers import Router
     from sdvg.models.text_encoder import TextEncoder
@@ -229,6 +230,7 @@ def test_retention_is_a_difference_unless_positive():
     assert calibrate_retention(pos, quality_drop=0.0)["tau"] == -1.0
 
 
+@pytest.mark.slow
 def test_calibrate_acceptance(tmp_path, capsys):
     pf = _prompts(tmp_path)
     # under the `own` drafter context the drafts do not depend on tau; their scores move only through the
