@@ -19,7 +19,7 @@ LAYERS = (
     ("sdvg/generation/", "one video, block by block"),
     ("sdvg/evaluation/", "sweeps, calibration, evaluators, plots"),
     ("sdvg/pipeline.py", "the API"),
-    ("sdvg/cli.py", "the command line"),
+    ("sdvg/cli/", "the command line: one module per command, parsing and dispatch only"),
 )
 FOLDERS = (
     ("csrc/", "the native core `sdvg._C`: `scheduler.h/.cpp` the SDVG loop (decisions, order, run-ahead; "
@@ -32,7 +32,8 @@ FOLDERS = (
     ("docs/", "design: the method, the cost model, shapes, checkpoint formats, invariants"),
     ("scripts/", "setup, tests, the GPU-image compatibility check, the ImageReward oracle (the image-reward "
                  "package in its own environment), this layout"),
-    ("tests/", "the pytest suite (CPU; `gpu` / `tensorrt` markers skip without the hardware)"),
+    ("tests/", "the pytest suite (CPU; `gpu` / `tensorrt` markers skip without the hardware; `slow` marks the "
+               "whole-video tests, which `scripts/test.sh --fast` leaves out)"),
     ("results/", "committed benchmark results"),
 )
 

@@ -19,6 +19,7 @@ def test_prompt_list_gives_each_prompt_its_own_video(tiny_pipe):
     assert not torch.equal(out.frames[0], out.frames[1])
 
 
+@pytest.mark.slow
 def test_output_types_agree(tiny_pipe):
     u8 = tiny_pipe(PROMPT, output_type="uint8", **KW)
     np_out = tiny_pipe(PROMPT, **KW)  # np is the default
@@ -36,6 +37,7 @@ def test_output_types_agree(tiny_pipe):
     assert np.array_equal(frames, np_out.frames)
 
 
+@pytest.mark.slow
 def test_generator_draws_the_seed(tiny_pipe):
     a = tiny_pipe(PROMPT, generator=torch.Generator().manual_seed(42), num_blocks=2)
     b = tiny_pipe(PROMPT, generator=torch.Generator().manual_seed(42), num_blocks=2)
@@ -55,6 +57,7 @@ def test_callback_sees_every_block_in_order(tiny_pipe):
     assert len(out.blocks) == 2
 
 
+@pytest.mark.slow
 def test_export_to_video_equals_sdvg_mp4(tiny_pipe, tmp_path):
     from diffusers.utils import export_to_video
 

@@ -87,6 +87,7 @@ def _opts(**kw) -> GenerationOptions:
     return GenerationOptions(**{"seed": 5, **kw})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_frames", [3, 6])
 @pytest.mark.parametrize("keep_first_frame", [False, True])
 def test_recompute_equals_krea_reference(long_pipe, kv_frames, keep_first_frame):
@@ -107,6 +108,7 @@ def test_recompute_equals_krea_reference(long_pipe, kv_frames, keep_first_frame)
         assert not torch.allclose(kept[slide], ref[slide], atol=1e-4)
 
 
+@pytest.mark.slow
 def test_recompute_equals_full_history_before_the_window_slides(long_pipe):
     """Blocks with 3b <= kv_cache_frames see every earlier frame under recompute: the full mode run with
     the same (five-call) schedule gives them to float rounding."""
@@ -138,8 +140,11 @@ def _bitwise(a, b):
         assert torch.equal(x.frames, y.frames), i
 
 
-@pytest.mark.parametrize("policy", ["own", "committed"])
-@pytest.mark.parametrize("target_context", ["recompute", "full"])
+@pytest.mark.parametrize("target_context,policy", [  # the fast tier keeps one context pair
+    ("recompute", "committed"),
+    pytest.param("recompute", "own", marks=pytest.mark.slow),
+    pytest.param("full", "own", marks=pytest.mark.slow),
+    pytest.param("full", "committed", marks=pytest.mark.slow)])
 def test_native_equals_reference_in_every_context(tiny_pipe, policy, target_context):
     opts = tiny_pipe.resolve(_opts(num_blocks=4, router="pattern", pattern="0110", drafter_context=policy,
                                    target_context=target_context, kv_cache_frames=3))
@@ -149,6 +154,7 @@ def test_native_equals_reference_in_every_context(tiny_pipe, policy, target_cont
         _bitwise(ref, got)
 
 
+@pytest.mark.slow
 def test_recompute_extremes_equal_single_model_runs(tiny_pipe):
     kw = dict(num_blocks=4, target_context="recompute", kv_cache_frames=3)
     target_only = list(generate_blocks(tiny_pipe.components, PROMPT, tiny_pipe.resolve(_opts(mode="target", **kw))))
@@ -164,6 +170,7 @@ def test_recompute_extremes_equal_single_model_runs(tiny_pipe):
         assert torch.equal(a.latents, b.latents)
 
 
+@pytest.mark.slow
 def test_own_drafts_do_not_depend_on_tau(tiny_pipe):
     drafts = []
     for tau in (-math.inf, -0.1, 0.0, math.inf):
@@ -174,6 +181,7 @@ def test_own_drafts_do_not_depend_on_tau(tiny_pipe):
         assert all(torch.equal(a, b) for a, b in zip(drafts[0], other))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ahead", [1, 2, 3])
 def test_multi_block_run_ahead_gives_the_sequential_video(tiny_pipe, ahead):
     opts = tiny_pipe.resolve(_opts(num_blocks=5, tau=-0.05))
@@ -201,6 +209,7 @@ def test_run_ahead_queue_is_bounded(ahead):
     assert max(leads) == ahead
 
 
+@pytest.mark.slow
 def test_recompute_costs_and_counts(tiny_pipe):
     """Under recompute the target's commits cost nothing and each denoise past block 0 makes one context
     forward; both schedulers count the same."""

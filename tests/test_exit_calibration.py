@@ -110,6 +110,7 @@ def prompts_file(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_calibrate_exit_writes_the_report_and_the_measured_k_bar(tmp_path, prompts_file, capsys):
     out = tmp_path / "cal.json"
     rc = main(["calibrate-exit", *TINY, "--prompts-file", str(prompts_file), "--num-prompts", "2",
@@ -175,6 +176,7 @@ def trained(tmp_path_factory, prompts_file):
     return root / "full", resumed, first
 
 
+@pytest.mark.slow
 def test_train_exit_head_lowers_its_loss_and_reports_heldout_auroc(trained):
     full, _, _ = trained
     rep = json.loads((full / "train.json").read_text())
@@ -187,6 +189,7 @@ def test_train_exit_head_lowers_its_loss_and_reports_heldout_auroc(trained):
     assert any(s["stability_auroc"] is not None for s in rep["heldout"]["steps"])
 
 
+@pytest.mark.slow
 def test_train_exit_head_resume_continues_to_the_same_head(trained):
     from safetensors.torch import load_file
 
@@ -200,6 +203,7 @@ def test_train_exit_head_resume_continues_to_the_same_head(trained):
     assert rep["final_loss"] == pytest.approx(json.loads((full / "train.json").read_text())["final_loss"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_trained_head_loads_and_runs_in_generate(trained, tiny_pipe, tmp_path, capsys):
     from sdvg.models.exit_head import ExitHead
 

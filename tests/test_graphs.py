@@ -15,6 +15,7 @@ def _same(a, b):
     return torch.equal(a.latents, b.latents) and np.array_equal(a.frames, b.frames)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheduler,run_ahead", [("reference", False), ("cpp", False), ("cpp", True)])
 def test_graphs_equal_eager_over_two_videos(tiny_pipe, scheduler, run_ahead):
     kw = dict(router="pattern", pattern=(False, True, True), num_blocks=3, scheduler=scheduler, run_ahead=run_ahead)
@@ -26,6 +27,7 @@ def test_graphs_equal_eager_over_two_videos(tiny_pipe, scheduler, run_ahead):
     assert graphs.stats()["graphs"] == 3  # one per block position (0, 3, 6)
 
 
+@pytest.mark.slow
 def test_graphs_capture_once_per_block_position_and_replay_across_videos(tiny_pipe):
     graphs = DiTGraphs(capture_factory=ReplayCapture)
     runners = tiny_pipe.runners()

@@ -69,6 +69,7 @@ def offline_cache(fake_hub, monkeypatch):
     return fake_hub
 
 
+@pytest.mark.slow
 def test_repo_ids_load_the_same_weights_as_explicit_paths(offline_cache, tiny_pipe, tiny_preset):
     from sdvg import SpeculativeVideoPipeline
 
@@ -121,6 +122,7 @@ def test_parse_source():
     assert parse_source("./a/b", default) is None and parse_source("plainname", default) is None
 
 
+@pytest.mark.slow
 def test_cli_resolves_repo_ids_offline(offline_cache, tmp_path):
     home, _, _ = offline_cache
     env = dict(os.environ, HF_HOME=str(home), HF_HUB_OFFLINE="1")

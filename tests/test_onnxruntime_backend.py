@@ -26,6 +26,9 @@ ORT_TOLERANCE = {
     "fp16": {"latents": 5e-2, "frames": 4, "scores": 2e-2},
     "bf16": {"latents": 1e-1, "frames": 8, "scores": 5e-2},
 }
+# Every test here needs the ONNX export of every tiny stage (or builds engines itself): the whole suite only.
+pytestmark = pytest.mark.slow
+
 KW = dict(num_blocks=3, seed=1, router="pattern", pattern=(False, True, False))
 
 

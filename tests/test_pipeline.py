@@ -17,6 +17,7 @@ PROMPT = "a red fox running through fresh snow"
 NB = 4
 
 
+@pytest.mark.slow
 def test_tau_plus_inf_is_exactly_target_only(tiny_pipe):
     sd = tiny_pipe(PROMPT, tau=math.inf, num_blocks=NB, seed=3)
     tgt = tiny_pipe(PROMPT, mode="target", num_blocks=NB, seed=3)
@@ -26,6 +27,7 @@ def test_tau_plus_inf_is_exactly_target_only(tiny_pipe):
     assert sd.stats["acceptance_rate"] == 0.0
 
 
+@pytest.mark.slow
 def test_tau_minus_inf_gives_target_block0_then_drafts(tiny_pipe):
     sd = tiny_pipe(PROMPT, tau=-math.inf, num_blocks=NB, seed=3)
     tgt = tiny_pipe(PROMPT, mode="target", num_blocks=1, seed=3)
@@ -39,6 +41,7 @@ def test_tau_minus_inf_gives_target_block0_then_drafts(tiny_pipe):
     assert sd.stats["skipped_target_commits"] == NB - 1
 
 
+@pytest.mark.slow
 def test_rejected_block_starts_from_the_draft_noise(tiny_pipe, monkeypatch):
     seen = []
     orig = RoleModel.denoise
@@ -81,6 +84,7 @@ def test_drafter_cache_holds_what_the_policy_says(tiny_pipe, policy):
     assert torch.equal(cache.buffer[:, :, :, :, :tokens], expected.buffer[:, :, :, :, :tokens])
 
 
+@pytest.mark.slow
 def test_frames_total_and_emitted_equal_streaming_decode(tiny_pipe):
     out = tiny_pipe(PROMPT, tau=0.0, num_blocks=NB, seed=2, output_type="uint8")
     assert out.frames.shape == (9 + 12 * (NB - 1), 64, 64, 3)
@@ -91,6 +95,7 @@ def test_frames_total_and_emitted_equal_streaming_decode(tiny_pipe):
     assert torch.equal(to_uint8_frames(dec.decode_video(out.latents)), out.frames)
 
 
+@pytest.mark.slow
 def test_stats_schema(tiny_pipe):
     out = tiny_pipe(PROMPT, tau=-0.12, num_blocks=NB, seed=2, drafter_context="committed")
     s = out.stats
@@ -186,6 +191,7 @@ def _cli(*args, timeout=300):
                           timeout=timeout)
 
 
+@pytest.mark.slow
 def test_cli_generate_writes_mp4_and_stats(tmp_path):
     from sdvg.io.video_writer import read_mp4_frames
 
@@ -203,6 +209,7 @@ def test_cli_generate_writes_mp4_and_stats(tmp_path):
     assert read_mp4_frames(tmp_path / "v.mp4").shape[0] == 21
 
 
+@pytest.mark.slow
 def test_cli_prompts_file_resume_and_bad_files(tmp_path):
     pf = tmp_path / "p.txt"
     pf.write_text("a cat\na dog\n")
@@ -228,6 +235,7 @@ def test_cli_prompts_file_resume_and_bad_files(tmp_path):
     assert r.returncode != 0 and "unknown preset" in r.stderr
 
 
+@pytest.mark.slow
 def test_one_line_prompts_file_follows_the_prompts_file_rule(tmp_path):
     pf = tmp_path / "one.txt"
     pf.write_text("a cat\n")
@@ -243,6 +251,7 @@ def test_one_line_prompts_file_follows_the_prompts_file_rule(tmp_path):
     assert r.returncode != 0 and "either --prompt TEXT or --prompts-file FILE" in r.stderr
 
 
+@pytest.mark.slow
 def test_interrupt_leaves_playable_mp4_and_marked_stats(tmp_path, tiny_pipe, monkeypatch):
     from sdvg import cli
     from sdvg.io.video_writer import read_mp4_frames
@@ -280,7 +289,8 @@ def test_memory_command_budget():
     assert "target KV cache                  7.14 GiB   (recompute: 6 frames x 1560 tokens x 40 layers" in target
     assert "total                           34.15 GiB   fits the budget of 44.7 GiB" in target
     r = _cli("memory", "--preset", "wan2.1", "--budget-gib", "44.7", "--target-context", "full")
-    assert r.returncode == 2 and "device cuda:1 (target) needs 59.14 GiB > budget 44.7 GiB" in r.stderr
+    assert r.returncode == 2  # the device, what it needs, the budget and the fix are named
+    assert all(s in r.stderr for s in ("cuda:1", "59.14 GiB", "44.7 GiB", "recompute target context"))
     r = _cli("memory", "--preset", "wan2.1", "--json", "--target-device", "cuda:0")
     plan = json.loads(r.stdout)
     assert plan["kv_cache_gib_per_mode"]["target"]["full"] > 32 and plan["contexts"]["target"] == "recompute"
@@ -302,6 +312,7 @@ def test_bf16_pipeline_runs_and_keeps_fp32_parts():
     assert out.frames.shape == (21, 64, 64, 3) and torch.isfinite(out.latents).all()
 
 
+@pytest.mark.slow
 def test_from_pretrained_with_real_formats_equals_the_source(tmp_path, tiny_pipe, tiny_preset):
     """Every component written in its real on-disk format and loaded back gives the same video."""
     from conftest import write_real_checkpoints

@@ -25,24 +25,25 @@ def _frames(n=4, h=32, w=32, value=100):
     return torch.full((n, h, w, 3), value, dtype=torch.uint8)
 
 
-def _main(*argv) -> int:
-    return cli.main(list(argv))
+def _main(*argv, load=None) -> int:
+    """`sdvg ARGV`; `load` (args -> pipeline) replaces loading from the flags."""
+    return cli.main(list(argv), load_pipeline=load)
 
 
 # ------------------------------------------------------------------ output paths, before any model loads
 @pytest.fixture
-def no_model_load(monkeypatch):
-    """Any attempt to build a pipeline fails the test: the checks must come first."""
+def no_model_load():
+    """A loader that fails the test: the checks must come first."""
     def boom(args):
         raise AssertionError("a model was loaded before the output paths were checked")
 
-    monkeypatch.setattr(cli, "build_pipeline", boom)
+    return boom
 
 
 def test_stats_equal_to_out_is_refused_before_loading(tmp_path, no_model_load, capsys):
     video = tmp_path / "v.mp4"
     video.write_bytes(b"an earlier video")
-    assert _main("generate", "--prompt", PROMPT, "--out", str(video), "--stats", str(video)) == 2
+    assert _main("generate", "--prompt", PROMPT, "--out", str(video), "--stats", str(video), load=no_model_load) == 2
     assert "are the same file" in capsys.readouterr().err
     assert video.read_bytes() == b"an earlier video"
 
@@ -59,13 +60,13 @@ def test_non_regular_outputs_are_refused(tmp_path, no_model_load, capsys, target
         link = tmp_path / "full.mp4"
         link.symlink_to("/dev/full")
         argv = ["--out", str(link)]
-    assert _main("generate", "--prompt", PROMPT, *argv) == 2
+    assert _main("generate", "--prompt", PROMPT, *argv, load=no_model_load) == 2
     err = capsys.readouterr().err
     assert "is a folder" in err or "not a regular file" in err
 
 
 def test_prompts_file_that_is_a_folder_exits_2(tmp_path, no_model_load, capsys):
-    assert _main("generate", "--prompts-file", str(tmp_path), "--out", str(tmp_path / "v.mp4")) == 2
+    assert _main("generate", "--prompts-file", str(tmp_path), "--out", str(tmp_path / "v.mp4"), load=no_model_load) == 2
     assert "is not a file" in capsys.readouterr().err
 
 
@@ -138,11 +139,11 @@ def test_atomic_write_keeps_the_old_file_on_failure(tmp_path, monkeypatch):
     assert f.read_text() == "old" and not list(tmp_path.glob(".*.tmp"))
 
 
-def test_second_run_on_the_same_outputs_is_refused(tmp_path, capsys, monkeypatch):
+def test_second_run_on_the_same_outputs_is_refused(tmp_path, capsys):
     stats = tmp_path / "s.jsonl"
-    monkeypatch.setattr(cli, "build_pipeline", lambda args: pytest.fail("loaded although locked"))
     with OutputLock(stats):
-        assert _main("generate", "--prompt", PROMPT, "--out", str(tmp_path / "v.mp4"), "--stats", str(stats)) == 2
+        assert _main("generate", "--prompt", PROMPT, "--out", str(tmp_path / "v.mp4"), "--stats", str(stats),
+                     load=lambda args: pytest.fail("loaded although locked")) == 2
     assert "another sdvg run is writing" in capsys.readouterr().err
     assert not (tmp_path / "s.jsonl.lock").exists()  # released and removed
 
@@ -154,35 +155,33 @@ def _prompts_file(tmp_path, lines):
     return pf
 
 
-def test_resume_repairs_a_torn_record_and_redoes_that_prompt_once(tmp_path, tiny_pipe, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "build_pipeline", lambda args: tiny_pipe)
+def test_resume_repairs_a_torn_record_and_redoes_that_prompt_once(tmp_path, tiny_pipe, capsys):
     pf = _prompts_file(tmp_path, ["a fox", "a cat", "a dog"])
     stats = tmp_path / "s.jsonl"
     base = ["generate", "--prompts-file", str(pf), "--out", str(tmp_path / "v.mp4"), "--stats", str(stats),
             "--num-blocks", "1", "--quiet"]
-    assert _main(*base, "--limit", "2") == 0
+    assert _main(*base, "--limit", "2", load=lambda args: tiny_pipe) == 0
     lines = stats.read_text().splitlines()
     stats.write_text(lines[0] + "\n" + lines[1][: len(lines[1]) // 2])  # prompt 1's record torn by a crash
-    assert _main(*base, "--resume") == 0
+    assert _main(*base, "--resume", load=lambda args: tiny_pipe) == 0
     assert "cut" in capsys.readouterr().err
     recs = [json.loads(x) for x in stats.read_text().splitlines()]
     assert [r["prompt_index"] for r in recs] == [0, 1, 2]  # 0 kept, 1 redone once, 2 new
     assert all(r["prompt_sha256"] == prompt_sha256(r["prompt"]) for r in recs)
 
 
-def test_resume_refuses_an_edited_prompts_file_or_other_options(tmp_path, tiny_pipe, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "build_pipeline", lambda args: tiny_pipe)
+def test_resume_refuses_an_edited_prompts_file_or_other_options(tmp_path, tiny_pipe, capsys):
     pf = _prompts_file(tmp_path, ["a fox", "a cat"])
     stats = tmp_path / "s.jsonl"
     base = ["generate", "--prompts-file", str(pf), "--out", str(tmp_path / "v.mp4"), "--stats", str(stats),
             "--num-blocks", "1", "--quiet"]
-    assert _main(*base) == 0
+    assert _main(*base, load=lambda args: tiny_pipe) == 0
     before = stats.read_text()
     _prompts_file(tmp_path, ["a fox", "a horse"])  # same length, line 1 edited
-    assert _main(*base, "--resume") == 2
+    assert _main(*base, "--resume", load=lambda args: tiny_pipe) == 2
     assert "prompt 1 was 'a cat'" in capsys.readouterr().err
     _prompts_file(tmp_path, ["a fox", "a cat"])
-    assert _main(*base, "--resume", "--seed", "5") == 2
+    assert _main(*base, "--resume", "--seed", "5", load=lambda args: tiny_pipe) == 2
     assert "seed=0 now 5" in capsys.readouterr().err
     assert stats.read_text() == before  # nothing overwritten
 
@@ -203,6 +202,7 @@ def _wait_for(path: Path, proc, timeout=120.0):
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129), (signal.SIGINT, 130)])
 def test_signal_mid_video_closes_the_mp4_and_marks_the_stats(tmp_path, sig, code):
     proc = _spawn(tmp_path, "--num-blocks", "200")
@@ -217,6 +217,7 @@ def test_signal_mid_video_closes_the_mp4_and_marks_the_stats(tmp_path, sig, code
     assert not partial_path(tmp_path / "v.mp4").exists()
 
 
+@pytest.mark.slow
 def test_ctrl_c_before_the_first_block_leaves_no_video(tmp_path):
     proc = _spawn(tmp_path, "--num-blocks", "2")
     time.sleep(0.5)  # importing / loading
@@ -256,20 +257,19 @@ def test_engine_manifest_may_not_name_a_file_outside_its_entry(tmp_path):
         cache.load(key, "rebuild")
 
 
-def test_exit_statuses_follow_the_convention(tmp_path, monkeypatch, capsys):
+def test_exit_statuses_follow_the_convention(tmp_path, capsys):
     assert _main("generate", "--prompt", PROMPT, "--preset", "nope", "--out", str(tmp_path / "v.mp4")) == 2
 
     def disk_full(args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(cli, "build_pipeline", disk_full)
-    assert _main("generate", "--prompt", PROMPT, "--out", str(tmp_path / "v.mp4")) == 1
+    assert _main("generate", "--prompt", PROMPT, "--out", str(tmp_path / "v.mp4"), load=disk_full) == 1
     assert "No space left" in capsys.readouterr().err
 
 
 def test_option_rules_needing_the_preset_are_checked_before_loading(tmp_path, no_model_load, capsys):
     assert _main("generate", "--prompt", PROMPT, "--preset", "tiny", "--target-context", "recompute",
-                 "--kv-cache-frames", "50", "--out", str(tmp_path / "v.mp4")) == 2
+                 "--kv-cache-frames", "50", "--out", str(tmp_path / "v.mp4"), load=no_model_load) == 2
     assert "kv_cache_frames 50 is larger than the video" in capsys.readouterr().err
 
 

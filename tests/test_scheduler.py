@@ -57,9 +57,20 @@ def _mixed_tau(pipe):
     return (scores[0] + scores[1]) / 2  # rejects the lowest-scoring draft, accepts the rest
 
 
-@pytest.mark.parametrize("policy", ["committed", "own"])
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("run_ahead", [False, True])
+# The fast tier keeps the oracle on both decisions and both drafter contexts, with and without run-ahead;
+# the other cases run in the whole suite.
+FAST_CASES = {("pattern", "committed"), ("tau=mixed", "own")}
+
+
+def _oracle_cases():
+    for run_ahead in (False, True):
+        for case in CASES:
+            for policy in ("committed", "own"):
+                yield pytest.param(case, policy, run_ahead, id=f"{run_ahead}-{case}-{policy}",
+                                   marks=() if (case, policy) in FAST_CASES else pytest.mark.slow)
+
+
+@pytest.mark.parametrize("case,policy,run_ahead", list(_oracle_cases()))
 def test_cpp_equals_reference(tiny_pipe, case, policy, run_ahead):
     kw = dict(CASES[case])
     if kw.get("tau", 0) is None:
@@ -81,6 +92,7 @@ def test_cpp_equals_reference(tiny_pipe, case, policy, run_ahead):
     assert torch.equal(ref_report.drafter_cache.buffer[..., :n, :], cpp_report.drafter_cache.buffer[..., :n, :])
 
 
+@pytest.mark.slow
 def test_eager_target_commits_cost_more_target_forwards(tiny_pipe):
     tau = _mixed_tau(tiny_pipe)
     lazy = _run_both(tiny_pipe, GenerationOptions(num_blocks=NB, seed=3, tau=tau))[2].counters
@@ -97,6 +109,7 @@ def test_single_model_modes(tiny_pipe, mode, run_ahead):
     _same(ref, got)
 
 
+@pytest.mark.slow
 def test_run_ahead_with_local_window_rolls_back_exactly():
     import dataclasses
 
@@ -111,6 +124,7 @@ def test_run_ahead_with_local_window_rolls_back_exactly():
     assert report.counters.redrafts >= 2
 
 
+@pytest.mark.slow
 def test_pipeline_switch_and_stats(tiny_pipe):
     a = tiny_pipe(PROMPT, tau=-0.1, num_blocks=3, seed=0, scheduler="cpp", run_ahead=True)
     b = tiny_pipe(PROMPT, tau=-0.1, num_blocks=3, seed=0, scheduler="reference")
@@ -123,6 +137,7 @@ def test_pipeline_switch_and_stats(tiny_pipe):
         tiny_pipe(PROMPT, backend="rust")
 
 
+@pytest.mark.slow
 def test_trace_is_the_same_timeline_in_both_schedulers(tiny_pipe):
     kw = dict(router="pattern", pattern=(False, True, False, True), num_blocks=4, seed=2, drafter_context="committed")
     ref = tiny_pipe(PROMPT, scheduler="reference", **kw).stats
@@ -154,6 +169,7 @@ def test_trace_is_the_same_timeline_in_both_schedulers(tiny_pipe):
     assert sum((x["block"], x["stage"]) == (3, "draft") for x in ahead["trace"]) == 1 + ahead["redrafts"]
 
 
+@pytest.mark.slow
 def test_consumer_thread_streams_without_deadlock(tiny_pipe):
     got, errors = [], []
 

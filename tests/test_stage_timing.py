@@ -1,10 +1,10 @@
 """`stage_timing`: sync (a wait after every stage, today's timing) against events (no per-stage wait,
-device time from CUDA event pairs): the same video, and the per-stage waits gone."""
+device time from CUDA event pairs): the same video. (The waits that events remove are
+counted by `benchmarks/host_syncs.py`.)"""
 import numpy as np
 import pytest
 import torch
 
-from sdvg.generation.calls import StageCalls
 from sdvg.generation.stage_timing import StageEvents
 
 PROMPT = "a red fox"
@@ -12,22 +12,10 @@ KW = dict(router="pattern", pattern="0110", num_blocks=3, seed=3)
 
 
 @pytest.mark.parametrize("scheduler,run_ahead", [("cpp", False), ("cpp", True), ("reference", False)])
-def test_events_give_the_same_video_without_stage_waits(tiny_pipe, monkeypatch, scheduler, run_ahead):
-    waits = {"n": 0}
-
-    def counted(fn):
-        def wrapped(*a, **k):
-            waits["n"] += 1
-            return fn(*a, **k)
-        return wrapped
-
-    monkeypatch.setattr(StageCalls, "_wait", counted(StageCalls._wait))
+def test_events_give_the_same_video(tiny_pipe, scheduler, run_ahead):
     kw = dict(KW, scheduler=scheduler, run_ahead=run_ahead)
     synced = tiny_pipe(PROMPT, **kw)
-    assert waits["n"] > 0  # sync: every stage waited for (a no-op on the CPU, counted all the same)
-    waits["n"] = 0
     evented = tiny_pipe(PROMPT, stage_timing="events", **kw)
-    assert waits["n"] == 0
     assert torch.equal(synced.latents, evented.latents) and np.array_equal(synced.frames, evented.frames)
     assert [b["decision"] for b in synced.stats["blocks"]] == [b["decision"] for b in evented.stats["blocks"]]
     assert evented.stats["stage_timing"] == "events" and synced.stats["stage_timing"] == "sync"

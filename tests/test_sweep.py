@@ -13,8 +13,9 @@ from sdvg.evaluation.sweep import (PAPER_TAUS, calibrate_acceptance, calibrate_r
 from sdvg.options import GenerationOptions
 
 
-def _run(*args):
-    return cli.main(list(args))
+def _run(*args, load=None):
+    """`sdvg ARGS`; `load` (args -> pipeline) replaces loading from the flags."""
+    return cli.main(list(args), load_pipeline=load)
 
 
 def _prompts(tmp_path, text="a cat on a mat\na dog in the park\n", name="p.txt"):
@@ -39,6 +40,7 @@ def _no_model(monkeypatch):
     monkeypatch.setattr(SpeculativeVideoPipeline, "from_pretrained", fail)
 
 
+@pytest.mark.slow
 def test_sweep_records_resume_refusal_and_reports(tmp_path, monkeypatch, capsys):
     from sdvg.generation.routers import Router
     from sdvg.models.text_encoder import TextEncoder
@@ -121,10 +123,12 @@ def test_bad_input_fails_before_any_model(tmp_path, monkeypatch, capsys):
 
 
 def test_taus_paper():
-    assert cli._taus("paper") == [-0.7, -1.0, -1.25, -1.5, -1.75, -2.0, -2.5] == list(PAPER_TAUS)
+    from sdvg.cli.sweep import unpublished
+
     args = cli.build_parser().parse_args(["sweep", "--taus", "paper"])
-    assert args.taus == list(PAPER_TAUS)
-    assert cli._unpublished(args.taus) == [-1.25, -1.75, -2.0]
+    assert args.taus == [-0.7, -1.0, -1.25, -1.5, -1.75, -2.0, -2.5] == list(PAPER_TAUS)
+    assert unpublished(args.taus) == [-1.25, -1.75, -2.0]
+    assert unpublished([-0.7, -1.25]) == []  # only `--taus paper` is flagged
     assert cli.build_parser().parse_args(["sweep", "--taus=-inf,0"]).taus == [-math.inf, 0.0]
 
 
@@ -186,22 +190,20 @@ def test_calibrate_quality_drop(tmp_path, monkeypatch, capsys):
     from sdvg.evaluation import evaluators
 
     pipe = _FakePipe(walls=lambda o: {"target": 4.0, "draft": 0.5}.get(o.mode, 4.0 + o.tau * 1.5))
-    monkeypatch.setattr(cli, "_sweep_pipeline", lambda args: (pipe, 0, 1))
-    monkeypatch.setattr(cli, "build_pipeline", lambda args: pipe)
     last = lambda: [c for c in pipe.calls if c[0] != "encode"][-1]  # noqa: E731
     monkeypatch.setattr(evaluators, "load_evaluator", lambda spec, p: lambda prompt, frames: (
         -0.5 if last()[0] == "target" else -0.5 + 0.1 * last()[2]))
     pf = _prompts(tmp_path)
     base = ["calibrate", "--preset", "tiny", "--prompts-file", str(pf), "--num-blocks", "2", "--quiet",
             "--no-warmup", "--taus=-2,-1", "--out", str(tmp_path / "cal")]
-    assert _run(*base, "--quality-drop", "0.15") == 0
+    assert _run(*base, "--quality-drop", "0.15", load=lambda args: pipe) == 0
     res = json.loads((tmp_path / "cal" / "calibration.json").read_text())
     assert res["tau"] == -1.0 and res["retention_kind"] == "difference" and res["least_retention"] == -0.15
     assert res["achieved"]["retention"] == pytest.approx(-0.1) and res["achieved"]["speedup"] == pytest.approx(1.6)
     assert not any(r["mode"] == "draft" for r in read_records(tmp_path / "cal"))
-    assert _run(*base, "--retention=-0.25") == 0  # the same folder: resumed, nothing rerun
+    assert _run(*base, "--retention=-0.25", load=lambda args: pipe) == 0  # the same folder: resumed, nothing rerun
     assert json.loads((tmp_path / "cal" / "calibration.json").read_text())["tau"] == -2.0
-    assert _run(*base, "--quality-drop", "0.05") == 2
+    assert _run(*base, "--quality-drop", "0.05", load=lambda args: pipe) == 2
     assert "no swept tau" in capsys.readouterr().err
 
 
@@ -228,6 +230,7 @@ def test_retention_is_a_difference_unless_positive():
     assert calibrate_retention(pos, quality_drop=0.0)["tau"] == -1.0
 
 
+@pytest.mark.slow
 def test_calibrate_acceptance(tmp_path, capsys):
     pf = _prompts(tmp_path)
     # under the `own` drafter context the drafts do not depend on tau; their scores move only through the
@@ -242,23 +245,39 @@ def test_calibrate_acceptance(tmp_path, capsys):
                                              key=lambda a: abs(a - 0.5))
 
 
-def test_calibrate_acceptance_committed_rounds(tmp_path, monkeypatch, capsys):
+def test_calibrate_for_acceptance_rederives_tau_over_rounds():
     """Under the committed context the drafts depend on the decisions: tau is re-derived from the scores
-    drafted under the previous tau."""
+    drafted under the previous tau, and the round nearest the goal wins."""
+    from sdvg.evaluation.calibration import calibrate_for_acceptance
+
     def generate(prompt, opts):
         scores = [0.1, 0.2] if opts.tau == -math.inf else [0.25, 0.3]  # drafts shift once blocks are rejected
         acc = sum(x >= opts.tau for x in scores) / len(scores)
         blocks = [{"score": None}] + [{"score": x} for x in scores]
         return SimpleNamespace(stats=SimpleNamespace(blocks=blocks, acceptance_rate=acc))
 
-    monkeypatch.setattr(cli, "_sweep_pipeline", lambda args: (SimpleNamespace(generate=generate), 0, 1))
-    pf = _prompts(tmp_path)
-    assert _run("calibrate", "--prompts-file", str(pf), "--acceptance", "0.5", "--quiet",
-                "--drafter-context", "committed", "--out", str(tmp_path / "cal")) == 0
-    res = json.loads((tmp_path / "cal" / "calibration.json").read_text())
+    lines = []
+    res = calibrate_for_acceptance(SimpleNamespace(generate=generate), [(0, "a cat"), (1, "a dog")],
+                                   GenerationOptions(mode="sdvg", drafter_context="committed"), 0.5, say=lines.append)
     assert [r["tau"] for r in res["rounds"]] == [0.2, 0.3] and [r["achieved_acceptance"] for r in res["rounds"]] == [
         1.0, 0.5]
-    assert res["tau"] == 0.3 and res["drafts_independent_of_tau"] is False and "committed" in res["note"]
+    assert res["tau"] == 0.3 and res["options"]["tau"] == 0.3 and res["prompts"] == 2
+    assert res["drafts_independent_of_tau"] is False and "committed" in res["note"]
+    assert res["draft_scores"] == 4  # the scores tau 0.3 was derived from: round 1's two prompts x two drafts
+    assert lines[0] == "calibrate: every draft scored, all accepted on prompt 1/2" and len(lines) == 6
+
+
+def test_calibrate_for_quality_names_the_goal_and_the_retention_kind():
+    from sdvg.evaluation.calibration import calibrate_for_quality
+
+    summary = summarise([_rec(0, "target", -0.5, 4.0), _rec(0, "draft", -1.0, 1.0),
+                         _rec(0, -1.0, -0.8, 2.0, acc=0.5, decisions=["forced", "accepted", "rejected"])])
+    res = calibrate_for_quality(summary, quality_drop=0.31, unpublished_taus=[-1.25])
+    assert res["tau"] == -1.0 and res["goal"] == {"quality_drop": 0.31} and res["least_retention"] == -0.31
+    assert res["retention_kind"] == "difference" and "may be negative" in res["note"]
+    assert res["achieved"]["speedup"] == 2.0 and res["unpublished_taus"] == [-1.25]
+    with pytest.raises(ValueError, match="no swept tau"):
+        calibrate_for_quality(summary, retention=0.0)
 
 
 def test_calibration_math():
@@ -290,14 +309,13 @@ def test_sweep_protocol_paper_sets_the_papers_loop(tmp_path, monkeypatch, capsys
     from sdvg.evaluation import evaluators
 
     pipe = _FakePipe(walls=lambda o: 1.0)
-    monkeypatch.setattr(cli, "_sweep_pipeline", lambda args: (pipe, 0, 1))
     monkeypatch.setattr(evaluators, "load_evaluator", lambda spec, p: lambda prompt, frames: 0.5)
     seen = []
     real_generate = pipe.generate
     monkeypatch.setattr(pipe, "generate", lambda prompt, opts: (seen.append(opts), real_generate(prompt, opts))[1])
     pf = _prompts(tmp_path)
     assert _run("sweep", "--protocol", "paper", "--preset", "tiny", "--prompts-file", str(pf), "--no-warmup",
-                "--taus=-0.7", "--limit", "1", "--out", str(tmp_path / "s")) == 0
+                "--taus=-0.7", "--limit", "1", "--out", str(tmp_path / "s"), load=lambda args: pipe) == 0
     err = capsys.readouterr().err
     assert "protocol paper:" in err and "resolution kept at the preset's 64x64" in err
     assert {(o.drafter_context, o.force_first_reject, o.num_blocks, o.seed, o.aggregation) for o in seen} == {
@@ -306,5 +324,5 @@ def test_sweep_protocol_paper_sets_the_papers_loop(tmp_path, monkeypatch, capsys
     assert manifest["options"]["seed"] == 42 and manifest["options"]["num_blocks"] == 9
     seen.clear()
     assert _run("sweep", "--protocol", "paper", "--seed", "7", "--preset", "tiny", "--prompts-file", str(pf),
-                "--no-warmup", "--taus=-0.7", "--limit", "1", "--out", str(tmp_path / "s7")) == 0
+                "--no-warmup", "--taus=-0.7", "--limit", "1", "--out", str(tmp_path / "s7"), load=lambda args: pipe) == 0
     assert {o.seed for o in seen} == {7}

@@ -147,6 +147,7 @@ def test_text_encoder_nan_and_int8_refused(tmp_path, tiny_preset):
         TextEncoder.from_pretrained(tmp_path / "te", config=tiny_preset.text_encoder)
 
 
+@pytest.mark.slow
 def test_real_pipeline_files_one_poisoned(tmp_path, tiny_pipe, tiny_preset):
     """The files of a whole pipeline in their real formats: the poisoned one is named, the clean ones load."""
     from sdvg import SpeculativeVideoPipeline
@@ -221,6 +222,7 @@ def test_nan_in_the_target_output_names_the_stage_and_block(tiny_pipe, scheduler
     assert (err.value.stage, err.value.block) == ("target", 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy,pattern,rejected", [("committed", "0101", [2]), ("own", "0100", [2, 3])])
 @pytest.mark.parametrize("scheduler,run_ahead", SCHEDULERS)
 def test_nan_draft_is_rejected_with_a_warning_and_the_target_makes_the_block(tiny_pipe, scheduler, run_ahead, policy,
@@ -247,6 +249,7 @@ def test_nan_draft_is_rejected_with_a_warning_and_the_target_makes_the_block(tin
         assert torch.isnan(got[b].draft_latents).sum() > 0
 
 
+@pytest.mark.slow
 def test_both_schedulers_agree_on_a_poisoned_draft(tiny_pipe):
     opts = GenerationOptions(num_blocks=NB, seed=3, tau=-math.inf, score_emitted=True)
     with poisoned_output(tiny_pipe.components.drafter, 2), warnings.catch_warnings():
@@ -277,6 +280,7 @@ def _poison_calls(runners, name, calls, value=math.nan):
     return runners
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheduler", ["reference", "cpp"])
 def test_nan_in_the_decode_and_the_scores(tiny_pipe, scheduler):
     from sdvg.generation.backends import StageRunners
@@ -304,6 +308,7 @@ def test_nan_in_the_decode_and_the_scores(tiny_pipe, scheduler):
         _blocks(tiny_pipe, opts.replace(score_emitted=True, tau=math.inf), scheduler, runners=runners)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheduler", ["reference", "cpp"])
 def test_routers_without_scores_and_draft_mode(tiny_pipe, scheduler):
     """random / pattern decide in advance: a NaN draft they reject anyway is rejected with the warning

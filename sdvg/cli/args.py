@@ -1,0 +1,153 @@
+"""Argument helpers shared by the commands: checked argparse types, the model and placement flags, the
+--config / --protocol pair, and progress lines on stderr."""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from sdvg.config import PRESETS
+from sdvg.options import PROTOCOLS, add_option_flags, option_type
+
+
+def count(low: int, high: int | None = None):
+    """argparse type: an integer >= low (and <= high)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"{v} must be >= {low}")
+        if high is not None and v > high:
+            raise argparse.ArgumentTypeError(f"{v} must lie in [{low}, {high}]")
+        return v
+
+    return parse
+
+
+def real(low: float = -math.inf, high: float = math.inf):
+    """argparse type: a finite number in [low, high] (NaN and infinities refused)."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(v) or not low <= v <= high:
+            bounds = "a finite number" if (low, high) == (-math.inf, math.inf) else f"in [{low:g}, {high:g}]"
+            raise argparse.ArgumentTypeError(f"{text} must be {bounds}")
+        return v
+
+    return parse
+
+
+def taus(text: str) -> list[float]:
+    """--taus: a comma list of numbers (inf / -inf allowed), or `paper` (the paper's seven values)."""
+    from sdvg.evaluation.sweep import PAPER_TAUS
+
+    if text.strip().lower() == "paper":
+        return list(PAPER_TAUS)
+    parse = option_type("tau")
+    values = [parse(t.strip()) for t in text.split(",") if t.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"--taus {text!r} holds no value; e.g. --taus=-1.5,-0.7 or --taus paper")
+    return list(dict.fromkeys(values))
+
+
+def seeds(text: str) -> list[int]:
+    """--seeds: a comma list of seeds (integers >= 0)."""
+    parse = option_type("seed")
+    values = [parse(t.strip()) for t in text.split(",") if t.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"--seeds {text!r} holds no seed; e.g. --seeds 0,1")
+    return list(dict.fromkeys(values))
+
+
+def add_generation_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """Model and placement flags, the memory budget, then one flag per generation option (minus `exclude`)."""
+    add_model_args(p)
+    p.add_argument("--memory-budget-gib", type=real(0), default=None,
+                   help="memory each device may hold for this pipeline in GiB (weights, KV caches, prompt K/V, as "
+                        "`sdvg memory --budget-gib` counts), checked before each video allocates its KV caches; "
+                        "default: each device's free memory (CUDA: free + PyTorch's cache; CPU: MemAvailable)")
+    add_option_flags(p, exclude=exclude)
+
+
+def add_model_args(p: argparse.ArgumentParser, engines: bool = True) -> None:
+    """The preset, checkpoint and device flags (`python -m build_engines` takes the same ones, so an
+    engine folder is built from the weights `generate` loads)."""
+    random = sorted(k for k, v in PRESETS.items() if v.random_weights)
+    real_weights = sorted(k for k, v in PRESETS.items() if not v.random_weights)
+    p.add_argument("--preset", default="tiny", help=f"random weights: {', '.join(random)}; real weights (from the "
+                                                     f"HF cache, or the flags below): {', '.join(real_weights)}")
+    where = " (a local path or a hub repo org/name[@revision][/file]; default: the preset's)"
+    p.add_argument("--drafter", help="drafter checkpoint: Self-Forcing .pt, .safetensors or diffusers folder" + where)
+    p.add_argument("--target", help="target checkpoint: Krea .safetensors, original Wan or diffusers folder" + where)
+    p.add_argument("--vae", help="Wan2.1 VAE: .pth or diffusers folder" + where)
+    p.add_argument("--reward", help="ImageReward.pt" + where)
+    p.add_argument("--reward-tokenizer", help="bert-base-uncased tokenizer folder" + where)
+    p.add_argument("--text-encoder", help="umT5 encoder folder or a diffusers Wan folder" + where)
+    if engines:
+        p.add_argument("--engines", help="engine folder built by `python -m build_engines` from the same preset and "
+                                         "checkpoint flags (backend tensorrt; onnxruntime with --format onnx; "
+                                         "torch-tensorrt with --format torch-tensorrt)")
+        from sdvg.options import TRT_RUNTIMES
+
+        p.add_argument("--trt-runtime", choices=TRT_RUNTIMES, default=TRT_RUNTIMES[0],
+                       help="how TensorRT plans run: torch (torch's current stream) or cuda-python (stream-ordered "
+                            "engine memory on the executor's own stream; the tensorrt extra)")
+        p.add_argument("--trt-cuda-graphs", action="store_true",
+                       help="capture the static DiT stages in CUDA graphs (--trt-runtime cuda-python)")
+    p.add_argument("--device", "--drafter-device", dest="device", default="cpu",
+                   help="drafter, VAE and reward device")
+    p.add_argument("--target-device", default=None, help="target device (default: --device)")
+
+
+def add_config(p: argparse.ArgumentParser, config: dict | None) -> None:
+    """--config FILE and --protocol NAME; `config` (their values, read before the full parse) becomes the
+    parser's defaults, so flags given on the command line still win."""
+    p.add_argument("--config", help="YAML or JSON file of generation options (keys: the option names); "
+                                    "flags given here override it")
+    p.add_argument("--protocol", choices=sorted(PROTOCOLS),
+                   help="a named protocol: paper = the SDVG paper's loop (drafter on its own drafts, block 0 from "
+                        "the target, worst-frame score, 9 blocks, seed 42); a --config file and flags override it")
+    if config:
+        p.set_defaults(**config)
+
+
+def config_values(argv: list[str]) -> dict:
+    """The option defaults of `--protocol NAME`, then of `--config FILE` on top (read before the full
+    parse; errors exit 2 naming the file)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    pre.add_argument("--protocol")
+    known, _ = pre.parse_known_args(argv)
+    values = dict(PROTOCOLS.get(known.protocol, {}))  # an unknown name is refused by the full parse
+    if not known.config:
+        return values
+    from sdvg.options import OptionError, load_options_file
+
+    try:
+        return {**values, **load_options_file(known.config)}
+    except OptionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def check_preset(name: str) -> None:
+    """An unknown preset is bad input (exit 2), refused before any model loads."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+
+
+def say(args, message: str) -> None:
+    """A progress line on stderr, unless --quiet."""
+    if not args.quiet:
+        print(message, file=sys.stderr, flush=True)
+
+
+def bar(args, total: int, desc: str, unit: str, initial: int = 0):
+    """A tqdm progress bar on stderr, off under --quiet."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit=unit, disable=args.quiet, file=sys.stderr)

@@ -1,0 +1,122 @@
+"""`sdvg generate`: one video per prompt (--prompt, or each line of --prompts-file), the MP4 written as
+blocks arrive, the stats as JSON (JSON Lines for a prompts file, resumable)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from sdvg.config import PRESETS
+from sdvg.io import DEFAULT_CRF, DEFAULT_FPS
+from sdvg.io.outputs import write_text_atomic
+from sdvg.options import options_from_args
+
+from sdvg.cli import generate_outputs as outputs
+from sdvg.cli.args import add_config, add_generation_args, count
+from sdvg.cli.pipelines import announce_protocol
+from sdvg.cli.prompts import read_prompts
+from sdvg.cli.video import exit_code, run_one, video_path
+
+
+def add_parser(sub, config: dict | None) -> None:
+    g = sub.add_parser("generate", help="generate videos (MP4 written as blocks arrive)")
+    add_generation_args(g)
+    g.add_argument("--prompt", help="one text prompt (or --prompts-file)")
+    g.add_argument("--prompts-file", help="one prompt per line (e.g. sdvg/data/MovieGenVideoBench.txt)")
+    g.add_argument("--offset", type=count(0), default=0, help="skip the first N prompts of --prompts-file")
+    g.add_argument("--limit", type=count(0), default=0, help="at most N prompts (0 = all)")
+    g.add_argument("--out", default="video.mp4", help="the MP4 (with --prompts-file: <stem>_<line>.mp4 per prompt)")
+    g.add_argument("--stats", help="statistics (docs/stats.md): JSON, or JSON Lines with --prompts-file; "
+                                   "default: --out with .json / .jsonl")
+    g.add_argument("--fps", type=float, default=DEFAULT_FPS,
+                   help=f"frames per second of the MP4 (default: {DEFAULT_FPS}, Wan2.1's)")
+    g.add_argument("--crf", type=count(0, 51), default=DEFAULT_CRF,
+                   help=f"libx264 quality, 0 (lossless) to 51 (default: {DEFAULT_CRF})")
+    g.add_argument("--resume", action="store_true", help="skip prompts already in the stats JSONL")
+    g.add_argument("--timeline", help="PNG of every stage call on the drafter / VAE+reward / target lanes "
+                                      "(one per prompt with --prompts-file)")
+    g.add_argument("--exit-map", help="PNG heat map of the denoising steps each token of each emitted block took "
+                                      "(with --early-exit; with --prompts-file: <stem>_<line>.png per prompt)")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.set_defaults(func=run)
+    add_config(g, config)
+
+
+def run(args, load_pipeline) -> int:
+    from sdvg.io.outputs import OutputLock, check_output_paths
+
+    if (args.prompt is None) == (args.prompts_file is None):
+        raise ValueError("give either --prompt TEXT or --prompts-file FILE")
+    if args.prompt is not None and not args.prompt.strip():
+        raise ValueError("--prompt is empty; give a non-empty prompt")
+    if args.prompt is not None:
+        prompts, first = [args.prompt], 0
+    else:
+        every = read_prompts(args.prompts_file)
+        first = args.offset
+        prompts = every[first:first + args.limit] if args.limit else every[first:]
+        if not prompts:
+            raise ValueError(f"--offset {args.offset} leaves no prompt of the {len(every)} in {args.prompts_file}")
+    out = Path(args.out)
+    many = args.prompts_file is not None  # a prompts file: one video per line, <out>_<line>.mp4, JSON Lines stats
+    stats_path = Path(args.stats) if args.stats else out.with_suffix(".jsonl" if many else ".json")
+    if out.suffix.lower() != ".mp4":
+        raise ValueError(f"--out {out} must end in .mp4")
+    videos = {i: video_path(out, i, many) for i in range(first, first + len(prompts))}
+    check_output_paths(stats=stats_path, timeline=args.timeline, exit_map=args.exit_map,
+                       **{("out" if not many else f"out_{i}"): v for i, v in videos.items()})
+    opts = options_from_args(args)
+    outputs.warn_unused_exit_flags(args, opts)
+    if args.preset in PRESETS:  # the rules that need the preset (video length, windows), before any model loads
+        from sdvg.config import get_preset
+
+        opts.resolved(get_preset(args.preset))
+    with OutputLock(stats_path):
+        if many:
+            return _generate_many(args, load_pipeline, prompts, first, out, stats_path, opts)
+        pipe = load_pipeline(args)
+        announce_protocol(args, pipe.preset, opts)
+        maps: list = []
+        stats = run_one(pipe, prompts[0], opts, out, progress=not args.quiet, fps=args.fps, crf=args.crf,
+                        on_block=outputs.exit_map_collector(args, maps))
+        write_text_atomic(stats_path, stats.to_json(indent=2))
+        outputs.timeline(args, stats, 0, many=False)
+        outputs.exit_map(args, stats, maps, 0, many=False)
+        outputs.summary(stats, stats_path)
+        return exit_code(stats)
+
+
+def _generate_many(args, load_pipeline, prompts: list[str], first: int, out: Path, stats_path: Path, opts) -> int:
+    """One video per line of the prompts file, the stats appended line by line (resumable)."""
+    from sdvg.io.outputs import append_jsonl, prompt_sha256, repair_jsonl
+
+    by_index = dict(enumerate(prompts, start=first))
+    if args.resume:
+        cut = repair_jsonl(stats_path)
+        if cut:
+            print(f"{stats_path}: cut {cut} bytes of a record torn by an earlier crash (that prompt is redone)",
+                  file=sys.stderr)
+    elif stats_path.exists():
+        stats_path.unlink()
+    pipe = load_pipeline(args)
+    announce_protocol(args, pipe.preset, opts)
+    resolved = pipe.resolve(opts).as_dict()
+    resolved.pop("backend", None)  # how stages ran does not change the video
+    done = outputs.done_prompts(stats_path, by_index, resolved) if args.resume else set()
+    stats_path.parent.mkdir(parents=True, exist_ok=True)
+    for i, prompt in by_index.items():  # i: the prompt's line in the file (0-based)
+        if i in done:
+            continue
+        maps: list = []
+        stats = run_one(pipe, prompt, opts, video_path(out, i, True), progress=not args.quiet, fps=args.fps,
+                        crf=args.crf, on_block=outputs.exit_map_collector(args, maps))
+        stats.extra["prompt_index"] = i
+        stats.extra["prompt_sha256"] = prompt_sha256(prompt)
+        append_jsonl(stats_path, stats.to_json())
+        outputs.timeline(args, stats, i, many=True)
+        outputs.exit_map(args, stats, maps, i, many=True)
+        if stats.interrupted:
+            print(f"interrupted at prompt {i}; rerun with --resume to continue", file=sys.stderr)
+            return exit_code(stats)
+    written = sum(i not in done for i in by_index)
+    print(f"wrote {written} video(s); stats in {stats_path}", file=sys.stderr)
+    return 0

@@ -1,0 +1,105 @@
+"""What `sdvg generate` writes beside the videos: the check of a stats file it resumes, the timeline and
+early-exit map PNGs, the note on unread early-exit flags, and the summary line."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from sdvg.cli.video import video_path
+
+
+def done_prompts(stats_path: Path, prompts: dict[int, str], options: dict) -> set[int]:
+    """Prompts a JSON Lines stats file already holds complete records of. A record counts for prompt i
+    only if its text (hash) is line i's and its options are this run's; a file written for another
+    prompts file or other options is refused, naming what differs (nothing is overwritten)."""
+    from sdvg.io.outputs import prompt_sha256
+
+    done = set()
+    if not stats_path.is_file():
+        return done
+    for n, line in enumerate(stats_path.read_text(encoding="utf-8").splitlines(), start=1):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            raise ValueError(f"{stats_path} line {n} is not JSON; the file is damaged: move it away or pass "
+                             "another --stats") from None
+        i = rec.get("prompt_index")
+        if i not in prompts or rec.get("interrupted"):
+            continue
+        if rec.get("prompt_sha256", prompt_sha256(rec.get("prompt", ""))) != prompt_sha256(prompts[i]):
+            raise ValueError(f"{stats_path} line {n}: prompt {i} was {rec.get('prompt', '?')!r:.60}, the prompts "
+                             f"file now has {prompts[i]!r:.60} (edited?); pass another --stats or drop --resume")
+        differ = sorted(k for k, v in options.items() if k in rec and rec[k] != v)
+        if differ:
+            raise ValueError(f"{stats_path} line {n}: prompt {i} was generated with other options ("
+                             + ", ".join(f"{k}={rec[k]!r} now {options[k]!r}" for k in differ[:6])
+                             + "); pass another --stats or the same options")
+        done.add(i)
+    return done
+
+
+def timeline(args, stats, index: int, many: bool) -> None:
+    """--timeline: the PNG of every stage call of the traced run."""
+    if not args.timeline or not stats.get("trace"):
+        return  # an interrupted video keeps no trace
+    from sdvg.evaluation.timeline import decisions_of, plot_timeline
+
+    acc = stats.get("acceptance_rate")
+    title = (f"{stats['mode']}, {stats.get('scheduler', '')}{' run-ahead' if stats.get('run_ahead') else ''}: "
+             f"{stats['scheduler_wall_s']:.2f} s (the traced run)" + ("" if acc is None else f" at {acc:.0%} acceptance"))
+    plot_timeline([{"title": title, "trace": stats["trace"], "decisions": decisions_of(stats.get("blocks", []))}],
+                  video_path(Path(args.timeline), index, many))
+
+
+def warn_unused_exit_flags(args, opts) -> None:
+    """Say up front which early-exit flags this run will not read (no early exit asked for)."""
+    if opts.early_exit != "none":
+        return
+    from sdvg.options import DEFAULTS, flag_of
+
+    unused = [flag_of(n) for n in ("exit_verifier", "exit_eps", "exit_thresholds", "exit_head", "exit_pattern_steps")
+              if getattr(opts, n) != getattr(DEFAULTS, n)]
+    if getattr(args, "exit_map", None):
+        unused.append("--exit-map")
+    if unused:
+        print(f"note: {', '.join(unused)} have no effect without --early-exit target|drafter|both", file=sys.stderr)
+
+
+def exit_map_collector(args, maps: list):
+    """on_block callback gathering each block's early-exit step map (only with --exit-map)."""
+    if not args.exit_map:
+        return None
+
+    def collect(block):
+        steps = None if block.exits is None else block.exits.steps_map
+        maps.append({"index": block.index, "decision": block.decision,
+                     "steps": None if steps is None else steps.numpy()})
+    return collect
+
+
+def exit_map(args, stats, maps: list, index: int, many: bool) -> None:
+    """--exit-map: the heat map of the denoising steps each token of each emitted block took."""
+    if not args.exit_map or not maps:
+        return
+    from sdvg.evaluation.exit_map import plot_exit_map
+
+    ks = [b["exit"][b["exit"]["producer"]]["num_steps"] for b in stats.get("blocks", [])
+          if "exit" in b and b["exit"]["producer"] in b["exit"]]
+    if not ks:
+        print(f"--exit-map: no emitted block was denoised with early exit (--early-exit {stats['early_exit']}); no "
+              "map written", file=sys.stderr)
+        return
+    drawn = [m for m in maps if m["steps"] is not None]
+    k_drawn = sum(float(m["steps"].mean()) for m in drawn) / len(drawn)
+    title = (f"{stats['mode']}, early exit {stats['early_exit']} ({stats['exit_verifier']}): {len(drawn)} of {len(maps)} "
+             f"blocks made with early exit, k_bar {k_drawn:.2f} over them ({stats['mean_steps']:.2f} over the video)")
+    plot_exit_map(maps, max(ks), video_path(Path(args.exit_map), index, many), title)
+
+
+def summary(stats, path: Path) -> None:
+    """The one line a single video ends with."""
+    acc = stats.get("acceptance_rate")
+    acc_s = "n/a" if acc is None else f"{acc:.1%}"
+    print(f"{stats['video']}: {stats['frames']} frames, acceptance {acc_s}, "
+          f"wall {stats.get('wall_s', float('nan')):.2f} s; stats in {path}", file=sys.stderr)
