@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from sdvg.config import PRESETS, KVWindow, RoleContext
-from sdvg.io import DEFAULT_CRF, DEFAULT_FPS
+from sdvg.io import DEFAULT_CRF, DEFAULT_FPS, fps_type
 from sdvg.io.outputs import write_text_atomic
 from sdvg.options import BACKENDS, PROTOCOLS, add_option_flags, option_type, options_from_args
 
@@ -240,7 +240,8 @@ def _exit_code(stats) -> int:
 
 
 def cmd_generate(args) -> int:
-    from sdvg.io.outputs import OutputLock, check_output_paths
+    from sdvg.io.locks import lock_outputs
+    from sdvg.io.outputs import check_output_paths
 
     if (args.prompt is None) == (args.prompts_file is None):
         raise ValueError("give either --prompt TEXT or --prompts-file FILE")
@@ -268,7 +269,7 @@ def cmd_generate(args) -> int:
         from sdvg.config import get_preset
 
         opts.resolved(get_preset(args.preset))
-    with OutputLock(stats_path):
+    with lock_outputs(stats_path, out, args.timeline, args.exit_map):
         if not many:
             pipe = build_pipeline(args)
             _announce_protocol(args, pipe.preset, opts)
@@ -856,7 +857,7 @@ def build_parser(config: dict | None = None) -> argparse.ArgumentParser:
     g.add_argument("--out", default="video.mp4", help="the MP4 (with --prompts-file: <stem>_<line>.mp4 per prompt)")
     g.add_argument("--stats", help="statistics (docs/stats.md): JSON, or JSON Lines with --prompts-file; "
                                    "default: --out with .json / .jsonl")
-    g.add_argument("--fps", type=float, default=DEFAULT_FPS,
+    g.add_argument("--fps", type=fps_type, default=DEFAULT_FPS,
                    help=f"frames per second of the MP4 (default: {DEFAULT_FPS}, Wan2.1's)")
     g.add_argument("--crf", type=_count(0, 51), default=DEFAULT_CRF,
                    help=f"libx264 quality, 0 (lossless) to 51 (default: {DEFAULT_CRF})")
@@ -1006,12 +1007,13 @@ EXIT_BAD_INPUT, EXIT_RUNTIME = 2, 1
 
 def main(argv=None) -> int:
     from sdvg.io.interrupts import exit_code_of, signals_interrupt
+    from sdvg.io.locks import lock_command_outputs
     from sdvg.config import MemoryBudgetError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(_config_values(argv)).parse_args(argv)
     try:
-        with signals_interrupt():  # before the first block too (loading): exit 128 + signal, no traceback
+        with signals_interrupt(), lock_command_outputs(args):  # every output locked before anything loads
             return args.func(args)
     except KeyboardInterrupt as exc:
         print(f"interrupted ({exc.args[0] if exc.args else 'SIGINT'})", file=sys.stderr)
