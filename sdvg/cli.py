@@ -11,9 +11,10 @@ import math
 import sys
 from pathlib import Path
 
-from sdvg.config import PRESETS, KVWindow, RoleContext
+from sdvg.config import MAX_BUDGET_GIB, PRESETS, KVWindow, RoleContext
 from sdvg.io import DEFAULT_CRF, DEFAULT_FPS, fps_type
 from sdvg.io.outputs import write_text_atomic
+from sdvg.io.text_input import check_prompt, read_prompts  # noqa: F401 (read_prompts: part of this module's API)
 from sdvg.options import BACKENDS, PROTOCOLS, add_option_flags, option_type, options_from_args
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "MovieGenVideoBench.txt"
@@ -25,7 +26,7 @@ def _count(low: int, high: int | None = None):
         try:
             v = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not an integer") from None
         if v < low:
             raise argparse.ArgumentTypeError(f"{v} must be >= {low}")
         if high is not None and v > high:
@@ -41,39 +42,19 @@ def _real(low: float = -math.inf, high: float = math.inf):
         try:
             v = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number") from None
         if not math.isfinite(v) or not low <= v <= high:
             bounds = "a finite number" if (low, high) == (-math.inf, math.inf) else f"in [{low:g}, {high:g}]"
-            raise argparse.ArgumentTypeError(f"{text} must be {bounds}")
+            raise argparse.ArgumentTypeError(f"{text[:40]} must be {bounds}")
         return v
 
     return parse
 
 
-def read_prompts(path: str | Path) -> list[str]:
-    """One prompt per line, UTF-8; blank lines are an error (they would shift prompt indices)."""
-    if not Path(path).is_file():
-        raise ValueError(f"prompts file {path} is not a file; give a text file with one prompt per line")
-    raw = Path(path).read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"prompts file {path} is not valid UTF-8 (byte {exc.start}); re-save it as UTF-8")
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    blank = [i + 1 for i, line in enumerate(lines) if not line.strip()]
-    if blank:
-        raise ValueError(f"prompts file {path} has blank lines at {blank[:10]}; remove them")
-    if not lines:
-        raise ValueError(f"prompts file {path} holds no prompt")
-    return [line.rstrip("\r") for line in lines]
-
-
 def add_generation_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
     """Model and placement flags, the memory budget, then one flag per generation option (minus `exclude`)."""
     add_model_args(p)
-    p.add_argument("--memory-budget-gib", type=_real(0), default=None,
+    p.add_argument("--memory-budget-gib", type=_real(0, MAX_BUDGET_GIB), default=None,
                    help="memory each device may hold for this pipeline in GiB (weights, KV caches, prompt K/V, as "
                         "`sdvg memory --budget-gib` counts), checked before each video allocates its KV caches; "
                         "default: each device's free memory (CUDA: free + PyTorch's cache; CPU: MemAvailable)")
@@ -245,8 +226,8 @@ def cmd_generate(args) -> int:
 
     if (args.prompt is None) == (args.prompts_file is None):
         raise ValueError("give either --prompt TEXT or --prompts-file FILE")
-    if args.prompt is not None and not args.prompt.strip():
-        raise ValueError("--prompt is empty; give a non-empty prompt")
+    if args.prompt is not None:
+        check_prompt(args.prompt)  # valid text for the tokenizer, before any model loads
     if args.prompt is not None:
         prompts, first = [args.prompt], 0
     else:
@@ -659,8 +640,8 @@ def _exit_prompts(args, extra: int = 0) -> tuple[list[str], dict]:
     if getattr(args, "prompt", None):
         if args.prompts_file:
             raise ValueError("give either --prompt or --prompts-file")
-        if any(not p.strip() for p in args.prompt):
-            raise ValueError("--prompt is empty; give a non-empty prompt")
+        for p in args.prompt:
+            check_prompt(p)
         return list(args.prompt), {"prompts": list(args.prompt)}
     from sdvg.evaluation.sweep import sha256_file
 
@@ -782,7 +763,7 @@ def cmd_train_exit_head(args) -> int:
     dim = int(train_records.hidden.shape[-1])
     resumed_from = None
     if args.resume and paths["checkpoint"].is_file():
-        state, _ = ec.load_checkpoint(paths["checkpoint"], config)
+        state, _ = ec.load_checkpoint(paths["checkpoint"], config, dim=dim)
         resumed_from = state.step
     else:
         state = ec.new_state(dim, config)
@@ -881,7 +862,8 @@ def build_parser(config: dict | None = None) -> argparse.ArgumentParser:
     m.add_argument("--target-device", default="cuda:1", help="target device (a label; the same as --device for one "
                                                              "device)")
     m.add_argument("--text-encoder-device", help="where umT5 stays (default: --device; cpu = offloaded)")
-    m.add_argument("--budget-gib", type=_real(0), help="memory of each device in GiB (a 48 GB card: 44.7)")
+    m.add_argument("--budget-gib", type=_real(0, MAX_BUDGET_GIB),
+                   help="memory of each device in GiB (a 48 GB card: 44.7)")
     m.add_argument("--json", action="store_true", help="machine-readable output")
     add_option_flags(m, only=MEMORY_OPTIONS)
     m.set_defaults(func=cmd_memory)

@@ -127,6 +127,15 @@ def lock_outputs(*outputs):
     (OutputBusyError, exit 2) naming the holder when another run holds any of them. Locks are taken in
     sorted order (two runs sharing outputs cannot deadlock) and released in reverse."""
     paths = sorted({Path(os.path.abspath(Path(o))) for o in outputs if o is not None and str(o) != ""})
+    for out in paths:  # a device or a pipe is no output (and gets no lock file beside it, e.g. in /dev)
+        try:
+            mode = os.stat(out).st_mode
+        except OSError:
+            continue
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            from sdvg.io.safe_files import kind_of
+
+            raise OutputBusyError(f"{out} is not a regular file ({kind_of(mode)}); give a file path")
     taken: list[Path] = []
     try:
         for out in paths:
