@@ -13,7 +13,8 @@ from pathlib import Path
 
 from sdvg.config import MAX_BUDGET_GIB, PRESETS, KVWindow, RoleContext
 from sdvg.io import DEFAULT_CRF, DEFAULT_FPS, fps_type
-from sdvg.io.outputs import write_text_atomic
+from sdvg.io.exit_status import device_type
+from sdvg.io.outputs import record_fields, write_text_atomic
 from sdvg.io.text_input import check_prompt, read_prompts  # noqa: F401 (read_prompts: part of this module's API)
 from sdvg.options import BACKENDS, PROTOCOLS, add_option_flags, option_type, options_from_args
 
@@ -86,9 +87,9 @@ def add_model_args(p: argparse.ArgumentParser, engines: bool = True) -> None:
                             "engine memory on the executor's own stream; the tensorrt extra)")
         p.add_argument("--trt-cuda-graphs", action="store_true",
                        help="capture the static DiT stages in CUDA graphs (--trt-runtime cuda-python)")
-    p.add_argument("--device", "--drafter-device", dest="device", default="cpu",
+    p.add_argument("--device", "--drafter-device", dest="device", default="cpu", type=device_type,
                    help="drafter, VAE and reward device")
-    p.add_argument("--target-device", default=None, help="target device (default: --device)")
+    p.add_argument("--target-device", default=None, type=device_type, help="target device (default: --device)")
 
 
 def build_pipeline(args):
@@ -135,7 +136,7 @@ def _done_prompts(stats_path: Path, prompts: dict[int, str], options: dict) -> s
     """Prompts a JSON Lines stats file already holds complete records of. A record counts for prompt i
     only if its text (hash) is line i's and its options are this run's; a file written for another
     prompts file or other options is refused, naming what differs (nothing is overwritten)."""
-    from sdvg.io.outputs import prompt_sha256
+    from sdvg.io.outputs import prompt_sha256, stored_option_matches
 
     done = set()
     if not stats_path.is_file():
@@ -152,7 +153,7 @@ def _done_prompts(stats_path: Path, prompts: dict[int, str], options: dict) -> s
         if rec.get("prompt_sha256", prompt_sha256(rec.get("prompt", ""))) != prompt_sha256(prompts[i]):
             raise ValueError(f"{stats_path} line {n}: prompt {i} was {rec.get('prompt', '?')!r:.60}, the prompts "
                              f"file now has {prompts[i]!r:.60} (edited?); pass another --stats or drop --resume")
-        differ = sorted(k for k, v in options.items() if k in rec and rec[k] != v)
+        differ = sorted(k for k, v in options.items() if k in rec and not stored_option_matches(rec, k, v))
         if differ:
             raise ValueError(f"{stats_path} line {n}: prompt {i} was generated with other options ("
                              + ", ".join(f"{k}={rec[k]!r} now {options[k]!r}" for k in differ[:6])
@@ -257,6 +258,7 @@ def cmd_generate(args) -> int:
             maps: list = []
             stats = run_one(pipe, prompts[0], opts, out, progress=not args.quiet, fps=args.fps, crf=args.crf,
                             on_block=_exit_map_collector(args, maps))
+            stats.extra.update(record_fields(args.protocol, pipe.resolve(opts).as_dict()))
             write_text_atomic(stats_path, stats.to_json(indent=2))
             _timeline(args, stats, 0, many=False)
             _exit_map(args, stats, maps, 0, many=False)
@@ -289,6 +291,7 @@ def _generate_many(args, prompts: list[str], first: int, out: Path, stats_path: 
         stats = run_one(pipe, prompt, opts, _video_path(out, i, True), progress=not args.quiet, fps=args.fps,
                         crf=args.crf, on_block=_exit_map_collector(args, maps))
         stats.extra["prompt_index"] = i
+        stats.extra.update(record_fields(args.protocol, resolved))
         stats.extra["prompt_sha256"] = prompt_sha256(prompt)
         append_jsonl(stats_path, stats.to_json())
         _timeline(args, stats, i, many=True)
@@ -989,6 +992,7 @@ EXIT_BAD_INPUT, EXIT_RUNTIME = 2, 1
 
 def main(argv=None) -> int:
     from sdvg.io.interrupts import exit_code_of, signals_interrupt
+    from sdvg.io.exit_status import is_input_error
     from sdvg.io.locks import lock_command_outputs
     from sdvg.config import MemoryBudgetError
 
@@ -1005,7 +1009,7 @@ def main(argv=None) -> int:
         return EXIT_BAD_INPUT
     except (RuntimeError, OSError, MemoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_RUNTIME
+        return EXIT_BAD_INPUT if is_input_error(exc) else EXIT_RUNTIME
 
 
 if __name__ == "__main__":

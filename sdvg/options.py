@@ -377,7 +377,12 @@ def protocol_options(name: str, **overrides) -> "GenerationOptions":
 
 def describe_protocol(name: str, opts: "GenerationOptions", height: int, width: int, random_weights: bool) -> list[str]:
     """What a protocol set, line by line (printed by the CLI), including the resolution it keeps."""
-    lines = [f"protocol {name}: " + ", ".join(f"{k}={getattr(opts, k)}" for k in PROTOCOLS[name])]
+    kept = [f"{k}={getattr(opts, k)}" for k, v in PROTOCOLS[name].items() if getattr(opts, k) == v]
+    overridden = [f"{k}={getattr(opts, k)} (the protocol's: {v})" for k, v in PROTOCOLS[name].items()
+                  if getattr(opts, k) != v]
+    lines = [f"protocol {name}: " + ", ".join(kept)]
+    if overridden:
+        lines.append(f"protocol {name}: overridden by the config or flags: " + ", ".join(overridden))
     if (height, width) == PAPER_RESOLUTION:
         lines.append(f"protocol {name}: resolution {width}x{height} (the paper's)")
     elif random_weights:

@@ -170,3 +170,42 @@ class OutputLock:
         if self._fd is not None:
             drop_lock(self.path, self._fd)
             self._fd = None
+
+
+# ------------------------------------------------------------------ what a CLI record adds, and resume's comparison
+def _infinities(obj, prefix: str = "") -> dict[str, str]:
+    """Dotted paths of the infinite floats in a JSON-like object -> "inf" / "-inf" (strict JSON writes them
+    as null, losing the sign)."""
+    import math
+
+    if isinstance(obj, float) and math.isinf(obj):
+        return {prefix: "inf" if obj > 0 else "-inf"}
+    if isinstance(obj, dict):
+        return {p: s for k, v in obj.items() for p, s in _infinities(v, f"{prefix}.{k}" if prefix else str(k)).items()}
+    if isinstance(obj, (list, tuple)):
+        return {p: s for i, v in enumerate(obj) for p, s in _infinities(v, f"{prefix}[{i}]").items()}
+    return {}
+
+
+def record_fields(protocol: str | None, options: dict) -> dict:
+    """The fields the command line adds to a video's stats: `protocol` (the --protocol it ran under, or None)
+    and `infinite_options` (each option path holding inf or -inf -> its sign, so `--resume` can tell
+    tau = inf from tau = -inf although strict JSON writes both as null)."""
+    return {"protocol": protocol, "infinite_options": _infinities(options)}
+
+
+def stored_option_matches(record: dict, key: str, value) -> bool:
+    """Whether a stats record's `key` holds option value `value` as this run would write it: non-finite
+    numbers compared through their null and their sign in `infinite_options` (older records without it
+    match either sign), tuples as lists."""
+    from sdvg.generation.types import strict_json
+    import json as _json
+
+    stored = record.get(key)
+    if _json.loads(strict_json(value)) != stored:
+        return False
+    signs = _infinities(value, key)
+    if not signs or "infinite_options" not in record:
+        return True
+    saved = record["infinite_options"] if isinstance(record["infinite_options"], dict) else {}
+    return all(saved.get(path) == sign for path, sign in signs.items())
