@@ -375,3 +375,41 @@ def test_an_unwritable_folder_is_found_by_trying_before_loading(no_model_load, c
                  "--stats", "/tmp/sdvg-rel2-unused.json") == 2
     err = capsys.readouterr().err
     assert "/sys/kernel" in err and "Traceback" not in err
+
+
+def test_infinite_tau_round_trips_through_resume_and_the_protocol_is_recorded(tmp_path, tiny_pipe, monkeypatch,
+                                                                               capsys):
+    monkeypatch.setattr(cli, "build_pipeline", lambda args: tiny_pipe)
+    pf = tmp_path / "p.txt"
+    pf.write_text("a fox\n")
+    stats = tmp_path / "s.jsonl"
+    base = ["generate", "--prompts-file", str(pf), "--out", str(tmp_path / "v.mp4"), "--stats", str(stats),
+            "--num-blocks", "1", "--quiet", "--protocol", "paper"]
+    assert _main(*base, "--tau", "inf") == 0
+    rec = json.loads(stats.read_text())
+    assert rec["tau"] is None and rec["infinite_options"] == {"tau": "inf"} and rec["protocol"] == "paper"
+    assert _main(*base, "--tau", "inf", "--resume") == 0  # nothing redone
+    assert len(stats.read_text().splitlines()) == 1
+    assert _main(*base, "--tau=-inf", "--resume") == 2
+    assert "tau=None now -inf" in capsys.readouterr().err
+
+
+def test_protocol_overrides_are_printed_as_overrides():
+    from sdvg.options import describe_protocol, protocol_options
+
+    lines = describe_protocol("paper", protocol_options("paper", seed=3), 64, 64, random_weights=True)
+    assert "seed=42" not in lines[0] and "overridden" in lines[1] and "seed=3 (the protocol's: 42)" in lines[1]
+
+
+def test_engine_folder_refusals_and_odd_devices_exit_2(tmp_path, monkeypatch, capsys):
+    from sdvg.engines.cache import StaleEngineError
+
+    def stale(args):
+        raise StaleEngineError(f"engine {tmp_path} does not match; rebuild")
+
+    monkeypatch.setattr(cli, "build_pipeline", stale)
+    assert _main("generate", "--prompt", PROMPT, "--out", str(tmp_path / "v.mp4")) == 2
+    assert "does not match" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        _main("generate", "--prompt", PROMPT, "--drafter-device", "meta")
+    assert exc.value.code == 2 and "device 'meta'" in capsys.readouterr().err
