@@ -223,7 +223,7 @@ def _exit_code(stats) -> int:
 
 def cmd_generate(args) -> int:
     from sdvg.io.locks import lock_outputs
-    from sdvg.io.outputs import check_output_paths
+    from sdvg.io.outputs import check_output_paths, generate_outputs
 
     if (args.prompt is None) == (args.prompts_file is None):
         raise ValueError("give either --prompt TEXT or --prompts-file FILE")
@@ -243,8 +243,7 @@ def cmd_generate(args) -> int:
     if out.suffix.lower() != ".mp4":
         raise ValueError(f"--out {out} must end in .mp4")
     videos = {i: _video_path(out, i, many) for i in range(first, first + len(prompts))}
-    check_output_paths(stats=stats_path, timeline=args.timeline, exit_map=args.exit_map,
-                       **{("out" if not many else f"out_{i}"): v for i, v in videos.items()})
+    check_output_paths(**generate_outputs(stats_path, videos, args.timeline, args.exit_map, many))
     opts = options_from_args(args)
     _warn_unused_exit_flags(args, opts)
     if args.preset in PRESETS:  # the rules that need the preset (video length, windows), before any model loads
@@ -617,7 +616,7 @@ def cmd_calibrate(args) -> int:
                           + (" (the metric is declared positive)" if positive else
                              " (the metric's scores may be negative)"),
                   "unpublished_taus": _unpublished(args.taus)}
-    (out / "calibration.json").write_text(strict_json(result, indent=2))
+    write_text_atomic(out / "calibration.json", strict_json(result, indent=2))
     print(strict_json(result, indent=2))
     if not args.quiet and "note" in result:
         print(result["note"], file=sys.stderr)

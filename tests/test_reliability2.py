@@ -413,3 +413,14 @@ def test_engine_folder_refusals_and_odd_devices_exit_2(tmp_path, monkeypatch, ca
     with pytest.raises(SystemExit) as exc:
         _main("generate", "--prompt", PROMPT, "--drafter-device", "meta")
     assert exc.value.code == 2 and "device 'meta'" in capsys.readouterr().err
+
+
+def test_per_prompt_derived_names_are_checked_against_the_other_outputs(tmp_path, no_model_load, capsys):
+    pf = tmp_path / "p.txt"
+    pf.write_text("a fox\na cat\n")
+    stats = tmp_path / "t_0001.jsonl"
+    stats.write_text("")
+    assert _main("generate", "--prompts-file", str(pf), "--out", str(tmp_path / "v.mp4"), "--stats", str(stats),
+                 "--timeline", str(tmp_path / "t.jsonl")) == 2
+    assert "same file" in capsys.readouterr().err
+    assert stats.read_text() == ""

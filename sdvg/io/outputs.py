@@ -209,3 +209,20 @@ def stored_option_matches(record: dict, key: str, value) -> bool:
         return True
     saved = record["infinite_options"] if isinstance(record["infinite_options"], dict) else {}
     return all(saved.get(path) == sign for path, sign in signs.items())
+
+
+def generate_outputs(stats: Path, videos: dict[int, Path], timeline, exit_map, many: bool) -> dict[str, Path]:
+    """Every file `sdvg generate` writes, by flag, for `check_output_paths`: the stats, each video and, per
+    prompt with a prompts file, each derived timeline and exit-map name (`<stem>_<line>.png`), so a derived
+    name equal to another output (e.g. a timeline name landing on the stats JSONL) is refused up front."""
+    def derived(base, i: int) -> Path:
+        base = Path(base)
+        return base.with_name(f"{base.stem}_{i:04d}{base.suffix}") if many else base
+
+    out: dict[str, Path] = {"stats": stats}
+    for i, video in videos.items():
+        out["out" if not many else f"out_{i}"] = video
+        for name, base in (("timeline", timeline), ("exit_map", exit_map)):
+            if base is not None:
+                out[name if not many else f"{name}_{i}"] = derived(base, i)
+    return out

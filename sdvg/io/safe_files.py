@@ -152,3 +152,22 @@ def probe_writable(folder: str | Path) -> str | None:
     except OSError:
         pass
     return None
+
+
+def save_figure(fig, path: str | Path, dpi: int) -> None:
+    """A matplotlib figure written like every other output: rendered in memory (format from the suffix), then
+    `write_bytes_atomic` (no write through a planted link, no half-written image)."""
+    import io
+
+    path = Path(path)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=dpi, format=path.suffix.lstrip(".").lower() or "png")
+    write_bytes_atomic(path, buf.getvalue(), f"figure {path}")
+
+
+def append_line(path: str | Path, line: str, what: str = "records file") -> None:
+    """Append one line (text without a newline) to `path`, opened O_APPEND | O_NOFOLLOW and checked regular."""
+    fd = open_regular(path, what, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    with os.fdopen(fd, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+        f.flush()
