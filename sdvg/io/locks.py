@@ -166,7 +166,12 @@ def command_outputs(args) -> list[Path]:
         return [p for p in (out, stats, getattr(args, "timeline", None), getattr(args, "exit_map", None))
                 if p is not None]
     if command in ("sweep", "calibrate", "calibrate-exit", "train-exit-head"):
-        return [Path(args.out)]  # a folder (or calibrate-exit's report); sweep --report-only writes there too
+        out = Path(args.out)  # a folder (or calibrate-exit's report); sweep --report-only writes there too
+        world = os.environ.get("WORLD_SIZE", "1")
+        if command in ("sweep", "calibrate") and world.isdigit() and int(world) > 1:
+            # torchrun: the ranks of one job share the folder (each writes its own shard): one lock per rank
+            return [out.with_name(f"{out.name}.rank{os.environ.get('RANK', '0')[:8]}")]
+        return [out]
     return []
 
 
