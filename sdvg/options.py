@@ -39,7 +39,7 @@ PAPER_EXIT_THRESHOLDS: tuple[float, float] = (0.497, 0.327)
 
 SEED_MAX = 2**63 - 1
 # Upper bounds of the size options, so no size derived from them can pass 2^63 (checked before loading).
-MAX_BLOCKS = 100_000  # a 9-block video is 5 s at 16 fps: this is over 15 hours
+MAX_BLOCKS = 10**9  # far past any video; keeps every size derived from it well inside int64 (checked anyway)
 MAX_FRAMES = 1_000_000  # latent frames of a context, window or sink
 
 
@@ -146,14 +146,14 @@ class GenerationOptions:
                 raise OptionError(f"unknown {f.name} {_quote(value)}; choose one of {', '.join(choices)}")
         set_("tau", _number("tau", self.tau, allow_inf=True))
         if self.num_blocks is not None:
-            set_("num_blocks", _integer("num_blocks", self.num_blocks, low=1, high=MAX_BLOCKS))
+            set_("num_blocks", _integer("num_blocks", self.num_blocks, low=1, cap=MAX_BLOCKS))
         set_("seed", _integer("seed", self.seed, low=0, high=SEED_MAX))
         if self.kv_cache_frames is not None:
-            set_("kv_cache_frames", _integer("kv_cache_frames", self.kv_cache_frames, low=1, high=MAX_FRAMES))
+            set_("kv_cache_frames", _integer("kv_cache_frames", self.kv_cache_frames, low=1, cap=MAX_FRAMES))
         for name in ("window_frames", "sink_frames"):
             if getattr(self, name) is not None:
-                set_(name, _integer(name, getattr(self, name), low=0, high=MAX_FRAMES))
-        set_("run_ahead_blocks", _integer("run_ahead_blocks", self.run_ahead_blocks, low=1, high=MAX_BLOCKS))
+                set_(name, _integer(name, getattr(self, name), low=0, cap=MAX_FRAMES))
+        set_("run_ahead_blocks", _integer("run_ahead_blocks", self.run_ahead_blocks, low=1, cap=MAX_BLOCKS))
         prob = _number("accept_prob", self.accept_prob)
         if not 0.0 <= prob <= 1.0:
             raise OptionError(f"accept_prob {prob} must lie in [0, 1]")
@@ -299,7 +299,7 @@ def _number(name: str, value, allow_inf: bool = False) -> float:
     return value
 
 
-def _integer(name: str, value, low: int, high: int | None = None) -> int:
+def _integer(name: str, value, low: int, high: int | None = None, cap: int | None = None) -> int:
     from sdvg.io.bounded import quote
 
     if isinstance(value, bool) or not hasattr(value, "__index__"):
@@ -308,6 +308,8 @@ def _integer(name: str, value, low: int, high: int | None = None) -> int:
     if value < low or (high is not None and value > high):
         bound = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise OptionError(f"{name} {quote(value)} must be an integer {bound}")
+    if cap is not None and value > cap:
+        raise OptionError(f"{name} {quote(value)} must be an integer <= {cap} (a size bound)")
     return value
 
 

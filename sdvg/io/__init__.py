@@ -14,7 +14,7 @@ def fps_type(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number") from None
+        raise argparse.ArgumentTypeError(f"invalid float value: {text[:40]!r} (give a number in (0, {MAX_FPS}])") from None
     if not math.isfinite(value) or not 0 < value <= MAX_FPS:
         raise argparse.ArgumentTypeError(f"{text[:40]} must be a number in (0, {MAX_FPS}] (default: {DEFAULT_FPS})")
     return value
