@@ -323,7 +323,8 @@ def parse_thresholds(value) -> tuple[float, float]:
         try:
             value = tuple(float(p) for p in parts)
         except ValueError:
-            raise OptionError(f"exit_thresholds {_quote(value)} must be two numbers RED,STAB (e.g. 0.497,0.327)") from None
+            raise OptionError(f"exit_thresholds {_quote(value)} must be two numbers RED,STAB (e.g. "
+                              "0.497,0.327)") from None
     try:
         pair = tuple(value)
     except TypeError:
@@ -343,7 +344,8 @@ def parse_pattern(value) -> tuple[bool, ...]:
     if isinstance(value, str):
         bad = sorted(set(value) - {"0", "1"})
         if bad:
-            raise OptionError(f"pattern {_quote(value)} may hold only 0 and 1 (found {_quote(''.join(bad))}); e.g. '0110'")
+            raise OptionError(f"pattern {_quote(value)} may hold only 0 and 1 (found {_quote(''.join(bad))}); "
+                              "e.g. '0110'")
         return tuple(c == "1" for c in value)
     try:
         items = tuple(value)

@@ -401,8 +401,8 @@ def load_checkpoint(path, config: TrainConfig, dim: int | None = None) -> tuple[
     unknown = sorted(set(meta) - CHECKPOINT_KEYS)
     missing = sorted(CHECKPOINT_KEYS - {"extra", "param_groups"} - set(meta))
     if unknown or missing:
-        raise ValueError(f"checkpoint {path}: metadata keys unknown {[k[:40] for k in unknown[:5]]}, missing {missing}; "
-                         f"{fix}")
+        raise ValueError(f"checkpoint {path}: metadata keys unknown {[k[:40] for k in unknown[:5]]}, missing "
+                         f"{missing}; {fix}")
     source = f"checkpoint {path}"
     saved = read_metadata_json(meta, "config", source)
     if not isinstance(saved, dict):

@@ -57,8 +57,9 @@ def _open_error(path: Path, what: str, exc: OSError) -> UnsafePathError:
 
 def create_new(path: str | Path, what: str, mode: int = 0o644, remove_stale: bool = True,
                readable: bool = False) -> int:
-    """A file descriptor (write-only, or read-write when `readable`) of a file created new at `path`: O_CREAT | O_EXCL | O_NOFOLLOW. A
-    stale regular file there is removed first (`remove_stale`); a symlink or a special file is refused."""
+    """A file descriptor (write-only, or read-write when `readable`) of a file created new at `path`:
+    O_CREAT | O_EXCL | O_NOFOLLOW. A stale regular file there is removed first (`remove_stale`); a symlink
+    or a special file is refused."""
     path = Path(path)
     refuse_planted(path, what)
     if remove_stale:
@@ -67,8 +68,8 @@ def create_new(path: str | Path, what: str, mode: int = 0o644, remove_stale: boo
         except FileNotFoundError:
             pass
     try:
-        return os.open(path, (os.O_RDWR if readable else os.O_WRONLY) | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
-                       mode)
+        flags = (os.O_RDWR if readable else os.O_WRONLY) | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        return os.open(path, flags | getattr(os, "O_CLOEXEC", 0), mode)
     except OSError as exc:
         raise _open_error(path, what, exc) from None
 
