@@ -4,10 +4,31 @@
 
 namespace sdvg {
 
+namespace {
+
+// a * b, refusing (std::invalid_argument, so Python sees a ValueError) a product beyond 2^63 - 1 or a
+// negative factor; `what` names the quantity in the message.
+int64_t checked_mul(int64_t a, int64_t b, const char* what) {
+  int64_t out = 0;
+  if (a < 0 || b < 0 || __builtin_mul_overflow(a, b, &out)) {
+    std::ostringstream os;
+    os << what << ": " << a << " x " << b
+       << (a < 0 || b < 0 ? " has a negative factor" : " exceeds 2^63 - 1 (9223372036854775807)")
+       << "; use fewer blocks, a local window or smaller shapes";
+    throw std::invalid_argument(os.str());
+  }
+  return out;
+}
+
+}  // namespace
+
 int64_t kv_cache_nbytes(const KVCacheShape& s, const SlotLayout& layout, int64_t element_size) {
   FrameSlotTable table(layout);
-  return s.num_layers * 2 * s.batch * s.heads * table.num_slots() * s.tokens_per_frame * s.head_dim *
-         element_size;
+  const char* what = "KV cache bytes";
+  int64_t n = checked_mul(s.num_layers, 2, what);
+  for (int64_t f : {s.batch, s.heads, table.num_slots(), s.tokens_per_frame, s.head_dim, element_size})
+    n = checked_mul(n, f, what);
+  return n;
 }
 
 KVCache::KVCache(const KVCacheShape& shape, const SlotLayout& layout, at::ScalarType dtype, at::Device device)
@@ -15,6 +36,7 @@ KVCache::KVCache(const KVCacheShape& shape, const SlotLayout& layout, at::Scalar
   if (shape.num_layers < 1 || shape.batch < 1 || shape.heads < 1 || shape.head_dim < 1 ||
       shape.tokens_per_frame < 1)
     throw std::invalid_argument("KV cache shape entries must all be >= 1");
+  kv_cache_nbytes(shape, layout, 1);  // the element count fits int64 (else a ValueError naming it)
   buffer_ = at::zeros({shape.num_layers, 2, shape.batch, shape.heads, table_.num_slots() * shape.tokens_per_frame,
                        shape.head_dim},
                       at::TensorOptions().dtype(dtype).device(device));

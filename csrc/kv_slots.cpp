@@ -19,9 +19,12 @@ FrameSlotTable::FrameSlotTable(const SlotLayout& layout) : layout_(layout) {
     num_slots_ = layout.max_frames;
     ring_ = 0;
   } else {
-    ring_ = layout.window_frames + layout.slack_frames;
+    int64_t with_sink = 0;
+    if (__builtin_add_overflow(layout.window_frames, layout.slack_frames, &ring_) ||
+        __builtin_add_overflow(layout.sink_frames, ring_, &with_sink))
+      fail("KV cache window + slack + sink frames exceed 2^63 - 1; give a smaller window");
     // Never more slots than frames a video can reach.
-    num_slots_ = std::min(layout.max_frames, layout.sink_frames + ring_);
+    num_slots_ = std::min(layout.max_frames, with_sink);
   }
 }
 

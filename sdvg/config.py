@@ -27,6 +27,28 @@ class MemoryBudgetError(MemoryError):
     runs for each video)."""
 
 
+INT64_MAX = 2**63 - 1  # the largest size the native core (int64) and torch can hold
+MAX_BUDGET_GIB = float(2**33)  # 2^63 bytes: the largest memory budget a size can be compared with
+
+
+def checked_size(what: str, *factors: int) -> int:
+    """The product of `factors` (exact: Python integers), refused (ConfigError) when a factor is negative or
+    the product passes 2^63 - 1, the largest size the native core and torch hold; the message names the
+    value and its factors."""
+    out = 1
+    for f in factors:
+        if isinstance(f, bool) or not isinstance(f, int):
+            raise ConfigError(f"{what}: factor {f!r} is not an integer")
+        if f < 0:
+            raise ConfigError(f"{what}: factor {f} is negative")
+        out *= f
+    if out > INT64_MAX:
+        shown = " x ".join(str(f) for f in factors)
+        raise ConfigError(f"{what} = {shown} = {out:.4g} passes 2^63 - 1 ({INT64_MAX}), the largest size a device "
+                          "can be asked for; use fewer blocks, a local window or smaller shapes")
+    return out
+
+
 def torch_dtype(precision: Precision):
     import torch
 

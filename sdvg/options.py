@@ -41,6 +41,9 @@ EXIT_BACKENDS: tuple[str, ...] = ("eager",)  # the stage backends that run a spa
 PAPER_EXIT_THRESHOLDS: tuple[float, float] = (0.497, 0.327)
 
 SEED_MAX = 2**63 - 1
+# Upper bounds of the size options, so no size derived from them can pass 2^63 (checked before loading).
+MAX_BLOCKS = 10**9  # far past any video; keeps every size derived from it well inside int64 (checked anyway)
+MAX_FRAMES = 1_000_000  # latent frames of a context, window or sink
 
 
 class OptionError(ValueError):
@@ -65,7 +68,7 @@ def _check_fields(obj, cls) -> None:
     for f in dataclasses.fields(cls):
         choices, value = f.metadata["choices"], getattr(obj, f.name)
         if choices is not None and not (value is None and f.default is None) and value not in choices:
-            raise OptionError(f"unknown {f.name} {value!r}; choose one of {', '.join(choices)}")
+            raise OptionError(f"unknown {f.name} {_quote(value)}; choose one of {', '.join(choices)}")
         if isinstance(f.default, bool) and not isinstance(value, bool):
             raise OptionError(f"{f.name} must be True or False, got {value!r}")
 
@@ -139,13 +142,13 @@ class MethodOptions:
     def _check_method(self, set_) -> None:
         set_("tau", _number("tau", self.tau, allow_inf=True))
         if self.num_blocks is not None:
-            set_("num_blocks", _integer("num_blocks", self.num_blocks, low=1))
+            set_("num_blocks", _integer("num_blocks", self.num_blocks, low=1, cap=MAX_BLOCKS))
         set_("seed", _integer("seed", self.seed, low=0, high=SEED_MAX))
         if self.kv_cache_frames is not None:
-            set_("kv_cache_frames", _integer("kv_cache_frames", self.kv_cache_frames, low=1))
+            set_("kv_cache_frames", _integer("kv_cache_frames", self.kv_cache_frames, low=1, cap=MAX_FRAMES))
         for name in ("window_frames", "sink_frames"):
             if getattr(self, name) is not None:
-                set_(name, _integer(name, getattr(self, name), low=0))
+                set_(name, _integer(name, getattr(self, name), low=0, cap=MAX_FRAMES))
         prob = _number("accept_prob", self.accept_prob)
         if not 0.0 <= prob <= 1.0:
             raise OptionError(f"accept_prob {prob} must lie in [0, 1]")
@@ -167,7 +170,14 @@ class MethodOptions:
             raise OptionError(f"exit_pattern_steps {steps} must be >= 1 (every token takes at least one step)")
         set_("exit_pattern_steps", steps)
         if self.exit_head is not None and not isinstance(self.exit_head, str):
-            set_("exit_head", str(self.exit_head))
+            import os
+
+            if not isinstance(self.exit_head, os.PathLike):  # a list or a number is never a path
+                from sdvg.io.bounded import quote
+
+                raise OptionError(f"exit_head must be a file path, got {type(self.exit_head).__name__} "
+                                  f"{quote(self.exit_head)}")
+            set_("exit_head", os.fspath(self.exit_head))
         if self.early_exit != "none" and self.exit_verifier == "head" and not self.exit_head:
             raise OptionError("exit_verifier 'head' needs the learned head's file: exit_head=<path> (API) or "
                               "--exit-head FILE (CLI); train one with `sdvg train-exit-head`")
@@ -223,7 +233,7 @@ class RunOptions:
         self._check_run(lambda name, value: object.__setattr__(self, name, value))
 
     def _check_run(self, set_) -> None:
-        set_("run_ahead_blocks", _integer("run_ahead_blocks", self.run_ahead_blocks, low=1))
+        set_("run_ahead_blocks", _integer("run_ahead_blocks", self.run_ahead_blocks, low=1, cap=MAX_BLOCKS))
         if self.run_ahead and self.scheduler != "cpp":
             raise OptionError("run_ahead needs scheduler 'cpp' (the reference loop is sequential)")
 
@@ -354,7 +364,11 @@ def backend_conflicts(opts, backend: str | None) -> list[str]:
 
 def _number(name: str, value, allow_inf: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise OptionError(f"{name} must be a number, got {value!r}")
+        from sdvg.io.bounded import quote
+
+        raise OptionError(f"{name} must be a number, got {quote(value)}")
+    if isinstance(value, int) and abs(value) > 2**1023:
+        raise OptionError(f"{name} is too large to be a number here; give a value of a sensible size")
     value = float(value)
     if math.isnan(value):
         raise OptionError(f"{name} is NaN; give a number" + (" (or inf / -inf)" if allow_inf else ""))
@@ -363,13 +377,17 @@ def _number(name: str, value, allow_inf: bool = False) -> float:
     return value
 
 
-def _integer(name: str, value, low: int, high: int | None = None) -> int:
+def _integer(name: str, value, low: int, high: int | None = None, cap: int | None = None) -> int:
+    from sdvg.io.bounded import quote
+
     if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise OptionError(f"{name} must be an integer, got {value!r}")
+        raise OptionError(f"{name} must be an integer, got {quote(value)}")
     value = int(value.__index__())
     if value < low or (high is not None and value > high):
         bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise OptionError(f"{name} {value} must be an integer {bound}")
+        raise OptionError(f"{name} {quote(value)} must be an integer {bound}")
+    if cap is not None and value > cap:
+        raise OptionError(f"{name} {quote(value)} must be an integer <= {cap} (a size bound)")
     return value
 
 
@@ -379,15 +397,16 @@ def parse_thresholds(value) -> tuple[float, float]:
     if isinstance(value, str):
         parts = [p.strip() for p in value.split(",")]
         if len(parts) != 2:
-            raise OptionError(f"exit_thresholds {value!r} must be two numbers RED,STAB (e.g. 0.497,0.327)")
+            raise OptionError(f"exit_thresholds {_quote(value)} must be two numbers RED,STAB (e.g. 0.497,0.327)")
         try:
             value = tuple(float(p) for p in parts)
         except ValueError:
-            raise OptionError(f"exit_thresholds {value!r} must be two numbers RED,STAB (e.g. 0.497,0.327)") from None
+            raise OptionError(f"exit_thresholds {_quote(value)} must be two numbers RED,STAB (e.g. "
+                              "0.497,0.327)") from None
     try:
         pair = tuple(value)
     except TypeError:
-        raise OptionError(f"exit_thresholds must be two numbers (tau_red, tau_stab), got {value!r}") from None
+        raise OptionError(f"exit_thresholds must be two numbers (tau_red, tau_stab), got {_quote(value)}") from None
     if len(pair) != 2:
         raise OptionError(f"exit_thresholds must be two numbers (tau_red, tau_stab), got {len(pair)}")
     out = tuple(_number(name, v, allow_inf=True) for name, v in zip(("exit_thresholds RED", "exit_thresholds STAB"),
@@ -403,12 +422,13 @@ def parse_pattern(value) -> tuple[bool, ...]:
     if isinstance(value, str):
         bad = sorted(set(value) - {"0", "1"})
         if bad:
-            raise OptionError(f"pattern {value!r} may hold only 0 and 1 (found {''.join(bad)!r}); e.g. '0110'")
+            raise OptionError(f"pattern {_quote(value)} may hold only 0 and 1 (found {_quote(''.join(bad))}); "
+                              "e.g. '0110'")
         return tuple(c == "1" for c in value)
     try:
         items = tuple(value)
     except TypeError:
-        raise OptionError(f"pattern must be a string of 0/1 or a list of bools, got {value!r}") from None
+        raise OptionError(f"pattern must be a string of 0/1 or a list of bools, got {_quote(value)}") from None
     out = []
     for x in items:
         if isinstance(x, bool):
@@ -439,7 +459,12 @@ def protocol_options(name: str, **overrides) -> "GenerationOptions":
 
 def describe_protocol(name: str, opts: "GenerationOptions", height: int, width: int, random_weights: bool) -> list[str]:
     """What a protocol set, line by line (printed by the CLI), including the resolution it keeps."""
-    lines = [f"protocol {name}: " + ", ".join(f"{k}={getattr(opts, k)}" for k in PROTOCOLS[name])]
+    kept = [f"{k}={getattr(opts, k)}" for k, v in PROTOCOLS[name].items() if getattr(opts, k) == v]
+    overridden = [f"{k}={getattr(opts, k)} (the protocol's: {v})" for k, v in PROTOCOLS[name].items()
+                  if getattr(opts, k) != v]
+    lines = [f"protocol {name}: " + ", ".join(kept)]
+    if overridden:
+        lines.append(f"protocol {name}: overridden by the config or flags: " + ", ".join(overridden))
     if (height, width) == PAPER_RESOLUTION:
         lines.append(f"protocol {name}: resolution {width}x{height} (the paper's)")
     elif random_weights:
@@ -456,6 +481,12 @@ METHOD_OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(
 RUN_OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RunOptions))
 OPTION_NAMES: tuple[str, ...] = tuple(FIELDS)
 DEFAULTS = GenerationOptions()
+
+
+def _quote(value) -> str:
+    from sdvg.io.bounded import quote
+
+    return quote(value)
 
 
 # ---------------------------------------------------------------------------- command line
@@ -477,10 +508,12 @@ def option_type(name: str):
     convert, what = _FROM_TEXT.get(name, (str, "a string"))
 
     def parse(text: str):
+        from sdvg.io.bounded import quote
+
         try:
             value = convert(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} {text!r} is not {what}") from None
+            raise argparse.ArgumentTypeError(f"{name} {quote(text)} is not {what}") from None
         try:
             return getattr(GenerationOptions(**{name: value}), name)
         except OptionError as exc:
@@ -519,41 +552,60 @@ def options_from_args(args: argparse.Namespace, **overrides) -> GenerationOption
 
 
 # ---------------------------------------------------------------------------- config files
+def _check_type(name: str, value, source: str) -> None:
+    """The type a config value may have, per option (a list is never a path or a name; a mapping is never
+    anything): the message quotes a bounded prefix of the value."""
+    from sdvg.io.bounded import quote
+
+    default = FIELDS[name].default
+    ok = True
+    if isinstance(value, (dict, set)):
+        ok = False
+    elif isinstance(value, (list, tuple)):
+        ok = name in ("pattern", "exit_thresholds")
+    elif isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif FIELDS[name].metadata["choices"] is not None or name == "exit_head":
+        ok = value is None and default is None or isinstance(value, str)
+    if not ok:
+        what = {"exit_head": "a path (text)"}.get(name, "a value of its own type")
+        if isinstance(default, bool):
+            what = "true or false"
+        elif FIELDS[name].metadata["choices"] is not None:
+            what = "one of " + ", ".join(FIELDS[name].metadata["choices"])
+        raise OptionError(f"{source}: {name} must be {what}, got {type(value).__name__} {quote(value)}")
+
+
+
 def load_options_file(path) -> dict:
     """The generation options of a YAML or JSON file (`--config`): a mapping whose every key is an
     option name. Values are checked by `GenerationOptions` (strings go through the CLI parsers, so
     `tau: -inf` and `pattern: "0110"` work). Returns {name: value} for the keys present."""
     from pathlib import Path
 
+    from sdvg.io.bounded import BoundedInputError, decode_utf8, load_json_text, load_yaml_text, read_bounded
+
     path = Path(path)
-    if not path.is_file():
-        raise OptionError(f"config file {path} not found (or not a file)")
-    text = path.read_text(encoding="utf-8")
-    if path.suffix.lower() == ".json":
-        import json
-
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise OptionError(f"config file {path} is not valid JSON: {exc}") from None
-    else:
-        import yaml
-
-        try:
-            data = yaml.safe_load(text)  # plain data only: no object construction
-        except yaml.YAMLError as exc:
-            raise OptionError(f"config file {path} is not valid YAML: {exc}") from None
+    try:  # bounded: size, depth, no YAML aliases or anchors, no duplicate keys, UTF-8 with the line named
+        text = decode_utf8(read_bounded(path, "config file"), str(path), "config file")
+        source = f"config file {path}"
+        data = load_json_text(text, source) if path.suffix.lower() == ".json" else load_yaml_text(text, source)
+    except BoundedInputError as exc:
+        raise OptionError(str(exc)) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise OptionError(f"config file {path} must hold a mapping of option names to values, got "
                           f"{type(data).__name__}")
-    unknown = sorted(set(map(str, data)) - set(OPTION_NAMES))
+    from sdvg.io.bounded import quote
+
+    unknown = sorted(k[:40] if isinstance(k, str) else quote(k, 40) for k in data if k not in OPTION_NAMES)
     if unknown:
-        raise OptionError(f"config file {path}: unknown option(s) {', '.join(unknown)}; the options are "
+        raise OptionError(f"config file {path}: unknown option(s) {', '.join(unknown[:10])}; the options are "
                           f"{', '.join(OPTION_NAMES)}")
     values = {}
     for name, value in data.items():
+        _check_type(name, value, f"config file {path}")
         if isinstance(value, str) and FIELDS[name].metadata["choices"] is None:
             try:
                 value = option_type(name)(value)

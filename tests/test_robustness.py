@@ -95,15 +95,22 @@ def test_writer_renames_into_place_and_leaves_no_file_without_frames(tmp_path):
     assert not empty.exists() and not partial_path(empty).exists()
 
 
-def test_writer_raises_on_encoder_failure_and_keeps_the_previous_file(tmp_path):
+def test_writer_raises_on_encoder_failure_and_keeps_the_previous_file(tmp_path, monkeypatch):
+    import imageio_ffmpeg
+
     out = tmp_path / "v.mp4"
     out.write_bytes(b"the previous video")
-    partial_path(out).mkdir()  # ffmpeg cannot open its output: it exits with an error
+    partial_path(out).mkdir()  # something not a file at the partial name: refused by name, never written
+    with pytest.raises(ValueError, match=r"partial video.*is a folder"):
+        IncrementalMP4Writer(out)
+    partial_path(out).rmdir()
+    monkeypatch.setattr(imageio_ffmpeg, "get_ffmpeg_exe", lambda: "false")  # an encoder that fails at once
     w = IncrementalMP4Writer(out)
     with pytest.raises(VideoWriteError, match=r"writing .*v.mp4 failed: .*ffmpeg exit status [1-9]"):
         w.write(_frames())
         w.close()
     assert out.read_bytes() == b"the previous video"
+    assert not partial_path(out).exists()
 
 
 def test_odd_sizes_are_padded_not_refused(tmp_path):

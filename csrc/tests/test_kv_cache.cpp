@@ -1,6 +1,9 @@
 // KV-cache buffers over libtorch (run with ctest when built with SDVG_WITH_TORCH).
 #include <torch/torch.h>
 
+#include <limits>
+#include <string>
+
 #include "check.h"
 #include "../kv_cache.h"
 
@@ -92,7 +95,27 @@ static void test_window_gathers_in_frame_order() {
   CHECK(k.narrow(2, 3, 9).eq(5).all().item<bool>() && k.narrow(2, 12, 9).eq(6).all().item<bool>());
 }
 
+static void test_sizes_beyond_2_63_are_refused() {
+  SlotLayout l;
+  l.max_frames = int64_t(1) << 40;  // 2^40 frames x 2^24 tokens: 2^64 elements and more
+  const KVCacheShape huge{40, 1, 40, 128, int64_t(1) << 24};
+  bool named = false;
+  try {
+    kv_cache_nbytes(huge, l, 2);
+  } catch (const std::invalid_argument& e) {
+    named = std::string(e.what()).find("exceeds 2^63") != std::string::npos;
+  }
+  CHECK(named);
+  CHECK(throws([&] { KVCache(huge, l, at::kFloat, at::Device(at::kCPU)); }));  // refused before allocating
+  SlotLayout small;
+  small.max_frames = 9;
+  CHECK(kv_cache_nbytes({2, 1, 2, 4, 3}, small, 4) == 2 * 2 * 1 * 2 * 9 * 3 * 4 * 4);
+  const int64_t max = std::numeric_limits<int64_t>::max();
+  CHECK(throws([&] { kv_cache_nbytes({max, 1, 1, 1, 1}, small, 1); }));  // max * 2 wraps
+}
+
 int main() {
+  test_sizes_beyond_2_63_are_refused();
   test_write_overwrite_commit_view();
   test_write_tokens_only_touches_given_tokens();
   test_rollback_keeps_buffers();

@@ -6,7 +6,8 @@ import argparse
 import math
 import sys
 
-from sdvg.config import PRESETS
+from sdvg.config import MAX_BUDGET_GIB, PRESETS
+from sdvg.io.exit_status import device_type
 from sdvg.options import PROTOCOLS, add_option_flags, option_type
 
 
@@ -16,7 +17,7 @@ def count(low: int, high: int | None = None):
         try:
             v = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not an integer") from None
         if v < low:
             raise argparse.ArgumentTypeError(f"{v} must be >= {low}")
         if high is not None and v > high:
@@ -32,10 +33,10 @@ def real(low: float = -math.inf, high: float = math.inf):
         try:
             v = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number") from None
         if not math.isfinite(v) or not low <= v <= high:
             bounds = "a finite number" if (low, high) == (-math.inf, math.inf) else f"in [{low:g}, {high:g}]"
-            raise argparse.ArgumentTypeError(f"{text} must be {bounds}")
+            raise argparse.ArgumentTypeError(f"{text[:40]} must be {bounds}")
         return v
 
     return parse
@@ -66,7 +67,7 @@ def seeds(text: str) -> list[int]:
 def add_generation_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
     """Model and placement flags, the memory budget, then one flag per generation option (minus `exclude`)."""
     add_model_args(p)
-    p.add_argument("--memory-budget-gib", type=real(0), default=None,
+    p.add_argument("--memory-budget-gib", type=real(0, MAX_BUDGET_GIB), default=None,
                    help="memory each device may hold for this pipeline in GiB (weights, KV caches, prompt K/V, as "
                         "`sdvg memory --budget-gib` counts), checked before each video allocates its KV caches; "
                         "default: each device's free memory (CUDA: free + PyTorch's cache; CPU: MemAvailable)")
@@ -98,9 +99,9 @@ def add_model_args(p: argparse.ArgumentParser, engines: bool = True) -> None:
                             "engine memory on the executor's own stream; the tensorrt extra)")
         p.add_argument("--trt-cuda-graphs", action="store_true",
                        help="capture the static DiT stages in CUDA graphs (--trt-runtime cuda-python)")
-    p.add_argument("--device", "--drafter-device", dest="device", default="cpu",
+    p.add_argument("--device", "--drafter-device", dest="device", default="cpu", type=device_type,
                    help="drafter, VAE and reward device")
-    p.add_argument("--target-device", default=None, help="target device (default: --device)")
+    p.add_argument("--target-device", default=None, type=device_type, help="target device (default: --device)")
 
 
 def add_config(p: argparse.ArgumentParser, config: dict | None) -> None:

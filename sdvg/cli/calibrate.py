@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from sdvg.io.outputs import write_text_atomic
 from sdvg.options import options_from_args
 
 from sdvg.cli import sweep
@@ -49,7 +50,7 @@ def run(args, load_pipeline) -> int:
         sweep.run_missing(args, load_pipeline, prompts, opts, args.taus, draft=False, label="calibrate: ")
         result = calibrate_for_quality(summarise(read_records(out)), retention=args.retention,
                                        quality_drop=args.quality_drop, unpublished_taus=sweep.unpublished(args.taus))
-    (out / "calibration.json").write_text(strict_json(result, indent=2))
+    write_text_atomic(out / "calibration.json", strict_json(result, indent=2))
     print(strict_json(result, indent=2))
     if not args.quiet and "note" in result:
         print(result["note"], file=sys.stderr)

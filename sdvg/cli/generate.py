@@ -6,8 +6,9 @@ import sys
 from pathlib import Path
 
 from sdvg.config import PRESETS
-from sdvg.io import DEFAULT_CRF, DEFAULT_FPS
-from sdvg.io.outputs import write_text_atomic
+from sdvg.io import DEFAULT_CRF, DEFAULT_FPS, fps_type
+from sdvg.io.outputs import record_fields, write_text_atomic
+from sdvg.io.text_input import check_prompt
 from sdvg.options import options_from_args
 
 from sdvg.cli import generate_outputs as outputs
@@ -27,7 +28,7 @@ def add_parser(sub, config: dict | None) -> None:
     g.add_argument("--out", default="video.mp4", help="the MP4 (with --prompts-file: <stem>_<line>.mp4 per prompt)")
     g.add_argument("--stats", help="statistics (docs/stats.md): JSON, or JSON Lines with --prompts-file; "
                                    "default: --out with .json / .jsonl")
-    g.add_argument("--fps", type=float, default=DEFAULT_FPS,
+    g.add_argument("--fps", type=fps_type, default=DEFAULT_FPS,
                    help=f"frames per second of the MP4 (default: {DEFAULT_FPS}, Wan2.1's)")
     g.add_argument("--crf", type=count(0, 51), default=DEFAULT_CRF,
                    help=f"libx264 quality, 0 (lossless) to 51 (default: {DEFAULT_CRF})")
@@ -42,12 +43,13 @@ def add_parser(sub, config: dict | None) -> None:
 
 
 def run(args, load_pipeline) -> int:
-    from sdvg.io.outputs import OutputLock, check_output_paths
+    from sdvg.io.locks import lock_outputs
+    from sdvg.io.outputs import check_output_paths, generate_outputs
 
     if (args.prompt is None) == (args.prompts_file is None):
         raise ValueError("give either --prompt TEXT or --prompts-file FILE")
-    if args.prompt is not None and not args.prompt.strip():
-        raise ValueError("--prompt is empty; give a non-empty prompt")
+    if args.prompt is not None:
+        check_prompt(args.prompt)  # valid text for the tokenizer, before any model loads
     if args.prompt is not None:
         prompts, first = [args.prompt], 0
     else:
@@ -62,15 +64,14 @@ def run(args, load_pipeline) -> int:
     if out.suffix.lower() != ".mp4":
         raise ValueError(f"--out {out} must end in .mp4")
     videos = {i: video_path(out, i, many) for i in range(first, first + len(prompts))}
-    check_output_paths(stats=stats_path, timeline=args.timeline, exit_map=args.exit_map,
-                       **{("out" if not many else f"out_{i}"): v for i, v in videos.items()})
+    check_output_paths(**generate_outputs(stats_path, videos, args.timeline, args.exit_map, many))
     opts = options_from_args(args)
     outputs.warn_unused_exit_flags(args, opts)
     if args.preset in PRESETS:  # the rules that need the preset (video length, windows), before any model loads
         from sdvg.config import get_preset
 
         opts.resolved(get_preset(args.preset))
-    with OutputLock(stats_path):
+    with lock_outputs(stats_path, out, args.timeline, args.exit_map):
         if many:
             return _generate_many(args, load_pipeline, prompts, first, out, stats_path, opts)
         pipe = load_pipeline(args)
@@ -78,6 +79,7 @@ def run(args, load_pipeline) -> int:
         maps: list = []
         stats = run_one(pipe, prompts[0], opts, out, progress=not args.quiet, fps=args.fps, crf=args.crf,
                         on_block=outputs.exit_map_collector(args, maps))
+        stats.extra.update(record_fields(args.protocol, pipe.resolve(opts).as_dict()))
         write_text_atomic(stats_path, stats.to_json(indent=2))
         outputs.timeline(args, stats, 0, many=False)
         outputs.exit_map(args, stats, maps, 0, many=False)
@@ -110,6 +112,7 @@ def _generate_many(args, load_pipeline, prompts: list[str], first: int, out: Pat
         stats = run_one(pipe, prompt, opts, video_path(out, i, True), progress=not args.quiet, fps=args.fps,
                         crf=args.crf, on_block=outputs.exit_map_collector(args, maps))
         stats.extra["prompt_index"] = i
+        stats.extra.update(record_fields(args.protocol, resolved))
         stats.extra["prompt_sha256"] = prompt_sha256(prompt)
         append_jsonl(stats_path, stats.to_json())
         outputs.timeline(args, stats, i, many=True)

@@ -13,7 +13,7 @@ def done_prompts(stats_path: Path, prompts: dict[int, str], options: dict) -> se
     """Prompts a JSON Lines stats file already holds complete records of. A record counts for prompt i
     only if its text (hash) is line i's and its options are this run's; a file written for another
     prompts file or other options is refused, naming what differs (nothing is overwritten)."""
-    from sdvg.io.outputs import prompt_sha256
+    from sdvg.io.outputs import prompt_sha256, stored_option_matches
 
     done = set()
     if not stats_path.is_file():
@@ -30,7 +30,7 @@ def done_prompts(stats_path: Path, prompts: dict[int, str], options: dict) -> se
         if rec.get("prompt_sha256", prompt_sha256(rec.get("prompt", ""))) != prompt_sha256(prompts[i]):
             raise ValueError(f"{stats_path} line {n}: prompt {i} was {rec.get('prompt', '?')!r:.60}, the prompts "
                              f"file now has {prompts[i]!r:.60} (edited?); pass another --stats or drop --resume")
-        differ = sorted(k for k, v in options.items() if k in rec and rec[k] != v)
+        differ = sorted(k for k, v in options.items() if k in rec and not stored_option_matches(rec, k, v))
         if differ:
             raise ValueError(f"{stats_path} line {n}: prompt {i} was generated with other options ("
                              + ", ".join(f"{k}={rec[k]!r} now {options[k]!r}" for k in differ[:6])

@@ -32,12 +32,15 @@ def main(argv=None, load_pipeline: Loader | None = None) -> int:
     """Run one command line (default: sys.argv). `load_pipeline(args)` builds the pipeline of the
     commands that load one (default: from the preset, checkpoint and device flags)."""
     from sdvg.config import MemoryBudgetError
+    from sdvg.io.exit_status import is_input_error
     from sdvg.io.interrupts import exit_code_of, signals_interrupt
+    from sdvg.io.locks import lock_command_outputs
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(config_values(argv)).parse_args(argv)
     try:
-        with signals_interrupt():  # before the first block too (loading): exit 128 + signal, no traceback
+        # before the first block too (loading): exit 128 + signal, no traceback; every output locked before loading
+        with signals_interrupt(), lock_command_outputs(args):
             return args.func(args, load_pipeline or build_pipeline)
     except KeyboardInterrupt as exc:
         print(f"interrupted ({exc.args[0] if exc.args else 'SIGINT'})", file=sys.stderr)
@@ -47,4 +50,4 @@ def main(argv=None, load_pipeline: Loader | None = None) -> int:
         return EXIT_BAD_INPUT
     except (RuntimeError, OSError, MemoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_RUNTIME
+        return EXIT_BAD_INPUT if is_input_error(exc) else EXIT_RUNTIME

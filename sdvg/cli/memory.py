@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from sdvg.config import KVWindow, RoleContext
+from sdvg.config import MAX_BUDGET_GIB, KVWindow, RoleContext
 from sdvg.options import add_option_flags, options_from_args
 
 from sdvg.cli.args import check_preset, real
@@ -23,7 +23,8 @@ def add_parser(sub, config: dict | None = None) -> None:
     m.add_argument("--target-device", default="cuda:1", help="target device (a label; the same as --device for one "
                                                              "device)")
     m.add_argument("--text-encoder-device", help="where umT5 stays (default: --device; cpu = offloaded)")
-    m.add_argument("--budget-gib", type=real(0), help="memory of each device in GiB (a 48 GB card: 44.7)")
+    m.add_argument("--budget-gib", type=real(0, MAX_BUDGET_GIB),
+                   help="memory of each device in GiB (a 48 GB card: 44.7)")
     m.add_argument("--json", action="store_true", help="machine-readable output")
     add_option_flags(m, only=MEMORY_OPTIONS)
     m.set_defaults(func=run)

@@ -4,27 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sdvg.io.text_input import check_prompt, read_prompts  # noqa: F401 (read_prompts: part of this module's API)
+
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "MovieGenVideoBench.txt"
-
-
-def read_prompts(path: str | Path) -> list[str]:
-    """One prompt per line, UTF-8; blank lines are an error (they would shift prompt indices)."""
-    if not Path(path).is_file():
-        raise ValueError(f"prompts file {path} is not a file; give a text file with one prompt per line")
-    raw = Path(path).read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"prompts file {path} is not valid UTF-8 (byte {exc.start}); re-save it as UTF-8")
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    blank = [i + 1 for i, line in enumerate(lines) if not line.strip()]
-    if blank:
-        raise ValueError(f"prompts file {path} has blank lines at {blank[:10]}; remove them")
-    if not lines:
-        raise ValueError(f"prompts file {path} holds no prompt")
-    return [line.rstrip("\r") for line in lines]
 
 
 def sweep_prompts(args) -> tuple[list[tuple[int, str]], dict]:
@@ -49,8 +31,8 @@ def exit_prompts(args, extra: int = 0) -> tuple[list[str], dict]:
     if getattr(args, "prompt", None):
         if args.prompts_file:
             raise ValueError("give either --prompt or --prompts-file")
-        if any(not p.strip() for p in args.prompt):
-            raise ValueError("--prompt is empty; give a non-empty prompt")
+        for p in args.prompt:
+            check_prompt(p)
         return list(args.prompt), {"prompts": list(args.prompt)}
     from sdvg.evaluation.sweep import sha256_file
 

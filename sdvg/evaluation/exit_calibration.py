@@ -322,89 +322,230 @@ def train(state: TrainState, records: Records, config: TrainConfig, progress=Non
 
 
 def save_checkpoint(path, state: TrainState, config: TrainConfig, extra: dict | None = None) -> None:
-    """The head's weights and Adam's state tensors in one safetensors file; the step, the losses, the
-    optimizer's scalar settings and the config as JSON in its metadata (no pickle)."""
+    """The head's weights and Adam's state tensors in one safetensors file; the step, the losses and the
+    config as JSON in its metadata (no pickle). Written through a temporary file created O_EXCL |
+    O_NOFOLLOW and a rename; a state holding NaN or inf is refused (ValueError) and the previous
+    checkpoint kept."""
     import json
     from dataclasses import asdict
-    from pathlib import Path
 
-    from safetensors.torch import save_file
+    from safetensors.torch import save
+
+    from sdvg.io.safe_files import write_bytes_atomic
 
     opt = state.optimizer.state_dict()
     tensors = {f"head.{k}": v.detach().float().contiguous().cpu() for k, v in state.head.state_dict().items()}
     for idx, slots in opt["state"].items():
         for name, value in slots.items():
             tensors[f"adam.{idx}.{name}"] = torch.as_tensor(value).detach().float().contiguous().cpu()
+    bad = [k for k, v in tensors.items() if not bool(torch.isfinite(v).all())]
+    if bad or not all(math.isfinite(x) for x in state.losses):
+        raise ValueError(f"training state at step {state.step} holds NaN or inf ({', '.join(bad[:3]) or 'losses'}); "
+                         f"checkpoint {path} not written (the previous one is kept); lower --lr")
     meta = {"format": CHECKPOINT_FORMAT, "step": str(state.step), "losses": json.dumps(state.losses),
             "param_groups": json.dumps(opt["param_groups"]), "config": json.dumps(asdict(config)),
             "head_config": json.dumps({"dim": state.head.config.dim}), "extra": json.dumps(extra or {})}
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.partial")
-    save_file(tensors, str(tmp), metadata=meta)
-    tmp.replace(path)
+    write_bytes_atomic(path, save(tensors, metadata=meta), f"checkpoint {path}")
 
 
-def load_checkpoint(path, config: TrainConfig) -> tuple[TrainState, dict]:
-    """A TrainState from `save_checkpoint`'s file (and its `extra`); the config must match but for `steps`
-    and `checkpoint_every`."""
-    import json
-    from dataclasses import asdict
+CHECKPOINT_KEYS = {"format", "step", "losses", "param_groups", "config", "head_config", "extra"}
+MAX_TRAIN_STEPS = 10_000_000
+
+
+def _open_safetensors(path, what: str, fix: str) -> tuple[dict, dict]:
+    """(metadata, {name: (dtype, shape)}) of a safetensors file without reading a tensor; a file that is not
+    one (truncated, foreign) is refused with `fix`."""
+    from pathlib import Path
 
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if not Path(path).is_file():
+        raise ValueError(f"{what} {path} is not a file; {fix}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            info = {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
+    except Exception as exc:  # noqa: BLE001 (safetensors raises its own error types)
+        raise ValueError(f"{what} {path} is not a readable safetensors file ({str(exc)[:160]}); {fix}") from None
+    return meta, info
+
+
+def _read_tensors(path, what: str, fix: str) -> dict:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:  # noqa: BLE001
+        raise ValueError(f"{what} {path} cannot be read ({str(exc)[:160]}); {fix}") from None
+
+
+def load_checkpoint(path, config: TrainConfig, dim: int | None = None) -> tuple[TrainState, dict]:
+    """A TrainState from `save_checkpoint`'s file (and its `extra`), validated before use as untrusted
+    input: known metadata keys, bounded JSON, the config (but for `steps` and `checkpoint_every`) and the
+    head's width (`dim`, the records' hidden width, when given) as now, the step an integer in [0,
+    config.steps] with as many finite losses, every tensor named, shaped and finite as the head and Adam
+    expect. The optimizer's settings come from `config` (the saved ones are not read). ValueError
+    naming the value otherwise; nothing is written."""
+    from dataclasses import asdict
+
+    from sdvg.io.bounded import quote
+    from sdvg.models.exit_head import MAX_DIM, read_metadata_json
+
+    fix = "move it away (or pass another --out) to train afresh"
+    what = "checkpoint"
+    meta, info = _open_safetensors(path, what, fix)
     if meta.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path} is not an exit-head training checkpoint (format {meta.get('format')!r})")
-    saved = json.loads(meta["config"])
+        raise ValueError(f"{path} is not an exit-head training checkpoint (format {quote(meta.get('format'))}); "
+                         f"{fix}")
+    unknown = sorted(set(meta) - CHECKPOINT_KEYS)
+    missing = sorted(CHECKPOINT_KEYS - {"extra", "param_groups"} - set(meta))
+    if unknown or missing:
+        raise ValueError(f"checkpoint {path}: metadata keys unknown {[k[:40] for k in unknown[:5]]}, missing "
+                         f"{missing}; {fix}")
+    source = f"checkpoint {path}"
+    saved = read_metadata_json(meta, "config", source)
+    if not isinstance(saved, dict):
+        raise ValueError(f"{source}: config metadata {quote(saved)} is not a mapping; {fix}")
     differ = sorted(k for k, v in asdict(config).items()
                     if k not in ("steps", "checkpoint_every") and saved.get(k) != v)
     if differ:
         raise ValueError(f"checkpoint {path} was trained with other settings ("
-                         + ", ".join(f"{k}={saved.get(k)!r} now {getattr(config, k)!r}" for k in differ)
+                         + ", ".join(f"{k}={quote(saved.get(k))} now {getattr(config, k)!r}" for k in differ)
                          + "); give the same ones or another --out")
-    state = new_state(int(json.loads(meta["head_config"])["dim"]), config)
+    head_config = read_metadata_json(meta, "head_config", source)
+    saved_dim = head_config.get("dim") if isinstance(head_config, dict) else None
+    if isinstance(saved_dim, bool) or not isinstance(saved_dim, int) or not 1 <= saved_dim <= MAX_DIM:
+        raise ValueError(f"{source}: head width {quote(saved_dim)} must be an integer in [1, {MAX_DIM}]; {fix}")
+    if dim is not None and saved_dim != dim:
+        raise ValueError(f"{source}: a head of width {saved_dim}, but the records' hidden width is {dim}; {fix}")
+    step_text = meta["step"]
+    if not (isinstance(step_text, str) and step_text.isdigit() and len(step_text) <= 9):
+        raise ValueError(f"{source}: step {quote(step_text)} must be a non-negative integer; {fix}")
+    step = int(step_text)
+    if step > config.steps:
+        raise ValueError(f"{source} is at step {step}, past --steps {config.steps}; pass --steps {step} or more to "
+                         f"continue it, or {fix}")
+    losses = read_metadata_json(meta, "losses", source)
+    if not isinstance(losses, list) or len(losses) != step or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in losses):
+        raise ValueError(f"{source}: losses must be {step} finite numbers (one per step done); {fix}")
+    extra = read_metadata_json(meta, "extra", source, {})
+    if not isinstance(extra, dict):
+        raise ValueError(f"{source}: extra metadata is not a mapping; {fix}")
+
+    state = new_state(saved_dim, config)
+    params = list(state.head.parameters())
+    want = {f"head.{k}": tuple(v.shape) for k, v in state.head.state_dict().items()}
+    if step > 0:
+        for i, p in enumerate(params):
+            want[f"adam.{i}.step"] = ()
+            want[f"adam.{i}.exp_avg"] = tuple(p.shape)
+            want[f"adam.{i}.exp_avg_sq"] = tuple(p.shape)
+    got = {k: shape for k, (_, shape) in info.items()}
+    if want != got:
+        missing_t, unexpected = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        wrong = sorted(k for k in set(want) & set(got) if want[k] != got[k])
+        raise ValueError(f"{source} does not hold this head's training state: missing {missing_t[:4]}, unexpected "
+                         f"{[k[:40] for k in unexpected[:4]]}, wrong shapes {wrong[:4]}; {fix}")
+    tensors = _read_tensors(path, what, fix)
+    for k, v in tensors.items():
+        if not v.is_floating_point() or not bool(torch.isfinite(v).all()):
+            raise ValueError(f"{source}: tensor {k} is not finite floating point (NaN or inf: a diverged or damaged "
+                             f"run); {fix}")
+        if k.endswith(".exp_avg_sq") and bool((v < 0).any()):
+            raise ValueError(f"{source}: tensor {k} holds negative second moments; {fix}")
+        if k.endswith(".step") and not (0 <= float(v) <= step and float(v) == int(float(v))):
+            raise ValueError(f"{source}: tensor {k} = {float(v):g} must be a whole number of steps in [0, {step}]; "
+                             f"{fix}")
     state.head.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("head.")})
     slots: dict = {}
     for k, v in tensors.items():
         if k.startswith("adam."):
             _, idx, name = k.split(".", 2)
             slots.setdefault(int(idx), {})[name] = v
-    state.optimizer.load_state_dict({"state": slots, "param_groups": json.loads(meta["param_groups"])})
-    state.step, state.losses = int(meta["step"]), json.loads(meta["losses"])
-    return state, json.loads(meta.get("extra", "{}"))
+    groups = state.optimizer.state_dict()["param_groups"]  # this config's settings, not the file's
+    state.optimizer.load_state_dict({"state": slots, "param_groups": groups})
+    state.step, state.losses = step, [float(x) for x in losses]
+    return state, extra
 
 
 def save_records(path, records: Records, meta: dict) -> None:
-    """Records (with their hidden states) as safetensors; `meta` (what produced them) as JSON metadata."""
+    """Records (with their hidden states) as safetensors; `meta` (what produced them) as JSON metadata.
+    Written through a temporary file created O_EXCL | O_NOFOLLOW and a rename."""
     import json
-    from pathlib import Path
 
-    from safetensors.torch import save_file
+    from safetensors.torch import save
+
+    from sdvg.io.safe_files import write_bytes_atomic
 
     tensors = {"scores": records.scores, "gaps": records.gaps, "steps": records.steps, "blocks": records.blocks,
                "videos": records.videos}
     if records.hidden is not None:
         tensors["hidden"] = records.hidden
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.partial")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
-              metadata={"grid": json.dumps(list(records.grid)), "num_steps": str(records.num_steps),
-                        "meta": json.dumps(meta)})
-    tmp.replace(path)
+    data = save({k: v.contiguous() for k, v in tensors.items()},
+                metadata={"grid": json.dumps(list(records.grid)), "num_steps": str(records.num_steps),
+                          "meta": json.dumps(meta)})
+    write_bytes_atomic(path, data, f"records {path}")
+
+
+RECORD_KEYS = {"scores", "gaps", "steps", "blocks", "videos", "hidden"}
 
 
 def load_records(path) -> tuple[Records, dict]:
-    import json
+    """Records from `save_records`'s file, validated as untrusted input: the tensors named, typed and shaped
+    alike ([N, S] scores and gaps, [N] steps, blocks, videos, [N, S, dim] hidden), the grid three positive
+    integers whose product is S, steps in [0, num_steps), gaps finite and >= 0, scores not NaN, hidden
+    finite; metadata bounded JSON. ValueError naming the value otherwise (the caller records again)."""
+    from sdvg.io.bounded import quote
+    from sdvg.models.exit_head import MAX_DIM, read_metadata_json
 
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        t = {k: f.get_tensor(k) for k in f.keys()}
-    return (Records(t["scores"], t["gaps"], t["steps"], t["blocks"], t["videos"], tuple(json.loads(meta["grid"])),
-                    int(meta["num_steps"]), t.get("hidden")), json.loads(meta["meta"]))
+    fix = "move it away (or run without --resume) to record again"
+    meta, info = _open_safetensors(path, "records", fix)
+    source = f"records {path}"
+    if set(meta) != {"grid", "num_steps", "meta"}:
+        raise ValueError(f"{source}: metadata keys {sorted(k[:40] for k in meta)[:6]} are not a records file's; {fix}")
+    grid = read_metadata_json(meta, "grid", source)
+    if not (isinstance(grid, list) and len(grid) == 3 and all(isinstance(g, int) and not isinstance(g, bool)
+                                                               and 1 <= g <= 1 << 16 for g in grid)):
+        raise ValueError(f"{source}: grid {quote(grid)} must be three positive integers; {fix}")
+    text = meta["num_steps"]
+    if not (text.isdigit() and 1 <= int(text[:6]) <= 1000 and len(text) <= 4):
+        raise ValueError(f"{source}: num_steps {quote(text)} must be an integer in [1, 1000]; {fix}")
+    num_steps = int(text)
+    extra = read_metadata_json(meta, "meta", source)
+    missing, unknown = sorted(RECORD_KEYS - {"hidden"} - set(info)), sorted(set(info) - RECORD_KEYS)
+    if missing or unknown:
+        raise ValueError(f"{source}: tensors missing {missing}, unknown {[k[:40] for k in unknown[:4]]}; {fix}")
+    s = grid[0] * grid[1] * grid[2]
+    n = info["steps"][1][0] if len(info["steps"][1]) == 1 else -1
+    want = {"scores": (n, s), "gaps": (n, s), "steps": (n,), "blocks": (n,), "videos": (n,)}
+    if "hidden" in info:
+        shape = info["hidden"][1]
+        if len(shape) != 3 or shape[:2] != (n, s) or not 1 <= shape[2] <= MAX_DIM:
+            raise ValueError(f"{source}: hidden has shape {list(shape)[:4]}, expected [{n}, {s}, dim <= {MAX_DIM}]; "
+                             f"{fix}")
+    wrong = [k for k, shp in want.items() if info[k][1] != shp]
+    if n < 0 or wrong:
+        raise ValueError(f"{source}: tensors {wrong or ['steps']} do not have aligned shapes ({n} rows of {s} "
+                         f"tokens); {fix}")
+    t = _read_tensors(path, "records", fix)
+    for k in ("steps", "blocks", "videos"):
+        if t[k].dtype != torch.int64 or bool((t[k] < 0).any()):
+            raise ValueError(f"{source}: {k} must be non-negative int64; {fix}")
+    if bool((t["steps"] >= num_steps).any()):
+        raise ValueError(f"{source}: a step index is >= num_steps {num_steps}; {fix}")
+    for k in ("scores", "gaps", "hidden"):
+        if k in t and not t[k].is_floating_point():
+            raise ValueError(f"{source}: {k} must be floating point; {fix}")
+    if not bool(torch.isfinite(t["gaps"]).all()) or bool((t["gaps"] < 0).any()):
+        raise ValueError(f"{source}: gaps must be finite and >= 0; {fix}")
+    if bool(torch.isnan(t["scores"]).any()):
+        raise ValueError(f"{source}: scores hold NaN; {fix}")
+    if "hidden" in t and not bool(torch.isfinite(t["hidden"]).all()):
+        raise ValueError(f"{source}: hidden states hold NaN or inf; {fix}")
+    return (Records(t["scores"].float(), t["gaps"].float(), t["steps"], t["blocks"], t["videos"], tuple(grid),
+                    num_steps, None if "hidden" not in t else t["hidden"].float()), extra)
 
 
 def evaluate_head(head, records: Records, eps: float) -> dict:

@@ -77,7 +77,7 @@ def train_exit_head(pipe, job: HeadTrainingJob, source: dict | None = None, phas
     dim = int(train_records.hidden.shape[-1])
     resumed_from = None
     if job.resume and paths["checkpoint"].is_file():
-        state, _ = ec.load_checkpoint(paths["checkpoint"], config)
+        state, _ = ec.load_checkpoint(paths["checkpoint"], config, dim=dim)
         resumed_from = state.step
     else:
         state = ec.new_state(dim, config)

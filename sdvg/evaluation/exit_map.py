@@ -38,6 +38,8 @@ def plot_exit_map(blocks: list[dict], num_steps: int, path: str | Path, title: s
         fig.suptitle(title, fontsize=9)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    from sdvg.io.safe_files import save_figure
+
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from sdvg.evaluation.sweep import PAPER_TAUS, PUBLISHED_PAPER_TAUS, all_rows, plot, summary_json, tau_to_json
 from sdvg.generation.types import strict_json
+from sdvg.io.safe_files import save_figure
 
 UNPUBLISHED_PAPER_TAUS = tuple(t for t in PAPER_TAUS if t not in PUBLISHED_PAPER_TAUS)
 COLUMNS = ("method", "tau", "prompts", "seconds_per_video", "speedup", "acceptance", "quality", "retention")
@@ -147,7 +148,7 @@ def plot_acceptance_by_block(summary: dict, path: Path) -> None:
     if table["rows"]:
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -156,11 +157,13 @@ def write_reports(summary: dict, out: Path) -> dict[str, Path]:
     out = Path(out)
     paths = {name: out / name for name in ("summary.json", "report.md", "report.csv", "report.json", "pareto.png",
                                            "acceptance_by_block.png")}
-    paths["summary.json"].write_text(summary_json(summary))
-    paths["report.md"].write_text(markdown(summary), encoding="utf-8")
-    paths["report.csv"].write_text(csv_text(summary), encoding="utf-8")
+    from sdvg.io.outputs import write_text_atomic
+
+    write_text_atomic(paths["summary.json"], summary_json(summary))
+    write_text_atomic(paths["report.md"], markdown(summary))
+    write_text_atomic(paths["report.csv"], csv_text(summary))
     table = acceptance_table(summary)
-    paths["report.json"].write_text(strict_json({
+    write_text_atomic(paths["report.json"], strict_json({
         "prompts": summary["prompts"], "retention_kind": summary["retention_kind"],
         "quality_metric": summary.get("quality_metric"), "metrics": summary.get("metrics", {}),
         "rows": table_rows(summary),

@@ -28,6 +28,7 @@ import statistics
 from pathlib import Path
 
 from sdvg.generation.types import strict_json
+from sdvg.io.safe_files import append_line, save_figure
 from sdvg.options import GenerationOptions
 
 TARGET_KEY = "target"
@@ -133,10 +134,9 @@ def _drop_torn_tail(path: Path) -> None:
     starts on a line of its own (its pair is redone)."""
     if not path.is_file():
         return
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        with path.open("r+b") as f:
-            f.truncate(data.rfind(b"\n") + 1)
+    from sdvg.io.outputs import repair_jsonl
+
+    repair_jsonl(path)  # opened O_NOFOLLOW: a planted link is refused, not truncated through
 
 
 # ---------------------------------------------------------------------------- the manifest
@@ -225,8 +225,11 @@ def record_differences(rec: dict, manifest: dict, prompt_hashes: dict[int, str])
 
 def write_manifest(out: Path, manifest: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    from sdvg.io.safe_files import create_new
+
     tmp = out / f".{MANIFEST}.{os.getpid()}.tmp"  # several ranks may write it: each atomically
-    tmp.write_text(strict_json(manifest, indent=2) + "\n", encoding="utf-8")
+    with os.fdopen(create_new(tmp, f"the temporary manifest of {out}"), "w", encoding="utf-8") as f:
+        f.write(strict_json(manifest, indent=2) + "\n")
     os.replace(tmp, out / MANIFEST)
 
 
@@ -315,8 +318,7 @@ def run_sweep(pipe, prompts: list, taus: list[float], out: Path, evaluator, opti
                    "torch_version": prov["torch_version"]}
             if video is not None:
                 rec["video"] = video.relative_to(out).as_posix()
-            with path.open("a", encoding="utf-8") as f:
-                f.write(strict_json({**rec, "tau": tau_to_json(v)}) + "\n")
+            append_line(path, strict_json({**rec, "tau": tau_to_json(v)}), "sweep records")
             new.append(rec)
             if progress:
                 progress(rec)
@@ -508,7 +510,7 @@ def plot(summary: dict, path: Path) -> None:
                   f"{'higher' if higher else 'lower'} is better)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 

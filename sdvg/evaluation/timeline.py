@@ -49,6 +49,8 @@ def plot_timeline(panels: list[dict], path: str | Path) -> Path:
     fig.tight_layout(rect=(0, 0.35 / height, 1, 1))  # room for the legend below
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    from sdvg.io.safe_files import save_figure
+
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
     return path

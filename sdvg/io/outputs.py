@@ -1,7 +1,9 @@
 """Output paths checked before any model loads, and files written so that nothing already produced is
 lost: whole-file writes go through a temporary file and a rename; JSON Lines appends are whole lines,
 flushed and fsynced, and a line torn by a crash is cut off before the next append; a lock file keeps a
-second run off the same outputs."""
+second run off the same outputs. Every name sdvg creates beside an output (`.<name>.tmp`, `<name>.lock`,
+the partial video and its log) is opened O_NOFOLLOW (and O_EXCL for temporaries; `sdvg.io.safe_files`)
+and checked here, before any model loads: a symlink or a special file there is refused by name."""
 from __future__ import annotations
 
 import hashlib
@@ -9,9 +11,33 @@ import os
 import stat
 from pathlib import Path
 
+from sdvg.io.locks import OutputBusyError, drop_lock, lock_path, take_lock
+from sdvg.io.safe_files import UnsafePathError, open_regular, probe_writable, refuse_planted, write_bytes_atomic
+
 
 class OutputPathError(ValueError):
     """An output path cannot be used; the message names the path and the fix."""
+
+
+def derived_names(path: Path) -> dict[str, Path]:
+    """The names sdvg creates beside output `path` while writing it (what -> name)."""
+    names = {"the temporary file": path.with_name(f".{path.name}.tmp"), "the lock file": lock_path(path)}
+    if path.suffix.lower() == ".mp4":
+        from sdvg.io.video_writer import partial_log_path, partial_path
+
+        names["the partial video"] = partial_path(path)
+        names["the encoder log"] = partial_log_path(path)
+    return names
+
+
+def check_created_names(path: str | Path, flag: str = "output") -> None:
+    """Refuse, by name, a symlink or a non-regular file at any name sdvg would create beside `path`."""
+    path = Path(path)
+    for what, name in derived_names(path).items():
+        try:
+            refuse_planted(name, f"{flag} {path}, {what}")
+        except UnsafePathError as exc:
+            raise OutputPathError(str(exc)) from None
 
 
 def check_output_paths(**paths) -> dict[str, Path]:
@@ -38,9 +64,15 @@ def check_output_paths(**paths) -> dict[str, Path]:
             raise OutputPathError(f"{flag} and --{seen[resolved].replace('_', '-')} are the same file ({path}); give "
                                   "each output its own path")
         seen[resolved] = name
+        if path.suffix.lower() == ".jsonl" and path.is_symlink():
+            raise OutputPathError(f"{flag} {path} is a symbolic link; JSON Lines stats are appended in place and sdvg "
+                                  "never writes through a link: give the file's own path")
         folder = _existing_parent(resolved.parent)
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise OutputPathError(f"{flag} {path}: the folder {folder} is not writable; choose another location")
+        check_created_names(path, flag)
+        why = probe_writable(folder)  # tried, not read off mode bits: root and special filesystems answer truly
+        if why is not None:
+            raise OutputPathError(f"{flag} {path}: cannot create a file in the folder {folder} ({why}); choose "
+                                  "another location")
         out[name] = resolved
     return out
 
@@ -56,18 +88,10 @@ def _existing_parent(folder: Path) -> Path:
 def write_text_atomic(path: str | Path, text: str) -> None:
     """Write a whole file through `<name>.tmp` and a rename: a reader never sees half a file, and a failed
     write (disk full) leaves the previous file as it was."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        write_bytes_atomic(path, text.encode("utf-8"), str(path))
+    except UnsafePathError as exc:
+        raise OutputPathError(str(exc)) from None
 
 
 def prompt_sha256(prompt: str) -> str:
@@ -78,12 +102,16 @@ def repair_jsonl(path: str | Path) -> int:
     """Cut a line torn by a crash (no trailing newline) off the end of a JSON Lines file. Returns the bytes
     removed (0 when the file ends cleanly or does not exist)."""
     path = Path(path)
-    if not path.is_file():
+    if not os.path.lexists(path):
         return 0
-    size = path.stat().st_size
-    if size == 0:
-        return 0
-    with open(path, "rb+") as f:
+    try:
+        fd = open_regular(path, "stats file", os.O_RDWR)
+    except UnsafePathError as exc:
+        raise OutputPathError(str(exc)) from None
+    with os.fdopen(fd, "rb+") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return 0
         f.seek(size - 1)
         if f.read(1) == b"\n":
             return 0
@@ -110,40 +138,91 @@ def append_jsonl(path: str | Path, line: str) -> None:
     `repair_jsonl` cuts off."""
     if "\n" in line:
         raise ValueError("a JSON Lines record must be one line")
-    with open(path, "a", encoding="utf-8") as f:
+    try:
+        fd = open_regular(path, "stats file", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    except UnsafePathError as exc:
+        raise OutputPathError(str(exc)) from None
+    with os.fdopen(fd, "a", encoding="utf-8") as f:
         f.write(line + "\n")
         f.flush()
         os.fsync(f.fileno())
 
 
 class OutputLock:
-    """An exclusive lock on `<path>.lock` (fcntl.flock, released by the OS when the process dies): a second
-    run on the same outputs is refused with a clear message instead of writing them twice."""
+    """An exclusive lock on `<path>.lock` (`sdvg.io.locks.take_lock`: fcntl.flock on a file opened
+    O_NOFOLLOW, released by the OS when the process dies): a second run on the same outputs is refused with
+    a clear message naming the holder instead of writing them twice. Each OutputLock is its own holder
+    (not re-entrant); the command line uses `sdvg.io.locks.lock_outputs` for a whole output set."""
 
     def __init__(self, path: str | Path):
-        self.path = Path(path).with_name(Path(path).name + ".lock")
+        self.output = Path(path)
+        self.path = lock_path(self.output)
         self._fd: int | None = None
 
     def __enter__(self) -> "OutputLock":
-        import fcntl
-
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise OutputPathError(f"another sdvg run is writing {self.path.with_suffix('')} (it holds {self.path}); "
-                                  "wait for it to finish or write elsewhere") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self._fd = fd
+            self._fd = take_lock(self.path, self.output)
+        except (OutputBusyError, UnsafePathError) as exc:
+            raise OutputPathError(str(exc)) from None
         return self
 
     def __exit__(self, *exc) -> None:
         if self._fd is not None:
-            # unlinked while still held: a run that opened it meanwhile was refused (non-blocking), and the
-            # next one creates a fresh file
-            self.path.unlink(missing_ok=True)
-            os.close(self._fd)
+            drop_lock(self.path, self._fd)
             self._fd = None
+
+
+# ------------------------------------------------------------------ what a CLI record adds, and resume's comparison
+def _infinities(obj, prefix: str = "") -> dict[str, str]:
+    """Dotted paths of the infinite floats in a JSON-like object -> "inf" / "-inf" (strict JSON writes them
+    as null, losing the sign)."""
+    import math
+
+    if isinstance(obj, float) and math.isinf(obj):
+        return {prefix: "inf" if obj > 0 else "-inf"}
+    if isinstance(obj, dict):
+        return {p: s for k, v in obj.items() for p, s in _infinities(v, f"{prefix}.{k}" if prefix else str(k)).items()}
+    if isinstance(obj, (list, tuple)):
+        return {p: s for i, v in enumerate(obj) for p, s in _infinities(v, f"{prefix}[{i}]").items()}
+    return {}
+
+
+def record_fields(protocol: str | None, options: dict) -> dict:
+    """The fields the command line adds to a video's stats: `protocol` (the --protocol it ran under, or None)
+    and `infinite_options` (each option path holding inf or -inf -> its sign, so `--resume` can tell
+    tau = inf from tau = -inf although strict JSON writes both as null)."""
+    return {"protocol": protocol, "infinite_options": _infinities(options)}
+
+
+def stored_option_matches(record: dict, key: str, value) -> bool:
+    """Whether a stats record's `key` holds option value `value` as this run would write it: non-finite
+    numbers compared through their null and their sign in `infinite_options` (older records without it
+    match either sign), tuples as lists."""
+    from sdvg.generation.types import strict_json
+    import json as _json
+
+    stored = record.get(key)
+    if _json.loads(strict_json(value)) != stored:
+        return False
+    signs = _infinities(value, key)
+    if not signs or "infinite_options" not in record:
+        return True
+    saved = record["infinite_options"] if isinstance(record["infinite_options"], dict) else {}
+    return all(saved.get(path) == sign for path, sign in signs.items())
+
+
+def generate_outputs(stats: Path, videos: dict[int, Path], timeline, exit_map, many: bool) -> dict[str, Path]:
+    """Every file `sdvg generate` writes, by flag, for `check_output_paths`: the stats, each video and, per
+    prompt with a prompts file, each derived timeline and exit-map name (`<stem>_<line>.png`), so a derived
+    name equal to another output (e.g. a timeline name landing on the stats JSONL) is refused up front."""
+    def derived(base, i: int) -> Path:
+        base = Path(base)
+        return base.with_name(f"{base.stem}_{i:04d}{base.suffix}") if many else base
+
+    out: dict[str, Path] = {"stats": stats}
+    for i, video in videos.items():
+        out["out" if not many else f"out_{i}"] = video
+        for name, base in (("timeline", timeline), ("exit_map", exit_map)):
+            if base is not None:
+                out[name if not many else f"{name}_{i}"] = derived(base, i)
+    return out

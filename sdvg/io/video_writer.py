@@ -9,6 +9,11 @@ path (`.<name>.partial.mp4`) and renamed into place when it is closed, so:
 - a run that produced no frame leaves no video file;
 - a failed encode (disk full, a read-only folder, ffmpeg dying) raises `VideoWriteError` with
   ffmpeg's own message, and the final path is left untouched (a previous file there survives).
+
+The partial video and ffmpeg's log (`.<name>.partial.log`) are created new by sdvg itself (O_CREAT |
+O_EXCL | O_NOFOLLOW, `sdvg.io.safe_files`) and handed to ffmpeg as open descriptors (`/dev/fd/N`), so a
+symlink planted at either name is refused by name (before any model loads: `check_output_paths`),
+never written through; the rename into place checks the name still holds the file written.
 """
 from __future__ import annotations
 
@@ -19,7 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sdvg.io import DEFAULT_CRF, DEFAULT_FPS
+from sdvg.io import DEFAULT_CRF, DEFAULT_FPS, MAX_FPS
+from sdvg.io.safe_files import UnsafePathError, create_new, refuse_planted
 
 
 class VideoWriteError(RuntimeError):
@@ -31,13 +37,25 @@ def partial_path(path: Path) -> Path:
     return path.with_name(f".{path.stem}.partial{path.suffix}")
 
 
+def partial_log_path(path: Path) -> Path:
+    """ffmpeg's messages while the video is written."""
+    return partial_path(path).with_suffix(".log")
+
+
+def check_partial_names(path: Path) -> None:
+    """Refuse (UnsafePathError, by name) a symlink or a non-regular file at the partial video's or the log's
+    name: run before any work, so nothing is computed for a video that could not be written."""
+    refuse_planted(partial_path(path), f"the partial video of {path}")
+    refuse_planted(partial_log_path(path), f"the encoder log of {path}")
+
+
 class IncrementalMP4Writer:
     """fps: frames per second; crf: libx264's constant rate factor, 0 (lossless) to 51. The ffmpeg
     process starts with the first frames (their size fixes the video's)."""
 
     def __init__(self, path: str | Path, fps: float = DEFAULT_FPS, crf: int = DEFAULT_CRF):
-        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0 or fps != fps:
-            raise ValueError(f"fps {fps!r} must be a number > 0")
+        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps <= MAX_FPS:
+            raise ValueError(f"fps {fps!r} must be a number in (0, {MAX_FPS}]")
         if isinstance(crf, bool) or not isinstance(crf, int) or not 0 <= crf <= 51:
             raise ValueError(f"crf {crf!r} must be an integer in [0, 51] (libx264; lower is better quality)")
         self.path = Path(path)
@@ -45,6 +63,8 @@ class IncrementalMP4Writer:
             raise ValueError(f"output {self.path} must end in .mp4")
         self.fps, self.crf = float(fps), crf
         self.tmp = partial_path(self.path)
+        check_partial_names(self.path)
+        self._fd: int | None = None  # the partial video, created by us
         self._proc: subprocess.Popen | None = None
         self._stderr = None
         self._size: tuple[int, int] | None = None
@@ -55,16 +75,22 @@ class IncrementalMP4Writer:
         import imageio_ffmpeg
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._stderr = open(self.tmp.with_suffix(".log"), "w+b")  # noqa: SIM115 (closed in close())
+        self._stderr = os.fdopen(create_new(partial_log_path(self.path), f"the encoder log of {self.path}",
+                                           readable=True), "w+b")
+        try:
+            self._fd = create_new(self.tmp, f"the partial video of {self.path}")
+        except UnsafePathError:
+            self._cleanup(keep=False)
+            raise
         args = [imageio_ffmpeg.get_ffmpeg_exe(), "-y", "-loglevel", "error", "-f", "rawvideo", "-vcodec", "rawvideo",
                 "-s", f"{width}x{height}", "-pix_fmt", "rgb24", "-r", f"{self.fps:g}", "-i", "-", "-an",
                 "-vcodec", "libx264", "-pix_fmt", "yuv420p", "-crf", str(self.crf), "-movflags", "+faststart",
-                str(self.tmp)]
+                "-f", "mp4", f"file:/dev/fd/{self._fd}"]  # the file we created; ffmpeg reopens it for faststart
         if height % 2 or width % 2:
             args[-1:-1] = ["-vf", "pad=ceil(iw/2)*2:ceil(ih/2)*2"]  # yuv420p needs even sides
         # its own session: a Ctrl-C in the terminal reaches sdvg, which then closes the file properly
         self._proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self._stderr,
-                                      start_new_session=True)
+                                      start_new_session=True, pass_fds=(self._fd,))
         self._size = (height, width)
 
     def write(self, frames: torch.Tensor) -> None:
@@ -73,17 +99,22 @@ class IncrementalMP4Writer:
             raise ValueError(f"{self.path}: write after close")
         if frames.dtype != torch.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
             raise ValueError(f"frames must be uint8 [T, H, W, 3], got {frames.dtype} {list(frames.shape)}")
-        if self._proc is None:
-            self._start(frames.shape[1], frames.shape[2])
-        elif tuple(frames.shape[1:3]) != self._size:
+        if self._proc is not None and tuple(frames.shape[1:3]) != self._size:
             raise ValueError(f"frames of {tuple(frames.shape[1:3])} in a {self._size} video")
         data = np.ascontiguousarray(frames.cpu().numpy()).tobytes()
-        try:
-            self._proc.stdin.write(data)
-            self._proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            self._fail("ffmpeg stopped reading frames")
-        self.frames_written += frames.shape[0]
+        from sdvg.io.interrupts import Interrupted, shielded
+
+        with shielded() as later:  # a block goes to the encoder whole: a signal now is raised right after
+            if self._proc is None:
+                self._start(frames.shape[1], frames.shape[2])
+            try:
+                self._proc.stdin.write(data)
+                self._proc.stdin.flush()
+            except (BrokenPipeError, OSError):
+                self._fail("ffmpeg stopped reading frames")
+            self.frames_written += frames.shape[0]
+        if later:
+            raise Interrupted(later[0])
 
     def _ffmpeg_message(self) -> str:
         if self._stderr is None:
@@ -114,20 +145,37 @@ class IncrementalMP4Writer:
         code = self._proc.wait()
         if code != 0:
             self._fail("the encoder exited with an error")
+        if not self._still_ours():
+            self._cleanup(keep=False)
+            raise VideoWriteError(f"writing {self.path} failed: {self.tmp} was replaced while the video was written "
+                                  "(another program?); nothing was moved into place")
         os.replace(self.tmp, self.path)
         self._cleanup(keep=True)
+
+    def _still_ours(self) -> bool:
+        """The partial name still names the file we created (not swapped for a link or another file)."""
+        if self._fd is None:
+            return False
+        try:
+            now, mine = os.lstat(self.tmp), os.fstat(self._fd)
+        except OSError:
+            return False
+        return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
 
     def _cleanup(self, keep: bool) -> None:
         self.closed = True
         if self._stderr is not None:
             self._stderr.close()
-            Path(self._stderr.name).unlink(missing_ok=True)
+            _unlink_regular(partial_log_path(self.path))
             self._stderr = None
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait()
-        if not keep and (self.tmp.is_file() or self.tmp.is_symlink()):
-            self.tmp.unlink()
+        if self._fd is not None:
+            if not keep and self._still_ours():
+                self.tmp.unlink()
+            os.close(self._fd)
+            self._fd = None
 
     def __enter__(self):
         return self
@@ -135,6 +183,17 @@ class IncrementalMP4Writer:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+def _unlink_regular(path: Path) -> None:
+    """Remove `path` when it is a regular file (a symlink or anything else put there is left alone)."""
+    import stat
+
+    try:
+        if stat.S_ISREG(os.lstat(path).st_mode):
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 def read_mp4_frames(path: str | Path) -> np.ndarray:

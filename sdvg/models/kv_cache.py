@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from sdvg._native import _C
-from sdvg.config import DiTConfig, KVWindow, MemoryBudgetError, RoleContext  # noqa: F401 (re-exported)
+from sdvg.config import DiTConfig, KVWindow, MemoryBudgetError, RoleContext, checked_size  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,11 @@ class KVCacheSpec:
     def nbytes(self, dtype: torch.dtype) -> int:
         """Bytes of the K and V buffers, known before allocating them."""
         elem = torch.empty((), dtype=dtype).element_size()
+        w = self.window
+        slots = self.max_frames if not w.window_frames else min(self.max_frames, w.sink_frames + w.window_frames
+                                                                 + w.slack_frames)
+        checked_size("KV cache bytes (layers x K,V x batch x heads x frames x tokens x head_dim x element)",
+                     self.num_layers, 2, self.batch, self.heads, slots, self.tokens_per_frame, self.head_dim, elem)
         return _C.kv_cache_nbytes(self.num_layers, self.batch, self.heads, self.head_dim, self.tokens_per_frame,
                                   self.layout(), elem)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from sdvg.config import Preset, RoleContext, torch_dtype
+from sdvg.config import MAX_BUDGET_GIB, Preset, RoleContext, checked_size, torch_dtype
 from sdvg.models.kv_cache import KVCacheSpec, MemoryBudgetError
 
 GIB = 2**30
@@ -123,9 +123,10 @@ def plan_memory(preset: Preset, contexts: dict[str, RoleContext], num_blocks: in
 
 
 def device_totals(items: list[MemoryItem]) -> dict[str, int]:
+    """Bytes per device (exact; refused by `checked_size` past 2^63 - 1, so no total can wrap or go negative)."""
     totals: dict[str, int] = {}
     for it in items:
-        totals[it.device] = totals.get(it.device, 0) + it.nbytes
+        totals[it.device] = checked_size(f"memory of device {it.device}", totals.get(it.device, 0) + it.nbytes)
     return totals
 
 
@@ -159,9 +160,9 @@ def check_budget_gib(budget_gib) -> float | None:
         return None
     if isinstance(budget_gib, bool) or not isinstance(budget_gib, (int, float)):
         raise TypeError(f"memory_budget_gib must be a number of GiB or None, got {type(budget_gib).__name__}")
-    if not math.isfinite(budget_gib) or budget_gib <= 0:
-        raise ValueError(f"memory_budget_gib must be a positive finite number of GiB (or None: each device's free "
-                         f"memory), got {budget_gib}")
+    if not math.isfinite(budget_gib) or not 0 < budget_gib <= MAX_BUDGET_GIB:
+        raise ValueError(f"memory_budget_gib must be a positive finite number of GiB up to 2^33 (2^63 bytes; or "
+                         f"None: each device's free memory), got {budget_gib:.6g}")
     return float(budget_gib)
 
 
