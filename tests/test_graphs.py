@@ -100,3 +100,57 @@ def test_copy_ahead_hands_out_the_same_draws():
     for step in (1, 2, 3):
         ahead = gaussian(shape, 5, 2, step, "drafter", "cpu")  # handed out once, then drawn again
         assert torch.equal(ahead, gaussian(shape, 5, 2, step, "drafter", "cpu"))
+
+
+# ---------------------------------------------------------------- CUDA-graph semantics of the stand-in
+_AFTER_FIX = pytest.mark.xfail(strict=True, reason="issue 26 item 1: passes after the fix (the stand-in keeps no "
+                                                   "reference to what the captured function closed over)")
+
+
+@_AFTER_FIX
+def test_replay_capture_keeps_nothing_the_function_closed_over():
+    """Like a CUDA graph, the stand-in holds addresses, not the tensors the captured function read: a
+    replay reads the inputs' current values, and a replay after one of them was freed fails loudly
+    (a CUDA graph would read whatever the allocator put there since)."""
+    import gc
+    import weakref
+
+    capture = ReplayCapture("cpu")
+    table = torch.arange(4.0)
+    x = torch.ones(4)
+
+    def fn():
+        return x * table + 1
+
+    replay, out = capture.capture(fn)
+    x.fill_(2.0)
+    replay()
+    assert torch.equal(out, 2 * torch.arange(4.0) + 1)  # the static input's value now
+    del fn
+    gone = weakref.ref(table)
+    del table
+    gc.collect()
+    assert gone() is None  # nothing but the closure held the table: the stand-in does not keep it
+    with pytest.raises(RuntimeError, match="freed since the capture"):
+        replay()
+
+
+def test_graphs_hold_every_tensor_they_read(dit):
+    """The RoPE tables a graph reads are held by the graph (a capture holds no reference to them), so
+    replays after a garbage collection still give the eager result."""
+    import gc
+
+    from sdvg.models.kv_cache import KVCacheSpec
+
+    graphs = DiTGraphs(roles=("target",), capture_factory=ReplayCapture)
+    text = dit.encode_text(torch.randn(1, 7, 32, generator=torch.Generator().manual_seed(4)))
+    spec = KVCacheSpec.for_dit(dit.config, 16, 6)
+    eager_cache = spec.allocate(dit.dtype, "cpu")
+    cache = graphs.cache(dit, spec, dit.dtype, "cpu")
+    x = torch.randn(1, 16, 3, 8, 8, generator=torch.Generator().manual_seed(5))
+    for step in range(2):
+        t = torch.full((1, 3), 900.0 - 300 * step)
+        got = graphs.forward("target", dit, x, t, text, 0, cache)
+        gc.collect()
+        assert torch.equal(got, dit(x, t, text, 0, eager_cache))
+    assert graphs.captured == 1 and graphs.replays == 2
