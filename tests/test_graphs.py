@@ -103,11 +103,6 @@ def test_copy_ahead_hands_out_the_same_draws():
 
 
 # ---------------------------------------------------------------- CUDA-graph semantics of the stand-in
-_AFTER_FIX = pytest.mark.xfail(strict=True, reason="issue 26 item 1: passes after the fix (the stand-in keeps no "
-                                                   "reference to what the captured function closed over)")
-
-
-@_AFTER_FIX
 def test_replay_capture_keeps_nothing_the_function_closed_over():
     """Like a CUDA graph, the stand-in holds addresses, not the tensors the captured function read: a
     replay reads the inputs' current values, and a replay after one of them was freed fails loudly
