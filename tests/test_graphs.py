@@ -33,7 +33,8 @@ def test_graphs_capture_once_per_block_position_and_replay_across_videos(tiny_pi
     kw = dict(mode="draft", num_blocks=3, cuda_graphs=True, scheduler="reference")
     first = tiny_pipe(PROMPT, seed=3, **kw)
     # 3 positions; 4 steps each, plus the t = 0 commit of blocks 0 and 1 (the last block commits nothing)
-    assert graphs.stats() == {"graphs": 3, "captured": 3, "replays": 14, "eager": 0, "caches": 1}
+    # captured up front by `prepare` (capture_all), none by a forward inside the lane
+    assert graphs.stats() == {"graphs": 3, "captured": 3, "captured_late": 0, "replays": 14, "eager": 0, "caches": 1}
     second = tiny_pipe(PROMPT, seed=3, **kw)
     assert graphs.captured == 3 and graphs.replays == 28  # nothing captured again
     assert _same(first, second)
@@ -149,3 +150,17 @@ def test_graphs_hold_every_tensor_they_read(dit):
         gc.collect()
         assert torch.equal(got, dit(x, t, text, 0, eager_cache))
     assert graphs.captured == 1 and graphs.replays == 2
+
+
+@pytest.mark.parametrize("scheduler", ["reference", "cpp"])
+def test_recompute_drafter_graphs_captured_up_front(tiny_pipe, scheduler):
+    """A recompute drafter's graphs (its one-group context forwards, which now take no mask, and its
+    steps after the context) are all captured before the scheduler starts, and replay the eager video."""
+    graphs = DiTGraphs(capture_factory=ReplayCapture)
+    tiny_pipe.runners().graphs = graphs
+    kw = dict(mode="draft", num_blocks=3, drafter_cache="recompute", scheduler=scheduler)
+    eager = tiny_pipe(PROMPT, seed=4, **kw)
+    graphed = tiny_pipe(PROMPT, seed=4, cuda_graphs=True, **kw)
+    assert _same(eager, graphed)
+    stats = graphs.stats()
+    assert stats["captured"] > 0 and stats["captured_late"] == 0 and stats["replays"] > 0
