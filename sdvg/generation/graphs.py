@@ -1,6 +1,8 @@
 """CUDA graphs for cached DiT forwards (`cuda_graphs=True`; backend eager): one graph per role and
-block position, captured the first time a forward of that shape, position and cache state runs,
-then replayed for every later denoising step, the block's t = 0 commit, and every later video.
+block position, captured by `prepare` before the scheduler starts (`capture_all`: never inside a
+role's lane, where a capture would synchronize the device and empty the allocator's cache beside
+the other role; a key it did not cover is captured by its first forward, `captured_late`), then
+replayed for every denoising step, the block's t = 0 commit, and every later video.
 
 What a replay refreshes and what stays baked in:
 
@@ -9,23 +11,29 @@ What a replay refreshes and what stays baked in:
   (`KVCache.begin_write`: the pending slots; no device work);
 * refreshed per prompt: the prompt's cross-attention K/V, copied into one static `TextKV` per role
   (every graph of the role reads it);
-* baked in: the RoPE tables of the block's frames (`cos`/`sin [S, D/2]`, device buffers computed
-  once per graph from the same CPU table the eager path copies per forward), the KV cache's buffer
-  addresses and the visible slot range (part of the key), the weights.
+* baked in: the RoPE tables of the block's frames (`cos`/`sin [S, D/2]`, the device tables the
+  eager path reads too), the KV cache's buffer addresses and the visible slot range (part of the
+  key), the weights. A graph holds addresses, not tensors: each `_Graph` holds every tensor it
+  reads besides the weights and the cache (`reads`: RoPE tables, static prompt K/V) for its lifetime.
 
 A graph therefore needs the same cache buffer for every video: `cache()` hands out one KV cache per
 (DiT, spec, dtype, device), allocated once per pipeline and rolled back to frame 0 for each video
 (a finished video's `LoopReport.drafter_cache` is that shared cache: read it before the next video).
 Forwards whose visible slots are not one contiguous range (a wrapped local window gathers them
 through an index tensor that `begin_write` rebuilds), forwards with an attention mask (a recompute
-context forward) and roles not listed run eagerly.
+context forward over more than one group of frames; a one-group context takes none and is graphed)
+and roles not listed run eagerly.
 
 On a CUDA device a capture is `torch.cuda.CUDAGraph` (one warm-up run on the capture stream, then
-the capture; all graphs of a device share one memory pool: they replay one at a time, and each
-output is cloned before the next replay). Elsewhere `ReplayCapture` stands in: the same static
-buffers, keys and refreshes, with a "replay" that reruns the forward on the static buffers, so the
-bookkeeping is exact-tested on the CPU (tests/test_graphs.py) and a replay can be counted as one
-launch (benchmarks/host_syncs.py).
+the capture; one persistent capture stream per `DiTGraphs` and device, created outside torch's
+stream pool, which the scheduler's role streams come from; all graphs of a device share one memory
+pool: they replay one at a time, and each output is cloned before the next replay). Elsewhere
+`ReplayCapture` stands in with a CUDA graph's semantics: the same static buffers, keys and
+refreshes; the capture records the forward's operators, and a replay reruns that recording against
+the storages it read, holding weak references only (never the tensors the forward closed over), and
+raises if one was freed, where a CUDA graph would read garbage. So the bookkeeping and the lifetimes
+are exact-tested on the CPU (tests/test_graphs.py) and a replay can be counted as one launch
+(benchmarks/host_syncs.py).
 """
 from __future__ import annotations
 
