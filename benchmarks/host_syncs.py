@@ -71,27 +71,34 @@ VARIANTS = {"eager": ("before (eager)", {}),
                          {"cuda_graphs": True, "stage_timing": "events", "fast_vae": True})}
 
 
-# call site (substring of the innermost sdvg frames) -> why the host sync is still there
+# (substrings that one frame of a call site all contain) -> why the host sync is there; the innermost frame
+# that matches decides
 REASONS = {
-    "emit": "the finished block handed to the caller on the host (its latents and uint8 frames): the output "
-            "itself, once per block",
-    "guard.py": "the stage guard's finite check of each stage output (one scalar read per stage; "
-                "GenerationOptions(check_finite=...) and the guard's own issue decide it)",
-    "routers.py": "the router's decision (reward router: the reward score read on the host to compare "
-                  "with tau; one per target-verified block)",
-    "reward.py": "the reward score read on the host (one per scored block)",
-    "check_active": "early exit: the active tokens' bounds checked on the host (data-dependent set)",
-    "early_exit": "early exit: the verifier's data-dependent decision read on the host",
-    "native.py": "the native driver hands a block's latents / pixels across roles on the host side",
-    "reference.py": "the reference loop reads a block's result on the host",
-    "pipeline.py": "the finished video read back to the host (uint8 frames), once per block",
-    "rope.py": "RoPE tables built on the host and copied per forward (before: now kept on the device)",
-    "vae.py": "the VAE's latent statistics copied per decode (before: now kept on the device)",
-    "noise.py": "noise drawn on the host and copied with a blocking .to (before: now pinned, non-blocking)",
-    "prepare.py:": "noise / latents / context frames copied with a blocking .to on the hot path",
-    "dit.py": "a mask built on the host and copied per forward (before: one group takes none, else kept)",
-    "kv_cache": "sparse KV write: positions read on the host per layer (before: now built on the device)",
-    "stages.py": "static stages: visible-cache index copied per forward (before: now kept on the device)",
+    ("rope_cos_sin",): "RoPE tables built in float64 on the host and copied per forward (now kept on the "
+                       "device per position: sdvg/models/device_constants.py)",
+    ("vae.py", " decode"): "the VAE's latent statistics copied per decode (now kept on the device)",
+    ("vae.py", " encode_frame"): "the VAE's latent statistics copied per re-encode (now kept on the device)",
+    ("noise.py",): "noise drawn on the host and copied with a blocking .to (now pinned, non-blocking)",
+    ("prepare.py", " denoise"): "the block noise copied with a blocking .to (now pinned, non-blocking)",
+    ("prepare.py", " rebuild_context"): "the recompute context's mask built on the host (now: none for one "
+                                        "group, else kept on the device)",
+    ("dit.py", " forward"): "an attention mask or the active tokens copied per forward",
+    ("check_active",): "early exit: the active tokens' bounds read on the host (a data-dependent set)",
+    ("early_exit",): "early exit: the verifier's data-dependent decision read on the host",
+    ("kv_cache",): "sparse KV write: token positions read on the host per layer (now built once on the device)",
+    ("stages.py", "visible_cache_index"): "static stages: the visible-cache index copied per forward (now kept "
+                                          "on the device)",
+    ("to_uint8_frames",): "the finished block's frames handed to the caller on the host: the output itself, "
+                          "once per block",
+    (" emit",): "the finished block's latents handed to the caller on the host: the output itself, once per "
+                "block",
+    ("reward.py", "check_frames"): "ImageReward's input check (pixels in range) read on the host, per scored "
+                                   "block",
+    ("reward.py",): "the reward score read on the host to compare with tau, per scored block",
+    ("nonfinite_counts",): "the stage guard's finite check of a stage output (one scalar read per draft, "
+                           "target and decode output; the guard's own issue)",
+    ("guard.py",): "the stage guard reads a stage output's check on the host (the guard's own issue)",
+    ("routers.py",): "the router's decision read on the host",
 }
 
 
@@ -303,7 +310,8 @@ def counting(count: Count):
     patch(graphs_mod.DiTGraphs, "_replay", one_launch)
     # the reference loop imported `sync` by name
     from sdvg.generation import reference
-    patch(reference, "sync", stage_sync)
+    if hasattr(reference, "sync"):
+        patch(reference, "sync", stage_sync)
     return patches
 
 
@@ -361,7 +369,10 @@ def main(argv=None):
                     help="comma-separated, in order: " + ", ".join(VARIANTS) + " (each after the first adds its "
                          "change to the one before it)")
     ap.add_argument("--out", default="results/host-syncs")
+    ap.add_argument("--rewrite", metavar="DIR", help="only write DIR/results.md again from DIR/results.json")
     args = ap.parse_args(argv)
+    if args.rewrite:
+        return rewrite(Path(args.rewrite))
     device = torch.device(args.device)
     preset = get_preset(args.preset)
     pipe = SpeculativeVideoPipeline(build_random(preset, drafter_device=device))
@@ -395,8 +406,21 @@ def main(argv=None):
 
 
 def reason(site: str) -> str:
-    hits = [why for key, why in REASONS.items() if key in site]
-    return hits[0] if hits else "(no reason recorded: look at the call site)"
+    for frame in site.split(" <- "):
+        for keys, why in REASONS.items():
+            if all(k in frame for k in keys):
+                return why
+    return "(no reason recorded: look at the call site)"
+
+
+def rewrite(folder: Path) -> None:
+    """results.md of `folder` again from its results.json, with today's reasons."""
+    res = json.loads((folder / "results.json").read_text())
+    for r in res["runs"]:
+        for x in r.get("sites", []):
+            x["reason"] = reason(x["site"])
+    (folder / "results.json").write_text(json.dumps(res, indent=2))
+    write_md(res, folder)
 
 
 def write_md(res, out: Path):
