@@ -20,7 +20,20 @@ graphs), divided by the number of blocks:
   blocking_moves  `.to(device)` / `.cuda()` to another device without `non_blocking`: a host sync (the
                   CPU-drawn noise, the RoPE tables of each eager forward, latents read back); always 0
                   on the CPU, where nothing crosses a device.
-Writes results.json (with provenance) and results.md after each variant.
+  host_syncs      what would wait for the device on a GPU, found on any device (the CPU included) by
+                  tagging each tensor as host-made (a factory call without `device=`, a tensor derived
+                  from host tensors only, a `.cpu()` / `.to("cpu")` result, and the components' host
+                  tables: the DiTs' float64 RoPE angles, the VAE's latent statistics) or device-resident
+                  (everything else): a blocking `.to(device)` / `.cuda()` / `copy_` of a host tensor
+                  into device memory, and a scalar read (`.item()`, `int(t)`, `bool(t)`) or host read
+                  (`.cpu()`, `.tolist()`, `.numpy()`, `.to("cpu")`) of a device tensor; a host tensor's
+                  own `.item()` (the router's CPU draw) is no sync and not counted here;
+  async_copies    `.to(device, non_blocking=True)` of a host tensor (from pinned memory on CUDA): no host
+                  sync;
+  per forward     host_syncs divided by the DiT forwards of the video (`<role>_forwards`).
+Each host sync is also listed by its call site (the innermost sdvg frames) with its count per block and
+the reason it remains (`REASONS`). Writes results.json (with provenance) and results.md after each
+variant.
 """
 from __future__ import annotations
 
@@ -28,6 +41,7 @@ import argparse
 import json
 import sys
 import time
+import weakref
 from collections import Counter
 from pathlib import Path
 
@@ -40,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from provenance import provenance, provenance_line  # noqa: E402
 from sdvg.config import get_preset  # noqa: E402
-from sdvg.generation import graphs as graphs_mod  # noqa: E402
+from sdvg.generation import graphs as graphs_mod, prepare  # noqa: E402
 from sdvg.generation.calls import StageCalls  # noqa: E402
 from sdvg.models.components import build_random  # noqa: E402
 from sdvg.pipeline import SpeculativeVideoPipeline  # noqa: E402
@@ -58,10 +72,89 @@ VARIANTS = {"eager": ("before (eager)", {}),
                          {"cuda_graphs": True, "stage_timing": "events", "fast_vae": True})}
 
 
+# (substrings that one frame of a call site all contain) -> why the host sync is there; the innermost frame
+# that matches decides
+REASONS = {
+    ("rope_cos_sin",): "RoPE tables built in float64 on the host and copied per forward (now kept on the "
+                       "device per position: sdvg/models/device_constants.py)",
+    ("vae.py", " decode"): "the VAE's latent statistics copied per decode (now kept on the device)",
+    ("vae.py", " encode_frame"): "the VAE's latent statistics copied per re-encode (now kept on the device)",
+    ("noise.py",): "noise drawn on the host and copied with a blocking .to (now pinned, non-blocking)",
+    ("prepare.py", " denoise"): "the block noise copied with a blocking .to (now pinned, non-blocking)",
+    ("prepare.py", " rebuild_context"): "the recompute context's mask built on the host (now: none for one "
+                                        "group, else kept on the device)",
+    ("dit.py", " forward"): "an attention mask or the active tokens copied per forward",
+    ("check_active",): "early exit: the active tokens' bounds read on the host (a data-dependent set)",
+    ("early_exit",): "early exit: the verifier's data-dependent decision read on the host",
+    ("kv_cache",): "sparse KV write: token positions read on the host per layer (now built once on the device)",
+    ("stages.py", "visible_cache_index"): "static stages: the visible-cache index copied per forward (now kept "
+                                          "on the device)",
+    ("to_uint8_frames",): "the finished block's frames handed to the caller on the host: the output itself, "
+                          "once per block",
+    (" emit",): "the finished block's latents handed to the caller on the host: the output itself, once per "
+                "block",
+    ("reward.py", "check_frames"): "ImageReward's input check (pixels in range) read on the host, per scored "
+                                   "block",
+    ("reward.py",): "the reward score read on the host to compare with tau, per scored block",
+    ("nonfinite_counts",): "the stage guard's finite check of a stage output (one scalar read per draft, "
+                           "target and decode output; the guard's own issue)",
+    ("guard.py",): "the stage guard reads a stage output's check on the host (the guard's own issue)",
+    ("routers.py",): "the router's decision read on the host",
+}
+
+
+class _IdSet:
+    """A set of tensors by identity that does not keep them alive (WeakSet compares tensors by value)."""
+
+    def __init__(self):
+        self._refs: dict = {}
+
+    def add(self, t) -> None:
+        key = id(t)
+        self._refs[key] = weakref.ref(t, lambda _, key=key, refs=self._refs: refs.pop(key, None))
+
+    def discard(self, t) -> None:
+        ref = self._refs.get(id(t))
+        if ref is not None and ref() is t:
+            del self._refs[id(t)]
+
+    def __contains__(self, t) -> bool:
+        ref = self._refs.get(id(t))
+        return ref is not None and ref() is t
+
+
 class Count:
     def __init__(self):
         self.c = Counter()
         self.paused = 0
+        self.host = _IdSet()  # tensors made on the host (see the module docstring)
+        self.sites = Counter()  # (kind, call site) -> host syncs
+
+    def is_host(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and t in self.host
+
+    def sync(self, kind: str) -> None:
+        if self.paused:
+            return
+        self.c["host_syncs"] += 1
+        self.sites[(kind, _site())] += 1
+
+
+def _site() -> str:
+    """The innermost two sdvg frames of the current stack (file:line function)."""
+    frame, out = sys._getframe(2), []
+    while frame is not None and len(out) < 2:
+        name = frame.f_code.co_filename.replace("\\", "/")
+        if "/sdvg/" in name and "/benchmarks/" not in name and "device_constants" not in name:
+            out.append(f"{name.split('/sdvg/', 1)[1]}:{frame.f_lineno} {frame.f_code.co_name}")
+        frame = frame.f_back
+    return " <- ".join(out) or "(outside sdvg)"
+
+
+def _tensors(tree):
+    from torch.utils._pytree import tree_leaves
+
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 class _Ops(TorchDispatchMode):
@@ -71,12 +164,26 @@ class _Ops(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if not self.count.paused:
+        kwargs = kwargs or {}
+        count = self.count
+        inputs = _tensors((args, kwargs))
+        if not count.paused:
             if name == "_local_scalar_dense":
-                self.count.c["scalar_reads"] += 1
+                count.c["scalar_reads"] += 1
+                if not count.is_host(inputs[0]):
+                    count.sync("scalar read of a device tensor")
             elif not func.is_view and name not in _NO_KERNEL:
-                self.count.c["launches"] += 1
-        return func(*args, **(kwargs or {}))
+                count.c["launches"] += 1
+            if name == "copy_" and len(inputs) >= 2 and not count.is_host(inputs[0]) and count.is_host(inputs[1]) \
+                    and not (len(args) > 2 and args[2]) and not kwargs.get("non_blocking"):
+                count.sync("blocking copy_ of a host tensor into device memory")
+        out = func(*args, **kwargs)
+        if inputs and all(count.is_host(t) for t in inputs):  # derived from host tensors only: on the host
+            ids = {id(t) for t in inputs}
+            for t in _tensors(out):
+                if id(t) not in ids:
+                    count.host.add(t)
+        return out
 
 
 class _Calls(TorchFunctionMode):
@@ -87,12 +194,61 @@ class _Calls(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if not self.count.paused:
+        count = self.count
+        src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if not count.paused:
             if name in _READS:
-                self.count.c["scalar_reads"] += 1
+                count.c["scalar_reads"] += 1
             elif name in ("to", "cuda") and not kwargs.get("non_blocking") and _crosses(args, kwargs, name):
-                self.count.c["blocking_moves"] += 1
-        return func(*args, **kwargs)
+                count.c["blocking_moves"] += 1
+        out = func(*args, **kwargs)
+        if name in _FACTORIES and "device" not in kwargs and isinstance(out, torch.Tensor):
+            count.host.add(out)  # made on the host
+        elif src is not None and isinstance(out, torch.Tensor):
+            where = _destination(args, kwargs, name)
+            if where == "host":
+                if not count.is_host(src):
+                    count.sync(f"{name}() of a device tensor")
+                out = _alias(out, src)
+                count.host.add(out)
+            elif where == "device" and count.is_host(src):
+                if kwargs.get("non_blocking") or (len(args) > 2 and args[2] is True):
+                    if not count.paused:
+                        count.c["async_copies"] += 1
+                else:
+                    count.sync(f"blocking .{name}(device) of a host tensor")
+                out = _alias(out, src)
+                count.host.discard(out)
+        elif src is not None and name in ("tolist", "numpy") and not count.is_host(src):
+            count.sync(f"{name}() of a device tensor")
+        return out
+
+
+_FACTORIES = {"tensor", "as_tensor", "randn", "rand", "randint", "zeros", "ones", "full", "empty", "arange", "linspace"}
+
+
+def _alias(out, src):
+    """`out`, a tensor object of its own (the CPU's no-op `.to` returns its source) so that its tag can differ."""
+    if out is not src:
+        return out
+    with torch._C.DisableTorchFunction():
+        return out.detach()
+
+
+def _destination(args, kwargs, name):
+    """"device" (`.to(<torch.device or tensor>)` / `.cuda()`), "host" (`.cpu()` / `.to("cpu")`) or None."""
+    if name == "cuda":
+        return "device"
+    if name == "cpu":
+        return "host"
+    if name != "to":
+        return None
+    dest = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (torch.device, str, torch.Tensor))), None))
+    if isinstance(dest, str):
+        return "host" if dest == "cpu" else "device"
+    if isinstance(dest, (torch.device, torch.Tensor)):
+        return "device"
+    return None
 
 
 def _crosses(args, kwargs, name) -> bool:
@@ -139,7 +295,14 @@ def counting(count: Count):
                 count.paused -= 1
         return wrapped
 
+    def forward_count(fn):
+        def wrapped(*a, **k):
+            count.c["forwards"] += 1
+            return fn(*a, **k)
+        return wrapped
+
     patch(StageCalls, "_wait", stage_sync)
+    patch(prepare.RoleModel, "_count", forward_count)
     patch(torch.cuda, "synchronize", stage_sync)
     patch(torch.cuda.Stream, "synchronize", stage_sync)
     patch(torch.cuda.Event, "synchronize", stage_sync)
@@ -147,8 +310,18 @@ def counting(count: Count):
     return patches
 
 
+def host_tables(pipe) -> list:
+    """The tensors the components keep on the host by design (tagged host-made for `host_syncs`)."""
+    c = pipe.components
+    tables = [getattr(dit, "_angles", None) for dit in (c.drafter, c.target) if dit is not None]
+    tables += [getattr(c.vae, "_mean", None), getattr(c.vae, "_std", None)]
+    return [t for t in tables if isinstance(t, torch.Tensor)]
+
+
 def run(pipe, kw, device) -> tuple[dict, float]:
     count = Count()
+    for t in host_tables(pipe):
+        count.host.add(t)
     patches = counting(count)
     try:
         t0 = time.perf_counter()
@@ -160,7 +333,9 @@ def run(pipe, kw, device) -> tuple[dict, float]:
     finally:
         for obj, name, original in reversed(patches):
             setattr(obj, name, original)
-    return dict(count.c), wall
+    counts = dict(count.c)
+    counts["sites"] = [{"kind": kind, "site": site, "count": n} for (kind, site), n in count.sites.most_common()]
+    return counts, wall
 
 
 def timed(pipe, kw, device, repeats: int) -> float:
@@ -183,12 +358,16 @@ def main(argv=None):
     ap.add_argument("--num-blocks", type=int, default=3)
     ap.add_argument("--modes", default="draft,sdvg", help="draft (the drafter lane alone) and/or sdvg (pattern 0110...)")
     ap.add_argument("--scheduler", default="cpp")
-    ap.add_argument("--repeats", type=int, default=3, help="timed videos per variant (median), besides the counted one")
+    ap.add_argument("--repeats", type=int, default=3, help="timed videos per variant (median), besides the counted one "
+                                                           "(0: none, counts only)")
     ap.add_argument("--variants", default="eager,cuda_graphs",
                     help="comma-separated, in order: " + ", ".join(VARIANTS) + " (each after the first adds its "
                          "change to the one before it)")
     ap.add_argument("--out", default="results/host-syncs")
+    ap.add_argument("--rewrite", metavar="DIR", help="only write DIR/results.md again from DIR/results.json")
     args = ap.parse_args(argv)
+    if args.rewrite:
+        return rewrite(Path(args.rewrite))
     device = torch.device(args.device)
     preset = get_preset(args.preset)
     pipe = SpeculativeVideoPipeline(build_random(preset, drafter_device=device))
@@ -206,9 +385,13 @@ def main(argv=None):
             variant = dict(kw, **changes)
             pipe(PROMPT, seed=SEED, **variant)  # warm-up (captures the graphs, compiles the VAE step)
             counts, _ = run(pipe, variant, device)
-            wall = timed(pipe, variant, device, args.repeats)
+            sites = counts.pop("sites")
+            wall = timed(pipe, variant, device, args.repeats) if args.repeats else float("nan")
+            forwards = counts.get("forwards", 0)
             row = {"mode": mode, "variant": label,
                    "per_block": {k: round(v / nb, 2) for k, v in sorted(counts.items())},
+                   "host_syncs_per_forward": round(counts.get("host_syncs", 0) / forwards, 3) if forwards else None,
+                   "sites": [dict(x, per_block=round(x["count"] / nb, 2), reason=reason(x["site"])) for x in sites],
                    "wall_s_per_block": wall / nb}
             res["runs"].append(row)
             print(json.dumps(row), flush=True)
@@ -217,15 +400,42 @@ def main(argv=None):
     return res
 
 
+def reason(site: str) -> str:
+    for frame in site.split(" <- "):
+        for keys, why in REASONS.items():
+            if all(k in frame for k in keys):
+                return why
+    return "(no reason recorded: look at the call site)"
+
+
+def rewrite(folder: Path) -> None:
+    """results.md of `folder` again from its results.json, with today's reasons."""
+    res = json.loads((folder / "results.json").read_text())
+    for r in res["runs"]:
+        for x in r.get("sites", []):
+            x["reason"] = reason(x["site"])
+    (folder / "results.json").write_text(json.dumps(res, indent=2))
+    write_md(res, folder)
+
+
 def write_md(res, out: Path):
-    keys = ["launches", "graph_replays", "scalar_reads", "stage_syncs", "blocking_moves"]
+    keys = ["launches", "graph_replays", "scalar_reads", "host_syncs", "async_copies", "stage_syncs",
+            "blocking_moves"]
     lines = [f"# Host syncs and kernel launches per block ({res['preset']}, {res['num_blocks']} blocks, "
              f"scheduler {res['scheduler']}, {res['provenance']['device_name']})", "",
-             "| mode | variant | " + " | ".join(keys) + " | wall s / block |", "|---" * (len(keys) + 3) + "|"]
+             "| mode | variant | " + " | ".join(keys) + " | host syncs / forward | wall s / block |",
+             "|---" * (len(keys) + 4) + "|"]
     for r in res["runs"]:
         pb = r["per_block"]
         lines.append(f"| {r['mode']} | {r['variant']} | " + " | ".join(str(pb.get(k, 0)) for k in keys)
-                     + f" | {r['wall_s_per_block']:.4f} |")
+                     + f" | {r.get('host_syncs_per_forward')} | {r['wall_s_per_block']:.4f} |")
+    for r in res["runs"]:
+        lines += ["", f"## Host syncs that remain: {r['mode']}, {r['variant']}", ""]
+        if not r.get("sites"):
+            lines.append("none")
+            continue
+        lines += ["| per block | kind | call site | reason |", "|---|---|---|---|"]
+        lines += [f"| {x['per_block']} | {x['kind']} | `{x['site']}` | {x['reason']} |" for x in r["sites"]]
     lines += ["", provenance_line(res["provenance"]), "", "Counts from one video after a warm-up video; see benchmarks/host_syncs.py for what each column counts. On the CPU the wall "
               "times say nothing about speed (the stand-in replays the whole forward; a shared machine): the GPU "
               "check measures the time."]

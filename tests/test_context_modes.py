@@ -236,3 +236,27 @@ def test_encode_frame_is_the_vae_posterior_mean(tiny_pipe):
     torch.testing.assert_close(z * vae._std + vae._mean, dist.mean, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="one pixel frame"):
         vae.encode_frame(torch.zeros(1, 3, 2, 64, 64))
+
+
+def test_one_group_context_forward_takes_no_mask(dit, text):
+    """A recompute context of one group of frames is attended without a mask (no [N, N] host mask per
+    context forward; SDPA's unmasked kernels): bitwise the all-true mask's result on the CPU."""
+    from sdvg.generation.prepare import context_mask
+    from sdvg.models.dit import block_causal_mask
+    from sdvg.models.kv_cache import KVCacheSpec
+
+    tpf, fpb = 16, 3
+    spec = KVCacheSpec.for_dit(dit.config, tpf, 6)
+    x = torch.randn(1, 16, 3, 8, 8, generator=torch.Generator().manual_seed(2))
+    t = torch.zeros(1, 3)
+    for n in (1, 3):
+        assert context_mask(n, fpb, tpf, "cpu") is None
+        masked, unmasked = spec.allocate(dit.dtype, "cpu"), spec.allocate(dit.dtype, "cpu")
+        all_true = block_causal_mask(None, fpb, tpf, num_frames=n)
+        assert bool(all_true.all())
+        a = dit(x[:, :, :n], t[:, :n], text, 0, masked, attn_mask=all_true)
+        b = dit(x[:, :, :n], t[:, :n], text, 0, unmasked)
+        assert torch.equal(a, b) and torch.equal(masked.buffer, unmasked.buffer)
+    many = context_mask(4, fpb, tpf, "cpu")
+    assert torch.equal(many, block_causal_mask(None, fpb, tpf, num_frames=4)) and not bool(many.all())
+    assert context_mask(4, fpb, tpf, "cpu") is many  # kept, not rebuilt per forward

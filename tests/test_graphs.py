@@ -35,7 +35,8 @@ def test_graphs_capture_once_per_block_position_and_replay_across_videos(tiny_pi
     kw = dict(mode="draft", num_blocks=3, cuda_graphs=True, scheduler="reference")
     first = tiny_pipe(PROMPT, seed=3, **kw)
     # 3 positions; 4 steps each, plus the t = 0 commit of blocks 0 and 1 (the last block commits nothing)
-    assert graphs.stats() == {"graphs": 3, "captured": 3, "replays": 14, "eager": 0, "caches": 1}
+    # captured up front by `prepare` (capture_all), none by a forward inside the lane
+    assert graphs.stats() == {"graphs": 3, "captured": 3, "captured_late": 0, "replays": 14, "eager": 0, "caches": 1}
     second = tiny_pipe(PROMPT, seed=3, **kw)
     assert graphs.captured == 3 and graphs.replays == 28  # nothing captured again
     assert _same(first, second)
@@ -102,3 +103,66 @@ def test_copy_ahead_hands_out_the_same_draws():
     for step in (1, 2, 3):
         ahead = gaussian(shape, 5, 2, step, "drafter", "cpu")  # handed out once, then drawn again
         assert torch.equal(ahead, gaussian(shape, 5, 2, step, "drafter", "cpu"))
+
+
+# ---------------------------------------------------------------- CUDA-graph semantics of the stand-in
+def test_replay_capture_keeps_nothing_the_function_closed_over():
+    """Like a CUDA graph, the stand-in holds addresses, not the tensors the captured function read: a
+    replay reads the inputs' current values, and a replay after one of them was freed fails loudly
+    (a CUDA graph would read whatever the allocator put there since)."""
+    import gc
+    import weakref
+
+    capture = ReplayCapture("cpu")
+    table = torch.arange(4.0)
+    x = torch.ones(4)
+
+    def fn():
+        return x * table + 1
+
+    replay, out = capture.capture(fn)
+    x.fill_(2.0)
+    replay()
+    assert torch.equal(out, 2 * torch.arange(4.0) + 1)  # the static input's value now
+    del fn
+    gone = weakref.ref(table)
+    del table
+    gc.collect()
+    assert gone() is None  # nothing but the closure held the table: the stand-in does not keep it
+    with pytest.raises(RuntimeError, match="freed since the capture"):
+        replay()
+
+
+def test_graphs_hold_every_tensor_they_read(dit):
+    """The RoPE tables a graph reads are held by the graph (a capture holds no reference to them), so
+    replays after a garbage collection still give the eager result."""
+    import gc
+
+    from sdvg.models.kv_cache import KVCacheSpec
+
+    graphs = DiTGraphs(roles=("target",), capture_factory=ReplayCapture)
+    text = dit.encode_text(torch.randn(1, 7, 32, generator=torch.Generator().manual_seed(4)))
+    spec = KVCacheSpec.for_dit(dit.config, 16, 6)
+    eager_cache = spec.allocate(dit.dtype, "cpu")
+    cache = graphs.cache(dit, spec, dit.dtype, "cpu")
+    x = torch.randn(1, 16, 3, 8, 8, generator=torch.Generator().manual_seed(5))
+    for step in range(2):
+        t = torch.full((1, 3), 900.0 - 300 * step)
+        got = graphs.forward("target", dit, x, t, text, 0, cache)
+        gc.collect()
+        assert torch.equal(got, dit(x, t, text, 0, eager_cache))
+    assert graphs.captured == 1 and graphs.replays == 2
+
+
+@pytest.mark.parametrize("scheduler", ["reference", "cpp"])
+def test_recompute_drafter_graphs_captured_up_front(tiny_pipe, scheduler):
+    """A recompute drafter's graphs (its one-group context forwards, which now take no mask, and its
+    steps after the context) are all captured before the scheduler starts, and replay the eager video."""
+    graphs = DiTGraphs(capture_factory=ReplayCapture)
+    tiny_pipe.runners().graphs = graphs
+    kw = dict(mode="draft", num_blocks=3, drafter_cache="recompute", scheduler=scheduler)
+    eager = tiny_pipe(PROMPT, seed=4, **kw)
+    graphed = tiny_pipe(PROMPT, seed=4, cuda_graphs=True, **kw)
+    assert _same(eager, graphed)
+    stats = graphs.stats()
+    assert stats["captured"] > 0 and stats["captured_late"] == 0 and stats["replays"] > 0

@@ -116,3 +116,29 @@ def test_slot_table_python_view():
     assert t.write(3) == [0, 1, 2]
     t.commit()
     assert t.committed_frames == 3
+
+
+def test_write_positions_equal_write_tokens():
+    """The sparse write with the positions built once per forward on the device (no host round trip per
+    layer) writes what the native `write_tokens` writes, in a wrapped local window too."""
+    from sdvg.models.kv_cache import pending_token_positions, write_positions
+
+    spec = KVCacheSpec(num_layers=2, heads=2, head_dim=4, tokens_per_frame=3, max_frames=12,
+                       window=KVWindow(window_frames=4, sink_frames=1))
+    native, ours = spec.allocate(torch.float32, "cpu"), spec.allocate(torch.float32, "cpu")
+    g = torch.Generator().manual_seed(0)
+    for block in range(5):
+        for cache in (native, ours):
+            cache.begin_write(2)
+        tokens = torch.tensor(sorted(torch.randperm(6, generator=g)[:4].tolist()))
+        positions = pending_token_positions(ours, tokens)
+        for layer in range(2):
+            k, v = torch.randn(1, 2, 4, 4, generator=g), torch.randn(1, 2, 4, 4, generator=g)
+            native.write_tokens(layer, k, v, tokens)
+            write_positions(ours, layer, k, v, positions)
+        assert torch.equal(native.buffer, ours.buffer), block
+        for cache in (native, ours):
+            cache.commit()
+    with pytest.raises(ValueError, match="token positions"):
+        ours.begin_write(2)
+        write_positions(ours, 0, torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), positions)

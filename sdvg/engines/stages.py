@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from sdvg.models.device_constants import device_constant
 from sdvg.models.dit import CausalWanDiT, TextKV, block_causal_mask, cache_frame_offset
 
 
@@ -91,16 +92,16 @@ def text_tensors(text: TextKV) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def visible_cache_index(cache, tokens_per_frame: int) -> torch.Tensor | None:
-    """Buffer positions [N_vis] (int64, on the cache's device) of the visible *committed* tokens in
-    frame order (the pending block's slots excluded: a stage appends the block's fresh K/V itself),
+    """Buffer positions [N_vis] (int64, on the cache's device, built once per slot list and kept there) of the
+    visible *committed* tokens in frame order (the pending block's slots excluded: a stage appends the block's fresh K/V itself),
     or None when no committed frame is visible."""
     committed = len(cache.visible_frames()) - cache.pending_frames  # pending frames come last
     slots = cache.visible_slots()[:committed]
     if not slots:
         return None
-    index = (torch.tensor(slots, dtype=torch.int64)[:, None] * tokens_per_frame
-             + torch.arange(tokens_per_frame, dtype=torch.int64)).reshape(-1)
-    return index.to(cache.buffer.device)
+    return device_constant(("visible_cache_index", tuple(slots), tokens_per_frame), cache.buffer.device,
+                           lambda: (torch.tensor(slots, dtype=torch.int64)[:, None] * tokens_per_frame
+                                    + torch.arange(tokens_per_frame, dtype=torch.int64)).reshape(-1))
 
 
 @torch.no_grad()

@@ -161,7 +161,11 @@ class StageRunners:
         if on and self.fast_vae is None:
             from sdvg.generation.fast_vae import FastVAEDecode
 
-            self.fast_vae = FastVAEDecode(self.comps.vae)
+            self.fast_vae = FastVAEDecode(self.comps.vae)  # sets cudnn.benchmark once, here on the main thread
+        if on and self.fast_vae.fast.device.type == "cuda":
+            from sdvg.generation.fast_vae import enable_cudnn_benchmark
+
+            enable_cudnn_benchmark()  # once per process (a pipeline moved to a GPU after its first video)
         self._fast_vae_on = on
 
     # ------------------------------------------------------------------ DiT

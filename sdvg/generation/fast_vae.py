@@ -4,8 +4,10 @@
   the causal 3-D convs, `torch.channels_last` for the 2-D convs of the upsamplers), on a copy of the
   decoder made once per pipeline (the pipeline's own VAE is left as it is, so the plain decode and
   `decode_video` stay bitwise what they were);
-- `torch.backends.cudnn.benchmark` on for the decoder's calls only (CUDA): the global flag is set
-  on entry to each decode and restored on exit (`cudnn_benchmark`), never left changed;
+- `torch.backends.cudnn.benchmark` on (CUDA): set once per process, by the first video that asks for
+  `fast_vae` on a CUDA device (`enable_cudnn_benchmark`, from `prepare` on the main thread, before
+  the scheduler starts), and left on; never toggled per decode or from a stage thread, where it
+  could change while the other role captures a CUDA graph or plans a conv;
 - the steady-state decode (one latent frame with a full causal cache: from the third latent frame
   of a video on, every shape static) through `torch.compile(VAEDecodeStep, dynamic=False)`, compiled
   once per pipeline; the first frames of a video (the cache's first-frame markers) run eagerly.
@@ -15,8 +17,10 @@ sum in another order. The difference stays within `FAST_VAE_TOLERANCE` (max abso
 [-1, 1]; tests/test_fast_vae.py measures it on the CPU). Pixels feed the reward model, so a score
 near tau may decide the other way; compare fast and plain runs within the tolerance, not bitwise.
 
-cudnn.benchmark is process-wide: with `run_ahead` on one GPU, a drafter forward running beside the
-decode on the other thread (its patch-embedding conv) may be planned with it on as well."""
+cudnn.benchmark is process-wide: once on, every later cuDNN conv of the process is planned with it,
+the DiTs' patch-embedding convs included (graphs captured before that keep the algorithm they were
+captured with). A process that must give bitwise the videos of one that never used `fast_vae` on
+CUDA runs without it."""
 from __future__ import annotations
 
 import copy
@@ -32,9 +36,22 @@ from sdvg.engines.stages import VAEDecodeStep, vae_decode_static
 FAST_VAE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 4 / 127.5, torch.bfloat16: 8 / 127.5}
 
 
+_BENCHMARK_SET = False
+
+
+def enable_cudnn_benchmark() -> None:
+    """`torch.backends.cudnn.benchmark = True` for the rest of the process, once (later calls do nothing).
+    Call from the main thread before a scheduler starts (`StageRunners.use_fast_vae`)."""
+    global _BENCHMARK_SET
+    if not _BENCHMARK_SET:
+        torch.backends.cudnn.benchmark = True
+        _BENCHMARK_SET = True
+
+
 @contextmanager
 def cudnn_benchmark(on: bool = True):
-    """`torch.backends.cudnn.benchmark = on` for the block's duration, the previous value restored."""
+    """`torch.backends.cudnn.benchmark = on` for the block's duration, the previous value restored. Kept for
+    callers outside the hot loop; the fast decode no longer toggles it (`enable_cudnn_benchmark`)."""
     prev = torch.backends.cudnn.benchmark
     torch.backends.cudnn.benchmark = on
     try:
@@ -77,7 +94,8 @@ class _DecoderOnly(nn.Module):
 
 class FastVAEDecode:
     """`decode(latents, cache)` as `StreamingVAEDecoder.decode`, the fast way (module docstring).
-    `compile=False` keeps the steady state eager (channels-last and cudnn.benchmark only)."""
+    `compile=False` keeps the steady state eager (channels-last and cudnn.benchmark only).
+    On CUDA, making one sets cudnn.benchmark for the process (`enable_cudnn_benchmark`)."""
 
     def __init__(self, decoder, compile: bool = True):
         self.plain = decoder
@@ -85,6 +103,8 @@ class FastVAEDecode:
         self.fast.vae = channels_last(_DecoderOnly(decoder.vae)).eval()
         self.compile = compile
         self._step = None  # the compiled steady-state step, made by the first steady frame
+        if self.fast.device.type == "cuda":
+            enable_cudnn_benchmark()
 
     def _steady(self, cache):
         if self._step is None:
@@ -94,11 +114,9 @@ class FastVAEDecode:
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, cache) -> torch.Tensor:
-        cuda = self.fast.device.type == "cuda"
-        with cudnn_benchmark(True) if cuda else _nothing():
-            pixels = vae_decode_static(
-                lambda frame, *entries: self._steady(cache)(*(to_channels_last(t) for t in (frame, *entries))),
-                _FirstFrames(self.fast), latents, cache)
+        pixels = vae_decode_static(
+            lambda frame, *entries: self._steady(cache)(*(to_channels_last(t) for t in (frame, *entries))),
+            _FirstFrames(self.fast), latents, cache)
         return pixels.contiguous()
 
 
@@ -115,8 +133,3 @@ class _FirstFrames:
 
     def decode(self, frame, cache):
         return self.fast.decode(to_channels_last(frame), cache)
-
-
-@contextmanager
-def _nothing():
-    yield

@@ -10,6 +10,8 @@ from typing import Literal
 
 import torch
 
+from sdvg.models.device_constants import to_device_async
+
 NoiseRole = Literal["init", "drafter", "target", "router"]
 
 
@@ -29,7 +31,7 @@ def gaussian(shape, seed: int, block: int, step: int, role: NoiseRole, device=No
     if ahead is not None:
         return ahead
     out = torch.randn(tuple(shape), generator=generator(seed, block, step, role), dtype=torch.float32)
-    return out.to(device) if device is not None else out
+    return to_device_async(out, device) if device is not None else out
 
 
 def block_noise(shape, seed: int, block: int, device=None) -> torch.Tensor:
@@ -44,9 +46,7 @@ _AHEAD_LOCK = threading.Lock()
 
 def _ahead(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`host` on `device`, its copy queued on the current stream (from pinned memory on CUDA)."""
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+    return to_device_async(host, device)
 
 
 def copy_ahead(noise: torch.Tensor, seed: int, block: int, num_steps: int, role: NoiseRole, device) -> torch.Tensor:

@@ -14,6 +14,7 @@ from sdvg.generation.guard import StageGuard
 from sdvg.generation.noise import gaussian
 from sdvg.generation.schedule import FlowSchedule
 from sdvg.models.components import Components
+from sdvg.models.device_constants import to_device_async
 from sdvg.models.dit import block_causal_mask
 from sdvg.models.kv_cache import KVCacheSpec
 from sdvg.models.memory import (MemoryItem, check_budget, device_key, kv_arithmetic, prompt_kv_bytes,
@@ -77,7 +78,7 @@ class RoleModel:
             position = frame0
         if self.exit_verifier is not None:
             return self._denoise_with_exit(noise, block, position, seed)
-        x = noise.to(self.device)
+        x = to_device_async(noise, self.device)  # the CPU-drawn block noise, from pinned memory on CUDA
         steps = self.schedule.num_steps
         for i in range(steps):
             x0 = self.x0_at(x, i, position)
@@ -95,6 +96,21 @@ class RoleModel:
     def renoised(self, x0: torch.Tensor, i: int, block: int, seed: int) -> torch.Tensor:
         """`x0` re-noised to step i's level with this role's draw of (seed, block, i)."""
         return self.schedule.renoise(x0, gaussian(x0.shape, seed, block, i, self.role, self.device), i)
+
+    def graph_plan(self, num_blocks: int) -> list[tuple[int, int]]:
+        """(cache position, frames) of every graphable forward a video of `num_blocks` blocks runs, in order
+        (`DiTGraphs.capture_all`): full: each block's steps and commit at its frame; recompute: each block's
+        context forward (when it takes no mask: one group of frames) and its steps after the context."""
+        F = self.frames_per_block
+        if not self.context.recompute:
+            return [(b * F, F) for b in range(num_blocks)]
+        plan = [(0, F)]
+        for b in range(1, num_blocks):
+            n = 1 + (min(b * F - 1, self.context.kv_cache_frames - 1) if b * F > 1 else 0)
+            if context_mask(n, F, self.tokens_per_frame, self.device) is None:
+                plan.append((0, n))
+            plan.append((n, F))
+        return plan
 
     # ------------------------------------------------------------ early exit
     def _denoise_with_exit(self, noise: torch.Tensor, block: int, position: int, seed: int) -> torch.Tensor:
@@ -160,7 +176,7 @@ class RoleModel:
             self._context = list(frames)
         x = torch.cat([f.to(self.device) for f in frames], dim=2)  # [1, C, n, h, w]
         n = x.shape[2]
-        mask = block_causal_mask(None, self.frames_per_block, self.tokens_per_frame, num_frames=n)
+        mask = context_mask(n, self.frames_per_block, self.tokens_per_frame, self.device)
         self.forward(x, torch.zeros((1, n), device=self.device), 0, attn_mask=mask)
         self._count()
         self.cache.commit()
@@ -188,6 +204,18 @@ class RoleModel:
             if self.exit_verifier is not None:  # the stability verifier's history
                 for j, f in enumerate(latents.detach().float().split(1, dim=2)):
                     self._clean_frames[frame0 + j] = f
+
+
+def context_mask(num_frames: int, frames_per_block: int, tokens_per_frame: int, device) -> torch.Tensor | None:
+    """The attention mask of a recompute context forward over `num_frames` clean frames: None when they are one
+    group (every token attends to every frame: SDPA then runs its unmasked kernels, bitwise the all-true
+    mask on the CPU; tests/test_context_modes.py), else the block-causal [N, N] mask, kept on the device."""
+    if num_frames <= frames_per_block:
+        return None
+    from sdvg.models.device_constants import device_constant
+
+    return device_constant(("context_mask", num_frames, frames_per_block, tokens_per_frame), device,
+                           lambda: block_causal_mask(None, frames_per_block, tokens_per_frame, num_frames=num_frames))
 
 
 def cache_spec(comps: Components, dit, context: RoleContext, num_blocks: int, slack_frames: int = 0,
@@ -384,6 +412,10 @@ def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, s
     drafter = role_model("drafter", comps.drafter, comps.drafter_device, slack_frames) if "drafter" in contexts else None
     target = role_model("target", comps.target, comps.target_device, 0) if "target" in contexts else None
     lh, lw = p.video.latent_hw(p.vae)
+    for model in (drafter, target):  # every graph captured here, before either scheduler starts
+        if graphs is not None and model is not None and model.exit_verifier is None:
+            graphs.capture_all(model.role, model.dit, model.text_kv, model.cache, (1, p.vae.z_dim, zf, lh, lw),
+                               model.graph_plan(opts.num_blocks))
     return Setup(Aggregator(opts.aggregation), drafter, target, comps.vae.new_cache(opts.vae_decoder), zf,
                  (1, p.vae.z_dim, zf, lh, lw), runners, emitted_pixels, StageGuard(opts))
 

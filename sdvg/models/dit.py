@@ -22,6 +22,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sdvg.config import DiTConfig, Precision, torch_dtype
+from sdvg.models.device_constants import device_constant
+from sdvg.models.kv_cache import pending_token_positions, write_positions
 from sdvg.models.rope import apply_rope, rope_angles, rope_cos_sin
 
 # Modules diffusers keeps in fp32 when the rest of the Wan DiT runs in bf16/fp16.
@@ -142,7 +144,7 @@ class CausalWanDiT(nn.Module):
 
         `active` ([A] int64, ascending token indices of the block, frame-major; early exit) runs the
         sparse forward: queries, modulation, cross-attention and MLP for those tokens only. With a
-        cache only their K/V are written (`write_tokens`): the other tokens' pending K/V stay as an
+        cache only their K/V are written (`write_positions`: `KVCache.write_tokens` with the positions built once): the other tokens' pending K/V stay as an
         earlier pass wrote them and are attended to as they are. The output keeps the dense layout,
         zero at the tokens not computed. `hidden`, a list, receives the last transformer block's
         hidden states [B, S or A, dim] (the learned exit verifier's input)."""
@@ -164,11 +166,13 @@ class CausalWanDiT(nn.Module):
                         "of the new frames and the columns of the visible ones of the full-sequence mask"
                     )
 
+            positions = None if active is None else pending_token_positions(cache, active)  # once per forward
+
             def attend(layer, k, v):
                 if active is None:
                     cache.write(layer, k, v)
                 else:
-                    cache.write_tokens(layer, k, v, active)
+                    write_positions(cache, layer, k, v, positions)
                 k_all, v_all = cache.visible(layer)  # [B, H, S_visible, Dh]
                 return k_all, v_all, mask
         else:
@@ -193,10 +197,14 @@ class CausalWanDiT(nn.Module):
         return timestep_sinusoid(timesteps, self.config.freq_dim).to(dtype)
 
     def rope(self, frame_offset: int, frames: int, height: int, width: int, device):
-        """cos/sin [S, head_dim/2] of a block at `frame_offset` (latent height/width)."""
+        """cos/sin [S, head_dim/2] of a block at `frame_offset` (latent height/width): built from the float64
+        table on the host once per (offset, frame count, grid, device) and then kept on the device
+        (sdvg/models/device_constants.py), so a forward makes no host copy. Treat them as read-only."""
         p = self.config.patch_size
-        return rope_cos_sin(self._angles, self.config.head_dim, frame_offset, frames, height // p[1], width // p[2],
-                            device)
+        gh, gw = height // p[1], width // p[2]
+        key = ("rope", self.config.head_dim, self.config.rope_max_seq_len, int(frame_offset), frames, gh, gw)
+        return device_constant(key, device, lambda: rope_cos_sin(self._angles, self.config.head_dim, frame_offset,
+                                                                 frames, gh, gw, "cpu"))
 
     def forward_with(self, latents, t_freq, text_keys, text_values, cos, sin, attend, active=None,
                      hidden=None) -> torch.Tensor:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from sdvg._native import _C
+from sdvg.models.device_constants import device_constant
 from sdvg.config import DiTConfig, KVWindow, MemoryBudgetError, RoleContext, checked_size  # noqa: F401 (re-exported)
 
 
@@ -67,3 +68,30 @@ class KVCacheSpec:
             )
         return _C.KVCache(self.num_layers, self.batch, self.heads, self.head_dim, self.tokens_per_frame,
                           self.layout(), dtype, torch.device(device))
+
+
+def pending_token_positions(cache, tokens: torch.Tensor) -> torch.Tensor:
+    """Buffer positions [A] (int64, on the cache's device) of pending tokens `tokens` ([A] int64 indices into
+    the pending frames' tokens, frame-major, checked by the caller: `check_active`): what `KVCache.write_tokens`
+    computes per layer, with a host copy and two scalar reads each time, built here once per forward on the
+    device (the pending slots are the last visible ones, copied there once per slot list)."""
+    pending = cache.pending_frames
+    if pending == 0:
+        raise RuntimeError("KV cache write_tokens() before begin_write()")
+    tpf = cache.buffer.shape[-2] // cache.num_slots
+    slots = tuple(cache.visible_slots()[-pending:])
+    device = cache.buffer.device
+    table = device_constant(("pending_slots", slots), device, lambda: torch.tensor(slots, dtype=torch.int64))
+    tokens = tokens.to(device, non_blocking=True)
+    return table.index_select(0, torch.div(tokens, tpf, rounding_mode="floor")) * tpf + torch.remainder(tokens, tpf)
+
+
+def write_positions(cache, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+    """`KVCache.write_tokens(layer, k, v, tokens)` given the tokens' buffer positions (`pending_token_positions`):
+    k, v [B, H, A, D] into layer `layer`'s buffer, no host round trip."""
+    buf = cache.layer_buffer(layer)  # [2, B, H, slots * tpf, D]
+    if k.shape != v.shape or k.shape[2] != positions.shape[0]:
+        raise ValueError(f"KV cache write_tokens expects K/V of shape [B, H, {positions.shape[0]}, D] ({positions.shape[0]} "
+                         f"token positions), got {list(k.shape)} and {list(v.shape)}")
+    buf.select(0, 0).index_copy_(2, positions, k.to(buf.dtype))
+    buf.select(0, 1).index_copy_(2, positions, v.to(buf.dtype))

@@ -24,6 +24,7 @@ import torch
 
 from sdvg.models.checkpoints import CheckpointError, _read_file, _unwrap, check_weights, load_strict
 from sdvg.config import VAE_DECODERS, VAEConfig
+from sdvg.models.device_constants import device_constant
 
 
 
@@ -118,6 +119,7 @@ class StreamingVAEDecoder:
         self.z_dim = cfg.z_dim
         self._mean = torch.tensor(cfg.latents_mean, dtype=torch.float32).view(1, -1, 1, 1, 1)
         self._std = torch.tensor(cfg.latents_std, dtype=torch.float32).view(1, -1, 1, 1, 1)
+        self._stats_key = ("vae_latent_stats", tuple(map(float, cfg.latents_mean)), tuple(map(float, cfg.latents_std)))
         self.num_convs = vae._cached_conv_counts["decoder"] if hasattr(vae, "_cached_conv_counts") else sum(
             1 for m in vae.decoder.modules() if type(m).__name__ == "WanCausalConv3d")
         self.vae_decoder = "wan"  # the default rule of new caches (`new_cache(rule)` overrides it)
@@ -130,6 +132,10 @@ class StreamingVAEDecoder:
     @property
     def dtype(self) -> torch.dtype:
         return self.vae.post_quant_conv.weight.dtype
+
+    def latent_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, std) [1, z, 1, 1, 1] float32 on the VAE's device, copied there once (not per decode)."""
+        return device_constant(self._stats_key, self.device, lambda: (self._mean, self._std))
 
     def new_cache(self, vae_decoder: str | None = None) -> VAEDecodeCache:
         """A fresh cache; `vae_decoder` ("wan" | "krea"; None: this decoder's default) picks the temporal
@@ -176,7 +182,8 @@ class StreamingVAEDecoder:
         float32. T = 1 + 4(F-1) for the first block of a video, 4F afterwards."""
         if latents.ndim != 5 or latents.shape[1] != self.z_dim:
             raise ValueError(f"latents must be [B, {self.z_dim}, F, h, w], got {list(latents.shape)}")
-        z = latents.float().to(self.device) * self._std.to(self.device) + self._mean.to(self.device)
+        mean, std = self.latent_stats()
+        z = latents.float().to(self.device) * std + mean
         x = self.vae.post_quant_conv(z.to(self.dtype))
         outs = []
         for i in range(x.shape[2]):
@@ -197,7 +204,8 @@ class StreamingVAEDecoder:
         if pixels.ndim != 5 or pixels.shape[1] != 3 or pixels.shape[2] != 1:
             raise ValueError(f"encode_frame takes one pixel frame [B, 3, 1, H, W], got {list(pixels.shape)}")
         mu = self.vae.encode(pixels.to(self.device, self.dtype)).latent_dist.mode().float()
-        return (mu - self._mean.to(self.device)) / self._std.to(self.device)
+        mean, std = self.latent_stats()
+        return (mu - mean) / std
 
     @torch.no_grad()
     def decode_video(self, latents: torch.Tensor) -> torch.Tensor:
