@@ -281,7 +281,18 @@ def fake_trt(monkeypatch):
             contexts.append(FakeContext(cudart, strategy))
             return contexts[-1]
 
-    trt.Runtime = lambda logger: types.SimpleNamespace(deserialize_cuda_engine=lambda blob: Engine())
+    def deserialize(reader):  # as TensorRT 11 does with an IStreamReaderV2: reads until the plan is in
+        assert isinstance(reader, trt.IStreamReaderV2), "the plan is streamed from its file"
+        blob = b""
+        while chunk := reader.read(1 << 20, 0):
+            blob += chunk
+        trt.plans.append(blob)
+        return Engine()
+
+    trt.IStreamReaderV2 = type("IStreamReaderV2", (), {"__init__": lambda self: None})
+    trt.SeekPosition = types.SimpleNamespace(SET="set", CUR="cur", END="end")
+    trt.plans = []
+    trt.Runtime = lambda logger: types.SimpleNamespace(deserialize_cuda_engine=deserialize)
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     monkeypatch.setattr(trt_cuda, "import_cuda_python", lambda: cudart)
     monkeypatch.setattr(trt_cuda, "require_cuda", lambda device, what: torch.device("cpu"))

@@ -444,8 +444,9 @@ def device_identity(device: torch.device) -> tuple[str, str]:
     return "cpu", "none"
 
 
-def stage_key(sig: StageSignature, comps, artifact: str) -> EngineKey:
-    """Everything the stage's engine depends on (see `sdvg.engines.cache`)."""
+def stage_key(sig: StageSignature, comps, artifact: str, weights_hash: str | None = None) -> EngineKey:
+    """Everything the stage's engine depends on (see `sdvg.engines.cache`); `weights_hash`: the
+    weights fingerprint when the caller kept it (the weights may be released since)."""
     from sdvg.engines.tensorrt import trt_version
     from sdvg.engines.torch_trt import torch_trt_version
 
@@ -455,6 +456,7 @@ def stage_key(sig: StageSignature, comps, artifact: str) -> EngineKey:
     versions = {}
     if artifact == "torch-tensorrt":  # the program runs inside the torch it was built with
         versions = dict(torch_version=torch.__version__, torch_trt_version=torch_trt_version())
-    return EngineKey(stage=sig.name, config_hash=chash, weights_hash=weights_fingerprint(weights), shapes=sig.shapes(),
+    whash = weights_hash or weights_fingerprint(weights)
+    return EngineKey(stage=sig.name, config_hash=chash, weights_hash=whash, shapes=sig.shapes(),
                      precision=comps.preset.precision, gpu_name=gpu, compute_capability=cc,
                      trt_version=trt_version() if artifact != "onnx" else "none", artifact=artifact, **versions)
