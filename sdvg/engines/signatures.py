@@ -114,19 +114,21 @@ class StageSignature:
         return max(t.numel(top) for t in self.inputs + self.outputs)
 
     def example_inputs(self, device="meta", seed: int = 0, which: str = "opt") -> tuple[torch.Tensor, ...]:
-        """Inputs of this signature at the `which` bounds: random values (a valid token index for
-        `cache_index`), or empty tensors on the meta device."""
+        """Inputs of this signature at the `which` bounds, made on `device`: random values from a
+        generator on that device (a valid token index for `cache_index`), or empty tensors on the
+        meta device."""
         sizes = self.sizes(which)
-        g = torch.Generator().manual_seed(seed)
+        device = torch.device(device)
+        g = None if device.type == "meta" else torch.Generator(device).manual_seed(seed)
         out = []
-        for t in self.inputs:
+        for t in self.inputs:  # made on `device` (a GPU's generator there): no host copy of a GB-sized input
             dims, dtype = t.dims(sizes), getattr(torch, t.dtype)
-            if torch.device(device).type == "meta":
+            if device.type == "meta":
                 out.append(torch.empty(dims, dtype=dtype, device="meta"))
             elif t.name == "cache_index":
-                out.append(torch.arange(dims[0], dtype=dtype).to(device))
+                out.append(torch.arange(dims[0], dtype=dtype, device=device))
             elif dtype.is_floating_point:
-                out.append(torch.randn(dims, generator=g).to(device, dtype))
+                out.append(torch.randn(dims, generator=g, device=device).to(dtype))
             else:
                 out.append(torch.ones(dims, dtype=dtype, device=device))
         return tuple(out)
