@@ -67,6 +67,17 @@ def _alarm(signum, frame):
     raise StepTimeout()
 
 
+def _timed_out(exc: BaseException) -> bool:
+    """Whether `exc` is the box's alarm, also when a library wrapped it (inductor re-raises it as its own)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, StepTimeout):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def run_boxed(fn, seconds: float):
     """`fn()` stopped by SIGALRM after `seconds` (main thread): (status, seconds taken)."""
     old = signal.signal(signal.SIGALRM, _alarm)
@@ -75,11 +86,12 @@ def run_boxed(fn, seconds: float):
     try:
         fn()
         status = "done"
-    except StepTimeout:
-        status = "stopped at its time box (results so far kept)"
     except Exception as exc:  # one benchmark's failure must not lose the others
-        traceback.print_exc()
-        status = f"failed: {type(exc).__name__}: {exc}"
+        if _timed_out(exc):
+            status = "stopped at its time box (results so far kept)"
+        else:
+            traceback.print_exc()
+            status = f"failed: {type(exc).__name__}: {exc}"
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
