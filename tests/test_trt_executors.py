@@ -658,3 +658,18 @@ def test_released_dit_keeps_what_the_engines_do_not_cover(tiny_preset):
     with pytest.raises(ReleasedWeightsError, match="released after its tensorrt engines loaded.*"
                                                    "release_torch_weights=False"):
         dit(torch.randn(1, 16, 3, 8, 8), torch.full((1, 3), 500.0), after)
+
+
+def test_a_folder_of_another_tensorrt_is_refused_before_any_work(tiny_pipe, tmp_path, monkeypatch):
+    from sdvg.generation.backends import StageRunners
+
+    comps = tiny_pipe.components
+    cache = EngineCache(tmp_path)
+    sig = dit_signature(comps.preset, "drafter", 3, False, comps.drafter.dtype)
+    art = tmp_path / "engine.plan"
+    art.write_bytes(b"plan")
+    cache.store(dataclasses.replace(stage_key(sig, comps, "tensorrt"), trt_version="10.13.0"), art, CMD)
+    monkeypatch.setitem(sys.modules, "tensorrt", types.SimpleNamespace(__version__="11.1.0"))
+    with pytest.raises(StaleEngineError, match=r"built with another TensorRT \(TensorRT 10.13.0: drafter_dit_3f\); "
+                                               r"this is TensorRT 11.1.0 .*rebuild with: python -m build_engines"):
+        StageRunners(comps, "tensorrt", tmp_path)

@@ -178,6 +178,23 @@ class EngineCache:
             raise CorruptEngineError(f"engine manifest {d / MANIFEST} is unreadable ({exc}); delete {d} and "
                                      "rebuild") from exc
 
+    def check_trt_version(self, version: str, rebuild_command: str) -> None:
+        """Refuse a folder holding TensorRT plans (or torch-tensorrt programs) built with another
+        TensorRT than `version`, from the manifests alone: before any work, not at the first stage."""
+        other = {}
+        for m in sorted(self.root.glob(f"*/{MANIFEST}")):
+            try:
+                key = json.loads(m.read_text())["key"]
+            except Exception:
+                continue  # a damaged manifest is refused when its stage loads
+            if key.get("artifact") in ("tensorrt", "torch-tensorrt") and key.get("trt_version") != version:
+                other.setdefault(key.get("trt_version"), []).append(key.get("stage"))
+        if other:
+            built = "; ".join(f"TensorRT {v}: {', '.join(stages)}" for v, stages in other.items())
+            raise StaleEngineError(f"engine folder {self.root} holds plans built with another TensorRT ({built}); this "
+                                   f"is TensorRT {version} and a plan runs only with the TensorRT that built it; "
+                                   f"rebuild with: {rebuild_command}")
+
     def load(self, key: EngineKey, rebuild_command: str) -> Path:
         """The validated artifact for `key`, or an error naming what is wrong and how to rebuild."""
         d = self.entry_dir(key)

@@ -90,6 +90,10 @@ class StageRunners:
 
             self.engines = Path(engines)
             self._cache = EngineCache(self.engines)
+            if backend != "onnxruntime":  # a plan of another TensorRT: refused now, not mid-video
+                from sdvg.engines.tensorrt import trt_version
+
+                self._cache.check_trt_version(trt_version(), self.rebuild_command())
 
     @property
     def static(self) -> bool:
