@@ -402,7 +402,7 @@ def cmd_memory(args) -> int:
     items = plan_memory(preset, contexts, opts.num_blocks, args.device, args.target_device, te_device)
     if getattr(args, "backend", "eager") == "tensorrt":  # engines in place of the torch DiTs (docs/engines.md)
         from sdvg.engines.signatures import preset_signatures
-        from sdvg.models.engine_memory import engine_items
+        from sdvg.engines.resident import engine_items
 
         sigs = preset_signatures(preset, opts.num_blocks, opts.kv_cache_frames)
         items = [it for it in items if it.what not in (f"{r} weights" for r in roles)] + engine_items(

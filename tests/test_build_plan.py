@@ -229,3 +229,32 @@ def test_build_engine_deletes_the_onnx_after_parse_and_adds_a_profile_per_mode(m
     if sys.version_info >= (3, 12):  # a buffer with no bytes(): written through a memoryview
         assert write_plan(_HostMemory(b"abc"), tmp_path / "x.plan") == 3
         assert (tmp_path / "x.plan").read_bytes() == b"abc"
+
+
+def test_sdvg_memory_tensorrt_reports_engine_weights_and_scratch_per_device(capsys, tmp_path):
+    import json
+
+    from sdvg.cli import main as sdvg_main
+
+    argv = ["memory", "--preset", "real-size", "--device", "cuda:0", "--target-device", "cuda:1", "--json"]
+    assert sdvg_main(argv + ["--backend", "tensorrt"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    items = {(it["device"], it["what"]): it for it in d["items"]}
+    w = get_preset("real-size").target.num_params() * 2 / GIB
+    assert items[("cuda:1", "target engine weights")]["gib"] == pytest.approx(2 * w)  # _3f and _3f_cached: twice
+    assert ("cuda:1", "target weights") not in items  # the torch DiT's replaced weights are released
+    kept = items[("cuda:1", "target torch weights kept")]["gib"]
+    assert 4.0 < kept < 4.5  # mostly the 40 layers' cross-attention K/V projections (2 x 5120^2 x 2 B each)
+    assert "unknown here" in items[("cuda:1", "target engine scratch")]["arithmetic"]
+    assert {(dev, what) for dev, what in items if what.endswith("engine scratch")} == {
+        ("cuda:0", "drafter engine scratch"), ("cuda:1", "target engine scratch"), ("cuda:0", "vae engine scratch"),
+        ("cuda:0", "reward engine scratch")}
+    # with a built folder the engine weights are the plan files' sizes
+    folder = tmp_path / "engines" / "target_dit_3f-0123"
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text(json.dumps({"key": {"stage": "target_dit_3f", "artifact": "tensorrt"},
+                                                      "file": "engine.plan", "size": 3 * GIB}))
+    assert sdvg_main(argv + ["--backend", "tensorrt", "--engines", str(tmp_path / "engines")]) == 0
+    d = json.loads(capsys.readouterr().out)
+    row = next(it for it in d["items"] if it["what"] == "target engine weights")
+    assert row["gib"] == pytest.approx(3.0) and "target_dit_3f 3.00 GiB (plan files)" in row["arithmetic"]
