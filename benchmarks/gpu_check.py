@@ -14,7 +14,9 @@ Steps, most important first (each box in seconds; an environment variable sets i
 | stages | stages.py: per-stage eager then compile, example inputs on the device | STAGES_S |
 
 latency.py stops starting runs at its box's end (`--deadline`); the others are stopped by an
-alarm at theirs (each writes its results after every unit, so what was measured stays). A step
+alarm at theirs (SIGALRM: at the next Python instruction, so a call into native code, e.g. a video
+in the C++ driver, finishes first; gpu_check.sh's `timeout` is the backstop). Each writes its
+results after every unit, so what was measured stays. A step
 that would start with less than MIN_STEP_S left is skipped and said so. Every step's files go
 under WORK (gpu_check.sh packs WORK into one tarball); `summary.json` there lists each step's
 status, seconds and headline numbers.

@@ -73,8 +73,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--stages", default="all", help="comma list of drafter_dit,target_dit,vae_decode,reward")
     ap.add_argument("--out", type=Path, default=Path("engines"))
     ap.add_argument("--dry-run", action="store_true",
-                    help="print the per-stage build plan (disk, GPU and host-memory peaks, from the configs on the meta "
-                         "device) against the limits and exit; needs no TensorRT and loads no weights")
+                    help="print the per-stage build plan (disk, GPU and host-memory peaks, from the configs on the "
+                         "meta device) against the limits and exit; needs no TensorRT and loads no weights")
     ap.add_argument("--workspace-gib", type=_gib, default=8.0, help="TensorRT builder workspace limit (default 8)")
     for kind, what in (("gpu", "GPU memory"), ("disk", "disk under --out"), ("host", "host memory")):
         ap.add_argument(f"--{kind}-gib", type=_gib, default=H200_LIMITS[kind],

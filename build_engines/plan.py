@@ -115,7 +115,8 @@ def build_plan(preset: Preset, signatures, fmt: str = "tensorrt", drafter_device
         dit = sig.family.endswith("_dit")
         export_gpu = here + inputs_opt
         if fmt == "onnx":
-            gpu, gpu_how = export_gpu, f"export: resident weights {here / GIB:.1f} + example inputs {inputs_opt / GIB:.2f}"
+            gpu = export_gpu
+            gpu_how = f"export: resident weights {here / GIB:.1f} + example inputs {inputs_opt / GIB:.2f}"
             host = w
             host_how = f"the ONNX writer's copy of the weights {w / GIB:.1f}"
             disk = stored + w

@@ -99,7 +99,8 @@ def engine_items(preset: Preset, roles, signatures, drafter_device: str, target_
         else:
             stages = [s.name for s in signatures if s.family == family]
             nbytes = len(stages) * weights[family]
-            how = f"{len(stages)} engines ({', '.join(stages)}) x {weights[family] / 2**30:.2f} GiB of weights (estimate)"
+            how = (f"{len(stages)} engines ({', '.join(stages)}) x {weights[family] / 2**30:.2f} GiB of weights "
+                   "(estimate)")
         items.append(MemoryItem(device, f"{role} engine weights", nbytes, how))
         scratch = _scratch_bytes(plans) if plans else None
         items.append(MemoryItem(device, f"{role} engine scratch", scratch or 0,

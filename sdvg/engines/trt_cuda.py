@@ -71,7 +71,8 @@ class TRTCudaStage:
     """A TensorRT plan run through cuda-python (see the module docstring); called like the stage
     module it was built from, positional inputs in the signature's order."""
 
-    def __init__(self, plan_path: Path, signature, device, cuda_graph: bool = False, scratch: CudaScratch | None = None):
+    def __init__(self, plan_path: Path, signature, device, cuda_graph: bool = False,
+                 scratch: CudaScratch | None = None):
         self.signature = signature
         self.device = require_cuda(device, "the cuda-python TensorRT executor")
         if cuda_graph and signature.dynamic:
