@@ -1,30 +1,98 @@
 #!/usr/bin/env bash
 # One-command GPU check on a bare GPU machine with torch (>= 2.11) and none of sdvg's other
-# dependencies: installs the wheels shipped in .whl/ (benchmarks/README.md), builds sdvg._C with
-# CUDA (CUDA_HOME from the nvcc found; without one, or when that build fails, the CPU build, and
-# the reason is recorded), runs the GPU tests (tests/test_gpu.py only), then measures, most
-# important first, each writing its files as it finishes:
-#   1. latency.py: target-only -> SDVG at 73.1% (pattern router) -> run-ahead -> compile -> the rest
-#      (results.json / results.md / timeline.png / speedup.png, rewritten after every run);
-#   2. host_syncs.py: the drafter lane before/after cuda_graphs, then stage_timing events, then fast_vae
-#      (results written after each), launches and syncs counted, timed
-#      (host-syncs/results.json, .md);
-#   3. stages.py: per-stage eager vs compile (stages.json).
-# Everything lands in $OUT (default results/gpu-<date>); the measurements end within TOTAL_S seconds
-# (default 300) of the end of the build, so a rerun still fits one 15-minute lease. Every results
-# file carries provenance (commit, build info, CUDA versions, seed, prompt, TF32 flags).
-# Dry run on the CPU: PRESET=tiny DEVICE=cpu (scripts/compat_check.sh does it, with longer limits).
+# dependencies, sized for one short device session (15 minutes of device time in all, at most 8
+# files returned):
+#   0. the carried wheels (.whl/, benchmarks/gpu-wheels.txt) are checked first: one missing stops
+#      the check before anything is built (NO_WHEELS=1: the interpreter already has them);
+#   1. installs them, builds sdvg._C with CUDA (CUDA_HOME from the nvcc found; without one, or when
+#      that build fails, the CPU build, and the reason is recorded; SKIP_BUILD=1 uses the one in place);
+#   2. runs the GPU tests (tests/test_gpu.py, TESTS_S);
+#   3. benchmarks/gpu_check.py in ONE process: the models are built once, then latency (target-only,
+#      SDVG at 73.1%, the other rates, SDVG run-ahead), compile (its own box, its compilation counted,
+#      persistent inductor cache), host syncs, stages, each in its own time box (LATENCY_S, COMPILE_S,
+#      HOST_SYNCS_S, STAGES_S; STEPS picks steps).
+# Everything it writes goes to a work folder, packed at the end (also when a step fails or time runs
+# out) into $OUT/results.tar.gz; $OUT/summary.log is this script's own output. Nothing else is left
+# in $OUT (default results/gpu-<date>): 2 files.
+#   bash benchmarks/gpu_check.sh --dry-run   # the plan with a time estimate per step; runs nothing
+# On the CPU: PRESET=tiny DEVICE=cpu (scripts/compat_check.sh does it, with longer boxes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+DRY=0
+case "${1:-}" in
+  --dry-run) DRY=1 ;;
+  "") ;;
+  *) echo "usage: bash benchmarks/gpu_check.sh [--dry-run]  (settings are environment variables)"; exit 2 ;;
+esac
 OUT=${OUT:-results/gpu-$(date -u +%Y%m%d)}
 BLOCKS=${BLOCKS:-9}
 PRESET=${PRESET:-real-size}
 DEVICE=${DEVICE:-cuda:0}
-mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 SITE_DIR=${SITE_DIR:-/tmp/sdvg-site}
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE_DIR" .whl/*.whl \
+WHEEL_DIR=${WHEEL_DIR:-.whl}
+STEPS=${STEPS:-latency,compile,host_syncs,stages}
+TESTS_S=${TESTS_S:-45}
+SESSION_S=${SESSION_S:-900}   # device time of one session, every start and call included
+START_S=${START_S:-150}       # a machine's start (estimate)
+EXT_S=${EXT_S:-120}           # building sdvg._C with nvcc -j16 (estimate; a warm machine keeps the build: EXT_RERUN_S)
+EXT_RERUN_S=${EXT_RERUN_S:-20}
+INSTALL_S=15; PACK_S=10
+export TORCHINDUCTOR_CACHE_DIR=${INDUCTOR_CACHE:-$PWD/.inductor-cache}  # persistent: reruns reuse compiled kernels
+export TORCHINDUCTOR_FX_GRAPH_CACHE=1 TORCHINDUCTOR_AUTOGRAD_CACHE=1
+
+# ------------------------------------------------------------------ the wheels that must travel
+missing=()
+while read -r req; do
+  name=${req%%==*}; version=${req#*==}
+  ls "$WHEEL_DIR/${name//-/_}-${version}-"*.whl >/dev/null 2>&1 || missing+=("$req")
+done < <(grep -v '^#' benchmarks/gpu-wheels.txt | grep .)
+[ "${NO_WHEELS:-0}" = 1 ] && missing=()
+
+# ------------------------------------------------------------------ the plan
+plan=$(PYTHONPATH=$PWD "$PY" benchmarks/gpu_check.py --dry-run --preset "$PRESET" --steps "$STEPS" --work /nonexistent)
+[ -n "$plan" ] || { echo "gpu_check.py --dry-run failed (PYTHON=$PY)"; exit 2; }
+boxes=$(echo "$plan" | awk '{s += $2} END {print s}')   # models + every step's box
+build=$EXT_S; [ "${SKIP_BUILD:-0}" = 1 ] && build=0
+run_s=$(( INSTALL_S + build + TESTS_S + boxes + PACK_S ))
+rerun_s=$(( INSTALL_S + (build < EXT_RERUN_S ? build : EXT_RERUN_S) + TESTS_S + boxes + PACK_S ))
+need=$(( START_S + run_s + rerun_s ))
+if [ "$need" -le "$SESSION_S" ]; then
+  verdict="a rerun fits: start ${START_S} + run ${run_s} + rerun on the warm machine ${rerun_s} = ${need} s <= ${SESSION_S} s"
+else
+  verdict="a rerun does NOT fit: start ${START_S} + run ${run_s} + rerun on the warm machine ${rerun_s} = ${need} s > ${SESSION_S} s (lower the boxes or STEPS for a rerun)"
+fi
+header="gpu_check: $PRESET on $DEVICE, $BLOCKS blocks; one run ~${run_s} s of device time (+ ${START_S} s to start a machine); $verdict"
+
+if [ "$DRY" = 1 ]; then
+  echo "$header"
+  echo "steps (estimates and time boxes, s):"
+  printf '  %-11s %5d s  %s\n' wheels "$INSTALL_S" "check ${WHEEL_DIR}/ then pip install --target $SITE_DIR$( [ ${#missing[@]} -gt 0 ] && echo " — MISSING: ${missing[*]}: the run would stop here")"
+  printf '  %-11s %5d s  %s\n' extension "$build" "setup.py build_ext (CUDA when nvcc is found)$( [ "${SKIP_BUILD:-0}" = 1 ] && echo ': skipped, SKIP_BUILD=1')"
+  printf '  %-11s %5d s  %s\n' gpu-tests "$TESTS_S" "pytest tests/test_gpu.py (TESTS_S)"
+  echo "$plan"
+  printf '  %-11s %5d s  %s\n' pack "$PACK_S" "tar the work folder into $OUT/results.tar.gz; $OUT/summary.log"
+  echo "(dry run: nothing installed, built or measured)"
+  exit 0
+fi
+
+mkdir -p "$OUT"
+rm -f "$OUT/results.tar.gz" "$OUT/summary.log"
+exec > >(tee "$OUT/summary.log") 2>&1
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/sdvg-gpu-check.XXXXXX")
+pack() {
+  tar -czf "$OUT/results.tar.gz" -C "$WORK" . && rm -rf "$WORK"
+  echo "packed: $OUT/results.tar.gz ($(du -h "$OUT/results.tar.gz" | cut -f1)), $OUT/summary.log"
+}
+trap pack EXIT
+echo "$header"
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "error: the carried wheels are missing from ${WHEEL_DIR}/: ${missing[*]} (benchmarks/gpu-wheels.txt); fill it with"
+  echo "  bash scripts/fetch_wheels.sh   and carry it (the device tool's carry: [\".whl\"]), or NO_WHEELS=1 when $PY has them"
+  exit 2
+fi
+if [ "${NO_WHEELS:-0}" != 1 ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE_DIR" "$WHEEL_DIR"/*.whl \
     || { echo "wheel install failed"; exit 1; }
   export PYTHONPATH=$SITE_DIR:$PWD
 else
@@ -48,20 +116,20 @@ fi
 [ "$want_cuda" = 0 ] && [ "${SDVG_CUDA:-1}" = 0 ] && note="CPU build of sdvg._C (SDVG_CUDA=0 asked)"
 [ -n "${CUDA_HOME:-}" ] && export CUDA_HOME
 t_build=$(date +%s)
-if ! SDVG_CUDA=$want_cuda "$PY" setup.py build_ext --inplace -j 16 > "$OUT/build.log" 2>&1; then
+if [ "${SKIP_BUILD:-0}" = 1 ]; then
+  note="sdvg._C as it was (SKIP_BUILD=1)"
+elif ! SDVG_CUDA=$want_cuda "$PY" setup.py build_ext --inplace -j 16 > "$WORK/build.log" 2>&1; then
   if [ "$want_cuda" = 1 ]; then
     note="the CUDA build failed (CUDA_HOME=${CUDA_HOME:-}; see build.log): CPU build of sdvg._C; test_native_cache_on_cuda fails"
-    SDVG_CUDA=0 "$PY" setup.py build_ext --inplace -j 16 >> "$OUT/build.log" 2>&1 \
-      || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
+    SDVG_CUDA=0 "$PY" setup.py build_ext --inplace -j 16 >> "$WORK/build.log" 2>&1 \
+      || { echo "build failed"; tail -30 "$WORK/build.log"; exit 1; }
   else
-    echo "build failed"; tail -30 "$OUT/build.log"; exit 1
+    echo "build failed"; tail -30 "$WORK/build.log"; exit 1
   fi
 fi
 export SDVG_BUILD_NOTE=$note
 echo "extension built in $(( $(date +%s) - t_build )) s: $note"
-t0=$(date +%s)
-deadline=$(( t0 + ${TOTAL_S:-300} ))
-"$PY" - "$DEVICE" > "$OUT/env.json" <<'PYEOF'
+"$PY" - "$DEVICE" > "$WORK/env.json" <<'PYEOF'
 import json, sys
 sys.path.insert(0, "benchmarks")
 import diffusers, transformers
@@ -69,36 +137,22 @@ from provenance import provenance
 print(json.dumps({**provenance(device=sys.argv[1]), "diffusers": diffusers.__version__,
                   "transformers": transformers.__version__}, indent=2))
 PYEOF
-cat "$OUT/env.json"
+head -c 2000 "$WORK/env.json"; echo
 
-timeout "${TESTS_S:-60}" "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
-[ "${PIPESTATUS[0]}" = 124 ] && echo "GPU tests stopped at their ${TESTS_S:-60} s limit (TESTS_S)" | tee -a "$OUT/gpu_tests.log"
+timeout "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py > "$WORK/gpu_tests.log" 2>&1
+rc=$?
+[ "$rc" = 124 ] && echo "GPU tests stopped at their $TESTS_S s limit (TESTS_S)" >> "$WORK/gpu_tests.log"
+tail -5 "$WORK/gpu_tests.log"
 
-# 1. latency: starts no run that would end past its deadline (measures in the order above and writes
-# its files after each run); `timeout` is only the backstop. What is left goes to 2 and 3.
-lat_deadline=$(( deadline - ${REST_S:-90} ))
-lat_timeout=$(( lat_deadline - $(date +%s) + 30 )); [ "$lat_timeout" -lt 60 ] && lat_timeout=60
-PYTHONUNBUFFERED=1 timeout "$lat_timeout" "$PY" benchmarks/latency.py --preset "$PRESET" --device "$DEVICE" \
-  --num-blocks "$BLOCKS" --repeats "${REPEATS:-1}" --variants "${VARIANTS:-run-ahead,compile}" \
-  --deadline "$lat_deadline" --out "$OUT" 2>&1 | tail -24
-rm -f "$OUT/results.csv"  # derivable from results.json
-
-# 2. the drafter lane without and with cuda_graphs, events, fast_vae (3 blocks)
-left=$(( deadline - $(date +%s) ))
-if [ "$left" -gt 40 ]; then
-  PYTHONUNBUFFERED=1 timeout $(( left / 2 )) "$PY" benchmarks/host_syncs.py --preset "$PRESET" --device "$DEVICE" \
-    --modes draft --num-blocks 3 --repeats "${REPEATS:-1}" --variants "${HS_VARIANTS:-eager,cuda_graphs,events,fast_vae}" \
-    --out "$OUT/host-syncs" 2>&1 | tail -6
-else
-  echo "no time left for the host-sync benchmark"
-fi
-
-# 3. per-stage eager vs compile
-left=$(( deadline - $(date +%s) ))
-if [ "$left" -gt 20 ]; then
-  PYTHONUNBUFFERED=1 timeout "$left" "$PY" benchmarks/stages.py --preset "$PRESET" \
-    --device "$DEVICE" --repeats 5 --out "$OUT" 2>&1 | tail -8
-else
-  echo "no time left for the per-stage benchmark"
-fi
+# the measurements: one process, the models built once; each step ends within its box
+t0=$(date +%s)
+deadline=$(( t0 + boxes + 30 ))
+PYTHONUNBUFFERED=1 timeout $(( boxes + 120 )) "$PY" benchmarks/gpu_check.py --preset "$PRESET" --device "$DEVICE" \
+  --num-blocks "$BLOCKS" --repeats "${REPEATS:-1}" --steps "$STEPS" --deadline "$deadline" --work "$WORK" \
+  > "$WORK/gpu_check.log" 2>&1
+rc=$?
+grep -E "^\[|models built|speed-up|SDVG at" "$WORK/gpu_check.log" | tail -40
+[ "$rc" = 0 ] || { echo "gpu_check.py exited $rc; its log:"; tail -30 "$WORK/gpu_check.log"; }
+rm -f "$WORK/results.csv" "$WORK/compile/results.csv"  # derivable from results.json
 echo "measured for $(( $(date +%s) - t0 )) s after the build"
+exit "$rc"

@@ -351,7 +351,7 @@ def timed(pipe, kw, device, repeats: int) -> float:
     return sorted(walls)[len(walls) // 2]
 
 
-def main(argv=None):
+def main(argv=None, pipe=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--device", default="cpu")
@@ -370,7 +370,7 @@ def main(argv=None):
         return rewrite(Path(args.rewrite))
     device = torch.device(args.device)
     preset = get_preset(args.preset)
-    pipe = SpeculativeVideoPipeline(build_random(preset, drafter_device=device))
+    pipe = pipe or SpeculativeVideoPipeline(build_random(preset, drafter_device=device))  # gpu_check.py passes its own
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"preset": preset.name, "num_blocks": args.num_blocks, "scheduler": args.scheduler,

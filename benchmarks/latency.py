@@ -19,7 +19,11 @@ commit; the drafter lane (draft + drafter commit) and the VAE + reward work are 
 drafter_hidden when drafter and target have their own devices.
 Writes results.json, results.csv, results.md (after every run), timeline.png (the measured stage
 calls of SDVG at 73.1%, one panel per variant) and speedup.png. With --budget-s or --deadline it
-measures target-only and SDVG at 73.1% first, then the rest while time allows.
+measures target-only and SDVG at 73.1% first, then the rest while time allows. The run-ahead variant
+runs SDVG only (target-only has no second role to run ahead of: it is the eager target-only run);
+each variant's warm-up time (a compile variant's compilation) is recorded under `warmup_s`.
+`main(argv, pipe=...)` measures a pipeline built by the caller (benchmarks/gpu_check.py builds
+the models once for every benchmark).
 """
 from __future__ import annotations
 
@@ -192,11 +196,11 @@ def assemble(runs, meta):
         by_variant.setdefault(variant_of(r), {}).setdefault(r["mode"], []).append(r)
     variant_speedups = []
     for (b, s_, ra), d in by_variant.items():
-        if "target" in d and "sdvg" in d:
-            sd = nearest_paper(d["sdvg"])
-            variant_speedups.append({"backend": b, "scheduler": s_, "run_ahead": ra, "target_s": d["target"][0]["wall_s"],
+        if "sdvg" in d and ("target" in d or ra):  # run-ahead: against the main target-only run
+            sd, base = nearest_paper(d["sdvg"]), d.get("target", [tgt])[0]
+            variant_speedups.append({"backend": b, "scheduler": s_, "run_ahead": ra, "target_s": base["wall_s"],
                                      "sdvg_s": sd["wall_s"], "acceptance": sd["acceptance"],
-                                     "speedup_vs_target": d["target"][0]["wall_s"] / sd["wall_s"]})
+                                     "speedup_vs_target": base["wall_s"] / sd["wall_s"]})
     return {
         **meta,
         "variants": variant_speedups,
@@ -261,7 +265,7 @@ def run_label(mode, rate, variant):
     return f"{mode}{acc} ({variant_name(*variant)})"
 
 
-def main(argv=None):
+def main(argv=None, pipe=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="cpu-bench")
     ap.add_argument("--num-blocks", type=int, default=None)
@@ -277,6 +281,10 @@ def main(argv=None):
                     help="start no run (or warm-up) that would end past this many seconds after the models are "
                          "built; target-only and SDVG at 73.1%% are always measured, then the rest in order "
                          "while time allows; the ones left out are listed under 'skipped'")
+    ap.add_argument("--reuse", default=None,
+                    help="results.json of an earlier run on this pipeline (same process): its eager target-only and "
+                         "SDVG-at-73.1%% runs are taken from there instead of measured again (gpu_check.py's compile "
+                         "step)")
     ap.add_argument("--deadline", type=float, default=None,
                     help="the same as an absolute time (seconds since the epoch, as `date +%%s` prints)")
     args = ap.parse_args(argv)
@@ -291,8 +299,11 @@ def main(argv=None):
     if unknown:
         ap.error(f"unknown variant(s) {unknown}; choose from {sorted(extra)}")
     t_build = time.perf_counter()
-    pipe = SpeculativeVideoPipeline(build_random(preset, drafter_device=args.device,
-                                                 target_device=args.target_device), engines=args.engines)
+    if pipe is None:
+        pipe = SpeculativeVideoPipeline(build_random(preset, drafter_device=args.device,
+                                                     target_device=args.target_device), engines=args.engines)
+    elif pipe.preset.name != preset.name:
+        raise ValueError(f"the pipeline given is preset {pipe.preset.name!r}, --preset {preset.name!r}")
     build_s = time.perf_counter() - t_build
     comps = pipe.components
     devices = {comps.drafter_device, comps.target_device}
@@ -306,11 +317,13 @@ def main(argv=None):
     plan = [("target", None, main_variant), ("draft", None, main_variant)]
     plan += [("sdvg", r, main_variant) for r in rates]
     for v in variants:
-        plan += [("target", None, v), ("sdvg", paper_rate, v)]  # same pattern as the main run
+        if not (v[2] and v[:2] == main_variant[:2]):  # target-only run-ahead is the main target-only run
+            plan.append(("target", None, v))
+        plan.append(("sdvg", paper_rate, v))  # same pattern as the main run
     # measured in this order: target-only, SDVG at 73.1%, then each variant (its SDVG at 73.1% before
     # its target-only), then the rest
     first = [plan[0], ("sdvg", paper_rate, main_variant)]
-    then = [(m, r, v) for v in variants for m, r in (("sdvg", paper_rate), ("target", None))]
+    then = [(m, r, v) for v in variants for m, r in (("sdvg", paper_rate), ("target", None)) if (m, r, v) in plan]
     order = first + [p for p in then if p not in first]
     order += [p for p in plan if p not in order]
 
@@ -348,11 +361,28 @@ def main(argv=None):
             run["acceptance"] = sum(d == "accepted" for d in run["decisions"][1:]) / max(1, n - 1)
         return run
 
+    reused = {}  # (mode, rate, variant) -> a run taken from --reuse
+    if args.reuse:
+        old = [r for r in json.loads(Path(args.reuse).read_text())["runs"] if tuple(variant_of(r)) == main_variant]
+        tgt_old = [r for r in old if r["mode"] == "target"]
+        sdvg_old = [r for r in old if r["mode"] == "sdvg"]
+        if tgt_old:
+            reused[("target", None, main_variant)] = tgt_old[0]
+        if sdvg_old:
+            reused[("sdvg", paper_rate, main_variant)] = min(sdvg_old,
+                                                             key=lambda r: abs(r["acceptance"] - paper_rate))
+    meta["reused"] = [run_label(*k) for k in reused]
+    if args.reuse:  # the main variant's runs come from there only: this call measures the variants
+        order = [p for p in order if p[2] != main_variant or p in reused]
     warm = set()
+    meta["warmup_s"] = {}  # variant -> its warm-up video's seconds (a compile variant: its compilation)
     done, skipped = {}, []
     results, by_variant = None, None
     for item in order:
         mode, rate, v = item
+        if item in reused:
+            done[item] = reused[item]
+            continue
         if v not in warm:  # warm-up (all stages; compiles), excluded from the timings
             if warm and not fits(1 + args.repeats):
                 skipped.append(run_label(*item))
@@ -360,6 +390,7 @@ def main(argv=None):
             t_w = time.perf_counter()
             run_once(pipe, "sdvg", n, patterns[rates[len(rates) // 2]], v)
             warm.add(v)
+            meta["warmup_s"][variant_name(*v)] = time.perf_counter() - t_w
             if v == main_variant:  # a compiling variant's warm-up says nothing about its runs
                 longest = max(longest, time.perf_counter() - t_w)
                 for d in devices:

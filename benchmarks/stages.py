@@ -5,7 +5,9 @@
 Times one DiT forward of a block with a KV cache holding `--context-blocks` committed blocks (drafter
 and target), one steady-state VAE decode of a latent frame, and one reward forward of a later
 block's frames. CUDA events on a GPU (perf_counter on the CPU), warm-up excluded, median of
---repeats. Each compiled stage is also compared with eager (max abs difference).
+--repeats. Each compiled stage is also compared with eager (max abs difference). The example inputs
+are made on the stage's device (`StageSignature.example_inputs`); `main(argv, comps=...)` measures
+components built by the caller (benchmarks/gpu_check.py).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from provenance import provenance  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
 
-def main(argv=None):
+def main(argv=None, comps=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="cpu-bench")
     ap.add_argument("--device", default="cpu")
@@ -37,7 +39,8 @@ def main(argv=None):
     ap.add_argument("--out", default="results/stages")
     args = ap.parse_args(argv)
     preset = get_preset(args.preset)
-    comps = build_random(preset, drafter_device=args.device)
+    if comps is None:
+        comps = build_random(preset, drafter_device=args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # a realistic visibility: `context_blocks` committed blocks

@@ -159,13 +159,16 @@ class SpeculativeVideoPipeline:
                                                    build_flags=self.build_flags, executor=self.engine_executor)
         return self._runners[backend]
 
-    def set_engine_executor(self, runtime: str = "torch", cuda_graph: bool = False) -> "SpeculativeVideoPipeline":
+    def set_engine_executor(self, runtime: str = "torch", cuda_graph: bool = False,
+                            release_torch_weights: bool = True) -> "SpeculativeVideoPipeline":
         """How TensorRT plans run (docs/engines.md, "Executors"): `runtime` torch (on torch's current stream)
-        or cuda-python (stream-ordered engine memory on the executor's own stream); `cuda_graph` captures
-        the static DiT stages in CUDA graphs (cuda-python only). Engines already loaded are dropped."""
+        or cuda-python (stream-ordered engine memory on the role's own stream); `cuda_graph` captures
+        the static DiT stages in CUDA graphs (cuda-python only); `release_torch_weights`: drop the torch
+        DiT weights a role's engines replace once they load (the eager backend then refuses that
+        DiT). Engines already loaded are dropped."""
         from sdvg.engines.executor import ExecutorOptions
 
-        self.engine_executor = ExecutorOptions(runtime, cuda_graph)
+        self.engine_executor = ExecutorOptions(runtime, cuda_graph, release_torch_weights)
         for backend in [b for b in self._runners if b in ("tensorrt", "torch-tensorrt")]:
             del self._runners[backend]
         return self

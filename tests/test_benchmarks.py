@@ -1,4 +1,5 @@
 import csv
+import re
 import json
 import sys
 from pathlib import Path
@@ -100,3 +101,72 @@ def test_host_syncs_benchmark_counts_before_and_after(tmp_path):
     data = json.loads((tmp_path / "results.json").read_text())
     assert {"commit", "sdvg_C_build", "torch_cuda", "seed", "prompt", "tf32"} <= set(data["provenance"])
     assert "TF32" in (tmp_path / "results.md").read_text()
+
+
+# --------------------------------------------------------------------------- benchmarks/gpu_check.sh
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _gpu_check(tmp_path, *args, **env):
+    import os
+    import subprocess
+
+    full = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"), "PRESET": "tiny", "DEVICE": "cpu",
+            "TMPDIR": str(tmp_path), **env}
+    return subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), *args], capture_output=True, text=True,
+                          env=full, timeout=1200, cwd=ROOT)
+
+
+def test_gpu_check_dry_run_shows_the_plan_and_runs_nothing(tmp_path):
+    r = _gpu_check(tmp_path, "--dry-run", WHEEL_DIR=str(tmp_path / "nowheels"), PRESET="real-size",
+                   DEVICE="cuda:0")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("gpu_check: real-size on cuda:0") and "a rerun" in lines[0]
+    # the header's arithmetic: start + run + rerun against the session
+    start, run, rerun, need, session = map(int, re.search(
+        r"start (\d+) \+ run (\d+) \+ rerun on the warm machine (\d+) = (\d+) s ([<>]=?) (\d+)", lines[0]).group(
+        1, 2, 3, 4, 6))
+    assert start + run + rerun == need and ("does NOT fit" in lines[0]) == (need > session)
+    steps = {m.group(1): int(m.group(2)) for m in re.finditer(r"^  (\S+)\s+(\d+) s  ", r.stdout, re.M)}
+    assert list(steps) == ["wheels", "extension", "gpu-tests", "models", "latency", "compile", "host_syncs",
+                           "stages", "pack"]
+    assert sum(steps.values()) == run
+    assert "MISSING: diffusers==" in r.stdout and "nothing installed, built or measured" in r.stdout
+    assert not (tmp_path / "out").exists()
+    fits = _gpu_check(tmp_path, "--dry-run", NO_WHEELS="1", LATENCY_S="20", COMPILE_S="20", HOST_SYNCS_S="10",
+                      STAGES_S="10")
+    assert "a rerun fits" in fits.stdout.splitlines()[0]
+
+
+def test_gpu_check_stops_before_building_without_the_wheels(tmp_path):
+    r = _gpu_check(tmp_path, WHEEL_DIR=str(tmp_path / "nowheels"), SKIP_BUILD="0")
+    assert r.returncode == 2
+    log = (tmp_path / "out" / "summary.log").read_text()
+    assert "the carried wheels are missing" in log and "diffusers==" in log and "scripts/fetch_wheels.sh" in log
+    assert "extension built" not in log
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["results.tar.gz", "summary.log"]
+
+
+@pytest.mark.slow
+def test_gpu_check_on_the_cpu_leaves_at_most_three_files(tmp_path):
+    """PRESET=tiny DEVICE=cpu as scripts/compat_check.sh runs it (short boxes, the extension in place):
+    everything it measured is in one tarball, beside the summary log."""
+    import tarfile
+
+    r = _gpu_check(tmp_path, NO_WHEELS="1", SKIP_BUILD="1", BLOCKS="2", TESTS_S="120", STEPS="latency,stages",
+                   LATENCY_S="240", STAGES_S="60")
+    out = tmp_path / "out"
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["results.tar.gz", "summary.log"], (files, r.stdout[-2000:])
+    names = set(tarfile.open(out / "results.tar.gz").getnames())
+    assert {"./env.json", "./gpu_tests.log", "./results.json", "./results.md", "./summary.json",
+            "./gpu_check.log"} <= names, names
+    assert not list(tmp_path.glob("sdvg-gpu-check.*"))  # the work folder is gone
+    log = (out / "summary.log").read_text()
+    assert "models built once" in log and "[latency]" in log and "packed:" in log
+    with tarfile.open(out / "results.tar.gz") as tar:
+        lat = json.loads(tar.extractfile("./results.json").read())
+    modes = [(x["mode"], x["run_ahead"]) for x in lat["runs"]]
+    assert ("sdvg", True) in modes and ("target", True) not in modes  # no target-only run-ahead
+    assert lat["warmup_s"]["eager, cpp"] > 0

@@ -281,7 +281,18 @@ def fake_trt(monkeypatch):
             contexts.append(FakeContext(cudart, strategy))
             return contexts[-1]
 
-    trt.Runtime = lambda logger: types.SimpleNamespace(deserialize_cuda_engine=lambda blob: Engine())
+    def deserialize(reader):  # as TensorRT 11 does with an IStreamReaderV2: reads until the plan is in
+        assert isinstance(reader, trt.IStreamReaderV2), "the plan is streamed from its file"
+        blob = b""
+        while chunk := reader.read(1 << 20, 0):
+            blob += chunk
+        trt.plans.append(blob)
+        return Engine()
+
+    trt.IStreamReaderV2 = type("IStreamReaderV2", (), {"__init__": lambda self: None})
+    trt.SeekPosition = types.SimpleNamespace(SET="set", CUR="cur", END="end")
+    trt.plans = []
+    trt.Runtime = lambda logger: types.SimpleNamespace(deserialize_cuda_engine=deserialize)
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     monkeypatch.setattr(trt_cuda, "import_cuda_python", lambda: cudart)
     monkeypatch.setattr(trt_cuda, "require_cuda", lambda device, what: torch.device("cpu"))
@@ -501,3 +512,164 @@ def test_pipeline_and_cli_choose_the_executor(tiny_pipe):
     assert args.trt_runtime == "cuda-python" and args.trt_cuda_graphs
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["generate", "--prompt", "x", "--trt-runtime", "cuda"])
+
+
+# --------------------------------------------------------------------------- the torch runtime, faked
+DYN = StageSignature("target_dit_3f_cached", "target_dit", (TensorSig("x", (2, "n"), "float32"),),
+                     (TensorSig("y", (2, "n"), "float32"),), dynamic=(("n", 2, 3, 8),),
+                     profiles=(("recompute", (("n", 2, 3, 3),)), ("full", (("n", 2, 6, 8),))))
+
+
+class _Stream:
+    def __init__(self, handle):
+        self.cuda_stream, self.waits = handle, []
+
+    def wait_stream(self, other):
+        self.waits.append(other.cuda_stream)
+
+
+def _torch_runtime(fake_trt, monkeypatch, current):
+    """TRTStage over the fake engine (y = 2 x + 1 at the bound addresses) with torch's current stream `current`."""
+    cudart, contexts = fake_trt
+    side = _Stream(7)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: side)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+    launched = []
+    import ctypes as _ct
+
+    class Ctx(FakeContext):
+        def __init__(self, strategy):
+            super().__init__(cudart, strategy)
+            self.profiles, self.need = [], MEMORY
+
+        def set_optimization_profile_async(self, index, stream):
+            self.profiles.append(index)
+            return True
+
+        def update_device_memory_size_for_shapes(self):
+            return self.need
+
+        def set_input_shape(self, name, shape):
+            self.shape = tuple(shape)
+            return True
+
+        def get_tensor_shape(self, name):
+            return getattr(self, "shape", (2, 3))
+
+        def execute_async_v3(self, stream):
+            launched.append(stream)
+            n = self.shape[1] if hasattr(self, "shape") else 3
+            src, dst = ((_ct.c_float * (2 * n)).from_address(self.addr[k]) for k in "xy")
+            for i in range(2 * n):
+                dst[i] = 2 * src[i] + 1
+            return True
+
+    return side, launched, Ctx
+
+
+def test_torch_runtime_never_enqueues_on_the_legacy_default_stream(fake_trt, monkeypatch, tmp_path):
+    from sdvg.engines.scratch import TorchScratch
+
+    (tmp_path / "engine.plan").write_bytes(b"plan")
+    legacy = _Stream(0)
+    side, launched, Ctx = _torch_runtime(fake_trt, monkeypatch, legacy)
+    trt = sys.modules["tensorrt"]
+    stage = trt_tensorrt.TRTStage(tmp_path / "engine.plan", SIG, "cpu", scratch=TorchScratch("cpu", "drafter"))
+    stage.context = Ctx("user")
+    x = torch.arange(6.0).reshape(2, 3)
+    assert torch.equal(stage(x), 2 * x + 1)
+    assert launched == [7] and side.waits == [0] and legacy.waits == [7]  # ordered both ways by the side stream
+    assert trt.plans == [b"plan"]  # streamed from the file
+    role = _Stream(5)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: role)
+    stage(x)
+    assert launched == [7, 5] and role.waits == []  # a role stream: enqueued there, nothing added
+
+
+def test_torch_runtime_profiles_and_shared_scratch(fake_trt, monkeypatch, tmp_path):
+    from sdvg.engines.scratch import TorchScratch
+
+    (tmp_path / "engine.plan").write_bytes(b"plan")
+    side, launched, Ctx = _torch_runtime(fake_trt, monkeypatch, _Stream(5))
+    scratch = TorchScratch("cpu", "target")
+    a = trt_tensorrt.TRTStage(tmp_path / "engine.plan", DYN, "cpu", scratch=scratch)
+    b = trt_tensorrt.TRTStage(tmp_path / "engine.plan", DYN, "cpu", scratch=scratch)
+    a.context, b.context = Ctx("user"), Ctx("user")
+    assert a.context.strategy == "user"
+    x3, x6 = torch.ones(2, 3), torch.ones(2, 6)
+    assert torch.equal(a(x3), 3 * x3) and a.context.profiles == []  # profile 0 is selected already
+    assert torch.equal(a(x6), 3 * x6) and a.context.profiles == [1]  # 6 is past the recompute profile
+    a(x3)
+    assert a.context.profiles == [1, 0]
+    b.context.need = 2 * MEMORY  # the second context needs more: the one buffer grows, both rebind it
+    b(x3)
+    assert scratch.nbytes == scratch.peak == 2 * MEMORY and b.context.memory == (scratch.buffer.data_ptr(), 2 * MEMORY)
+    a(x3)
+    assert a.context.memory == (scratch.buffer.data_ptr(), MEMORY)  # rebound to the grown buffer
+    with pytest.raises(ValueError, match="outside every optimisation profile"):
+        a(torch.ones(2, 9))
+    a.context.need = 0
+    with pytest.raises(RuntimeError, match=r"update_device_memory_size_for_shapes\(\) returned 0"):
+        a(x3)
+
+
+def test_engine_cache_hashes_a_plan_once(tmp_path):
+    """SHA-256 at store; a load checks the size, the modification time and the ends; a file whose time
+    changed is hashed in full once (a copied folder passes, an altered one is refused)."""
+    import os
+
+    cache = EngineCache(tmp_path / "engines")
+    key = EngineKey("target_dit_3f", "c", "w", (), "bf16", "NVIDIA H200", "9.0", "11.1.0")
+    art = tmp_path / "engine.plan"
+    art.write_bytes(bytes(range(256)) * 20000)  # 5 MB: the ends are a part of it
+    path = cache.store(key, art, CMD)
+    m = json.loads((path.parent / "manifest.json").read_text())
+    assert {"sha256", "ends_sha256", "mtime_ns", "size"} <= set(m)
+    assert cache.load(key, CMD) == path and cache.full_checks == 0
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # copied: another time, same bytes
+    assert cache.load(key, CMD) == path and cache.full_checks == 1
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1  # the middle, which the ends do not cover
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptEngineError, match="does not match its SHA-256"):
+        cache.load(key, CMD)
+    with pytest.raises(StaleEngineError, match="trt_version: built for '11.1.0', needed '10.9.0'"):
+        cache.load(dataclasses.replace(key, trt_version="10.9.0"), CMD)  # refused before the plan is read
+
+
+def test_released_dit_keeps_what_the_engines_do_not_cover(tiny_preset):
+    from sdvg.engines.release import ReleasedWeightsError, kept_after_engines, release_replaced_weights
+    from sdvg.models.components import build_random
+
+    dit = build_random(tiny_preset).target
+    emb = torch.randn(1, 5, tiny_preset.target.text_dim)
+    before = dit.encode_text(emb)
+    total = sum(p.numel() * p.element_size() for p in dit.model.parameters())
+    freed = release_replaced_weights(dit, "its tensorrt engines loaded")
+    kept = [n for n, p in dit.model.named_parameters() if p.device.type != "meta"]
+    assert kept and all(kept_after_engines(n) for n in kept) and 0 < freed < total
+    assert {n.split(".")[0] for n in kept} == {"condition_embedder", "blocks", "proj_out"}
+    after = dit.encode_text(emb)  # the prompt's K/V still come from the torch DiT
+    assert all(torch.equal(a, b) for a, b in zip(before.keys + before.values, after.keys + after.values))
+    assert dit.dtype == torch.float32 and dit.device.type == "cpu"
+    assert release_replaced_weights(dit, "again") == 0
+    with pytest.raises(ReleasedWeightsError, match="released after its tensorrt engines loaded.*"
+                                                   "release_torch_weights=False"):
+        dit(torch.randn(1, 16, 3, 8, 8), torch.full((1, 3), 500.0), after)
+
+
+def test_a_folder_of_another_tensorrt_is_refused_before_any_work(tiny_pipe, tmp_path, monkeypatch):
+    from sdvg.generation.backends import StageRunners
+
+    comps = tiny_pipe.components
+    cache = EngineCache(tmp_path)
+    sig = dit_signature(comps.preset, "drafter", 3, False, comps.drafter.dtype)
+    art = tmp_path / "engine.plan"
+    art.write_bytes(b"plan")
+    cache.store(dataclasses.replace(stage_key(sig, comps, "tensorrt"), trt_version="10.13.0"), art, CMD)
+    monkeypatch.setitem(sys.modules, "tensorrt", types.SimpleNamespace(__version__="11.1.0"))
+    with pytest.raises(StaleEngineError, match=r"built with another TensorRT \(TensorRT 10.13.0: drafter_dit_3f\); "
+                                               r"this is TensorRT 11.1.0 .*rebuild with: python -m build_engines"):
+        StageRunners(comps, "tensorrt", tmp_path)

@@ -4,6 +4,7 @@ check (exit 2 when a device does not fit)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from sdvg.config import MAX_BUDGET_GIB, KVWindow, RoleContext
 from sdvg.options import add_option_flags, options_from_args
@@ -25,6 +26,12 @@ def add_parser(sub, config: dict | None = None) -> None:
     m.add_argument("--text-encoder-device", help="where umT5 stays (default: --device; cpu = offloaded)")
     m.add_argument("--budget-gib", type=real(0, MAX_BUDGET_GIB),
                    help="memory of each device in GiB (a 48 GB card: 44.7)")
+    m.add_argument("--backend", choices=("eager", "tensorrt"), default="eager",
+                   help="tensorrt: the DiTs as engines (each stage's own copy of the weights, the torch DiT's kept "
+                        "parts, one scratch buffer per role) instead of the torch weights")
+    m.add_argument("--engines", type=Path, default=None,
+                   help="with --backend tensorrt: a built engine folder (plan sizes; scratch from TensorRT when it is "
+                        "installed)")
     m.add_argument("--json", action="store_true", help="machine-readable output")
     add_option_flags(m, only=MEMORY_OPTIONS)
     m.set_defaults(func=run)
@@ -40,10 +47,17 @@ def run(args, load_pipeline=None) -> int:
     check_preset(args.preset)
     preset = get_preset(args.preset)
     opts = options_from_args(args).resolved(preset)
-    roles = {"sdvg": ("drafter", "target"), "target": ("target",), "draft": ("drafter",)}[opts.mode]
+    roles = opts.roles
     contexts = {role: opts.role_context(role) for role in roles}
     te_device = args.text_encoder_device or args.device
     items = plan_memory(preset, contexts, opts.num_blocks, args.device, args.target_device, te_device)
+    if getattr(args, "backend", "eager") == "tensorrt":  # engines in place of the torch DiTs (docs/engines.md)
+        from sdvg.engines.resident import engine_items
+        from sdvg.engines.signatures import preset_signatures
+
+        sigs = preset_signatures(preset, opts.num_blocks, opts.kv_cache_frames)
+        items = [it for it in items if it.what not in (f"{r} weights" for r in roles)] + engine_items(
+            preset, roles, sigs, args.device, args.target_device, args.engines)
     modes = {}
     for role in roles:
         chosen = contexts[role]
@@ -55,6 +69,7 @@ def run(args, load_pipeline=None) -> int:
     totals = device_totals(items)
     if args.json:
         print(json.dumps({"preset": preset.name, "precision": preset.precision, "num_blocks": opts.num_blocks,
+                          "backend": getattr(args, "backend", "eager"),
                           "contexts": {r: c.mode for r, c in contexts.items()},
                           "kv_cache_gib_per_mode": {r: {m: v[0] / GIB for m, v in d.items()} for r, d in modes.items()},
                           "items": [{"device": it.device, "what": it.what, "gib": it.gib, "arithmetic": it.arithmetic}
@@ -64,7 +79,7 @@ def run(args, load_pipeline=None) -> int:
     else:
         frames = opts.num_blocks * preset.video.frames_per_block
         print(f"sdvg memory: preset {preset.name}, {preset.precision}, {opts.num_blocks} blocks ({frames} latent "
-              f"frames); nothing allocated")
+              f"frames), backend {getattr(args, 'backend', 'eager')}; nothing allocated")
         print("KV cache per context mode (* = this run's):")
         for role, d in modes.items():
             for mode, (nbytes, how) in d.items():

@@ -6,7 +6,13 @@ precision, the GPU name and compute capability, the TensorRT version and the art
 torch-tensorrt program also the torch and torch-tensorrt versions it was built with (it runs
 inside that torch only). A stale or foreign engine
 is refused with the fields that differ and the command that rebuilds it; a truncated or altered
-file is refused by its size and SHA-256.
+file is refused.
+
+A file's SHA-256 is computed once, when it is stored (a 14B plan is 27 GiB: hashing it on every
+load would read it twice). Each load makes the cheap check: the size, the modification time and
+the SHA-256 of its first and last MiB (`ends_sha256`) as stored. A file whose modification time
+differs (a copied folder, or a rewritten file) gets the full SHA-256 check, once per load; an
+entry written before these fields existed too.
 """
 from __future__ import annotations
 
@@ -110,6 +116,28 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+ENDS_BYTES = 1 << 20  # the cheap check hashes this much of a file's start and of its end
+
+
+def _ends_sha256(path: Path) -> str:
+    """SHA-256 of a file's first and last ENDS_BYTES (the whole file when it is smaller than twice that)."""
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        h.update(f.read(ENDS_BYTES))
+        if size > ENDS_BYTES:
+            f.seek(max(ENDS_BYTES, size - ENDS_BYTES))
+            h.update(f.read(ENDS_BYTES))
+    return h.hexdigest()
+
+
+def _file_record(path: Path, name: str) -> dict:
+    """What a manifest records of a stored file: the full SHA-256 (computed here, once) and the cheap check."""
+    st = path.stat()
+    return {"file": name, "size": st.st_size, "sha256": _sha256(path), "mtime_ns": st.st_mtime_ns,
+            "ends_sha256": _ends_sha256(path)}
+
+
 class EngineCache:
     def __init__(self, root: str | Path):
         self.root = Path(root)
@@ -128,15 +156,14 @@ class EngineCache:
         if Path(artifact).resolve() != dest.resolve():
             os.replace(artifact, dest)
         manifest = {"manifest_version": MANIFEST_VERSION, "key": key.as_json(), "digest": key.digest(),
-                    "file": name, "size": dest.stat().st_size, "sha256": _sha256(dest),
+                    **_file_record(dest, name),
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "rebuild_command": rebuild_command}
         if key.artifact == "onnx" and data.is_file():
             data_dest = d / DATA_FILE
             if data.resolve() != data_dest.resolve():
                 os.replace(data, data_dest)
-            manifest["data_file"] = {"file": DATA_FILE, "size": data_dest.stat().st_size,
-                                     "sha256": _sha256(data_dest)}
+            manifest["data_file"] = _file_record(data_dest, DATA_FILE)
         tmp = d / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps(manifest, indent=2))
         os.replace(tmp, d / MANIFEST)
@@ -150,6 +177,23 @@ class EngineCache:
         except Exception as exc:
             raise CorruptEngineError(f"engine manifest {d / MANIFEST} is unreadable ({exc}); delete {d} and "
                                      "rebuild") from exc
+
+    def check_trt_version(self, version: str, rebuild_command: str) -> None:
+        """Refuse a folder holding TensorRT plans (or torch-tensorrt programs) built with another
+        TensorRT than `version`, from the manifests alone: before any work, not at the first stage."""
+        other = {}
+        for m in sorted(self.root.glob(f"*/{MANIFEST}")):
+            try:
+                key = json.loads(m.read_text())["key"]
+            except Exception:
+                continue  # a damaged manifest is refused when its stage loads
+            if key.get("artifact") in ("tensorrt", "torch-tensorrt") and key.get("trt_version") != version:
+                other.setdefault(key.get("trt_version"), []).append(key.get("stage"))
+        if other:
+            built = "; ".join(f"TensorRT {v}: {', '.join(stages)}" for v, stages in other.items())
+            raise StaleEngineError(f"engine folder {self.root} holds plans built with another TensorRT ({built}); this "
+                                   f"is TensorRT {version} and a plan runs only with the TensorRT that built it; "
+                                   f"rebuild with: {rebuild_command}")
 
     def load(self, key: EngineKey, rebuild_command: str) -> Path:
         """The validated artifact for `key`, or an error naming what is wrong and how to rebuild."""
@@ -175,18 +219,22 @@ class EngineCache:
                                      f"{key.artifact} may only name {want} inside itself; delete {d} and rebuild "
                                      f"with: {rebuild_command}")
         path = d / name
-        self._check_file(d, path, m["size"], m["sha256"], rebuild_command)
+        self._check_file(d, path, m, rebuild_command)
         data = m.get("data_file")
         if data is not None:
             if not isinstance(data, dict) or data.get("file") != DATA_FILE:
                 raise CorruptEngineError(f"engine manifest {d / MANIFEST} names the data file {data!r}; it may only "
                                          f"be {DATA_FILE} inside its own entry; delete {d} and rebuild with: "
                                          f"{rebuild_command}")
-            self._check_file(d, d / DATA_FILE, data.get("size"), data.get("sha256"), rebuild_command)
+            self._check_file(d, d / DATA_FILE, data, rebuild_command)
         return path
 
-    @staticmethod
-    def _check_file(d: Path, path: Path, size_want, sha_want, rebuild_command: str) -> None:
+    full_checks = 0  # files hashed in full by `load` (the cheap check did not suffice): for tests
+
+    def _check_file(self, d: Path, path: Path, record: dict, rebuild_command: str) -> None:
+        """The cheap check (size, modification time, SHA-256 of the ends), or the full SHA-256 when the
+        modification time differs or the manifest predates the cheap check."""
+        size_want, sha_want = record.get("size"), record.get("sha256")
         if path.is_symlink() or path.resolve().parent != d.resolve():
             raise CorruptEngineError(f"engine file {path} leads outside its entry {d}; delete {d} and rebuild with: "
                                      f"{rebuild_command}")
@@ -196,6 +244,13 @@ class EngineCache:
         if size != size_want:
             raise CorruptEngineError(f"engine file {path} is {size} bytes, the manifest says {size_want} (truncated "
                                      f"or overwritten); rebuild with: {rebuild_command}")
+        ends = record.get("ends_sha256")
+        if ends is not None and _ends_sha256(path) != ends:
+            raise CorruptEngineError(f"engine file {path} does not match its SHA-256 (its first or last MiB "
+                                     f"changed); rebuild with: {rebuild_command}")
+        if ends is not None and record.get("mtime_ns") == path.stat().st_mtime_ns:
+            return
+        self.full_checks += 1
         if _sha256(path) != sha_want:
             raise CorruptEngineError(f"engine file {path} does not match its SHA-256; rebuild with: "
                                      f"{rebuild_command}")

@@ -49,10 +49,14 @@ class ExecutorOptions:
     (cuda-python runtime only); its outputs are views of the graph's static buffers, valid until
     that stage's next call (the sampler consumes the flow and `KVCache.write` copies the new K/V
     before then). The cached DiT stage (dynamic), the VAE stage (its cache tensors are kept across
-    calls) and the reward stage run without a graph."""
+    calls) and the reward stage run without a graph.
+    `release_torch_weights`: once a role's first TensorRT or torch-tensorrt DiT engine has loaded,
+    the torch DiT weights the engines replace are dropped (`sdvg.engines.release`), so the model is
+    resident once; the eager backend then refuses that DiT."""
 
     runtime: str = "torch"
     cuda_graph: bool = False
+    release_torch_weights: bool = True
 
     def __post_init__(self):
         if self.runtime not in RUNTIMES:
@@ -85,8 +89,10 @@ def require_cuda(device, what: str) -> torch.device:
     return device
 
 
-def open_executor(artifact: str, path: Path, signature, device, options: ExecutorOptions | None = None):
-    """The executor of one engine-cache artifact (see the module docstring)."""
+def open_executor(artifact: str, path: Path, signature, device, options: ExecutorOptions | None = None,
+                  scratch=None):
+    """The executor of one engine-cache artifact (see the module docstring); `scratch`: the role's
+    shared TensorRT scratch memory (`sdvg.engines.scratch`, of the options' runtime)."""
     options = options or ExecutorOptions()
     if artifact == "onnx":
         from sdvg.engines.onnxruntime import ORTStage
@@ -96,10 +102,10 @@ def open_executor(artifact: str, path: Path, signature, device, options: Executo
         if options.runtime == "cuda-python":
             from sdvg.engines.trt_cuda import TRTCudaStage
 
-            return TRTCudaStage(path, signature, device, cuda_graph=options.graph_for(signature))
+            return TRTCudaStage(path, signature, device, cuda_graph=options.graph_for(signature), scratch=scratch)
         from sdvg.engines.tensorrt import TRTStage
 
-        return TRTStage(path, signature, device)
+        return TRTStage(path, signature, device, scratch=scratch)
     if artifact == "torch-tensorrt":
         from sdvg.engines.torch_trt import TorchTRTStage
 

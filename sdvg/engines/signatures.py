@@ -63,9 +63,12 @@ class StageSignature:
     family: str  # drafter_dit | target_dit | vae_decode | reward
     inputs: tuple[TensorSig, ...]
     outputs: tuple[TensorSig, ...]
-    dynamic: tuple = ()  # ((dimension, min, opt, max), ...)
+    dynamic: tuple = ()  # ((dimension, min, opt, max), ...): every profile's range; opt = the first profile's
     frames: int = 0  # DiT: new latent frames; reward: frames scored
     cached: bool = False  # DiT: visible cached frames come in
+    # TensorRT optimisation profiles: ((label, ((dimension, min, opt, max), ...)), ...), the first one
+    # the shape the preset runs (`dit_profiles`); empty: one profile over `dynamic`
+    profiles: tuple = ()
 
     @property
     def input_names(self) -> list[str]:
@@ -80,6 +83,27 @@ class StageSignature:
         col = {"min": 1, "opt": 2, "max": 3}[which]
         return {d[0]: d[col] for d in self.dynamic}
 
+    def profile_bounds(self) -> tuple:
+        """((label, ((dimension, min, opt, max), ...)), ...): `profiles`, or one profile over `dynamic`."""
+        if self.profiles:
+            return self.profiles
+        return (("all", self.dynamic),) if self.dynamic else ()
+
+    def profile_sizes(self, index: int, which: str = "opt") -> dict[str, int]:
+        """`sizes` of one optimisation profile."""
+        col = {"min": 1, "opt": 2, "max": 3}[which]
+        return {d[0]: d[col] for d in self.profile_bounds()[index][1]}
+
+    def profile_for(self, sizes: dict[str, int]) -> int:
+        """The first profile whose ranges hold `sizes` (the dynamic dimensions of a call), or ValueError."""
+        for i, (_, dims) in enumerate(self.profile_bounds()):
+            if all(lo <= sizes[d] <= hi for d, lo, _, hi in dims):
+                return i
+        ranges = "; ".join(f"{label}: " + ", ".join(f"{d} {lo}..{hi}" for d, lo, _, hi in dims)
+                           for label, dims in self.profile_bounds())
+        raise ValueError(f"stage {self.name!r}: {sizes} is outside every optimisation profile ({ranges}); rebuild "
+                         "the engines with a larger --num-blocks or the --kv-cache-frames this video runs")
+
     def shapes(self) -> tuple:
         """((input name, dims, dtype), ...): what an engine key records (dynamic dimensions by name)."""
         return tuple((t.name, tuple(t.shape), t.dtype) for t in self.inputs)
@@ -90,19 +114,21 @@ class StageSignature:
         return max(t.numel(top) for t in self.inputs + self.outputs)
 
     def example_inputs(self, device="meta", seed: int = 0, which: str = "opt") -> tuple[torch.Tensor, ...]:
-        """Inputs of this signature at the `which` bounds: random values (a valid token index for
-        `cache_index`), or empty tensors on the meta device."""
+        """Inputs of this signature at the `which` bounds, made on `device`: random values from a
+        generator on that device (a valid token index for `cache_index`), or empty tensors on the
+        meta device."""
         sizes = self.sizes(which)
-        g = torch.Generator().manual_seed(seed)
+        device = torch.device(device)
+        g = None if device.type == "meta" else torch.Generator(device).manual_seed(seed)
         out = []
-        for t in self.inputs:
+        for t in self.inputs:  # made on `device` (a GPU's generator there): no host copy of a GB-sized input
             dims, dtype = t.dims(sizes), getattr(torch, t.dtype)
-            if torch.device(device).type == "meta":
+            if device.type == "meta":
                 out.append(torch.empty(dims, dtype=dtype, device="meta"))
             elif t.name == "cache_index":
-                out.append(torch.arange(dims[0], dtype=dtype).to(device))
+                out.append(torch.arange(dims[0], dtype=dtype, device=device))
             elif dtype.is_floating_point:
-                out.append(torch.randn(dims, generator=g).to(device, dtype))
+                out.append(torch.randn(dims, generator=g, device=device).to(dtype))
             else:
                 out.append(torch.ones(dims, dtype=dtype, device=device))
         return tuple(out)
@@ -124,12 +150,24 @@ def dit_stage_name(role: str, frames: int, cached: bool) -> str:
 
 
 @dataclass(frozen=True)
+class ModeBounds:
+    """The cached forwards of one context mode, in frames: the most visible committed frames, the
+    visible frames the profile is tuned for (opt) and the slots of the cache."""
+
+    mode: str  # "full" | "recompute"
+    max_visible_frames: int
+    opt_visible_frames: int
+    cache_frames: int
+
+
+@dataclass(frozen=True)
 class ContextBounds:
     """What a role's stages must cover for `num_blocks` blocks under both context modes."""
 
     frames: tuple[int, ...]  # new-frame counts of the uncached forwards (block 0, context forwards)
     max_visible_frames: int  # most committed frames a forward sees
     max_cache_frames: int  # most slots a cache holds
+    modes: tuple = ()  # ModeBounds per mode with a cached forward, the role's own mode first
 
 
 def context_bounds(preset: Preset, role: str, num_blocks: int | None = None,
@@ -141,22 +179,48 @@ def context_bounds(preset: Preset, role: str, num_blocks: int | None = None,
     fpb = preset.video.frames_per_block
     n = num_blocks or preset.video.num_blocks
     kv = kv_cache_frames or preset.kv_cache_frames
-    frames, visible, capacity = {fpb}, 0, 0
+    frames, visible, capacity, per_mode = {fpb}, 0, 0, []
     if "full" in modes:
         spec = KVCacheSpec.for_context(preset, dit, RoleContext("full", kv, window=preset.kv_window), n)
         table = _C.FrameSlotTable(spec.layout())
         capacity = max(capacity, table.num_slots)
+        seen = []  # visible committed frames before each block
         for _ in range(n):
             table.write(fpb)
-            visible = max(visible, len(table.visible_frames()) - fpb)
+            seen.append(len(table.visible_frames()) - fpb)
             table.commit()
+        visible = max(seen)
+        if visible:  # tuned for the middle block of the video
+            per_mode.append(ModeBounds("full", visible, sorted(seen)[len(seen) // 2], table.num_slots))
     if "recompute" in modes:
         spec = KVCacheSpec.for_context(preset, dit, RoleContext("recompute", kv), n)
-        capacity = max(capacity, _C.FrameSlotTable(spec.layout()).num_slots)
+        slots = _C.FrameSlotTable(spec.layout()).num_slots
+        capacity = max(capacity, slots)
         lengths = {min(kv, b * fpb) for b in range(1, n)}
         frames |= lengths
         visible = max([visible, *lengths])
-    return ContextBounds(tuple(sorted(frames)), visible, capacity)
+        if lengths:  # every block from the second on sees the whole context
+            per_mode.append(ModeBounds("recompute", max(lengths), max(lengths), slots))
+    own = preset.target_context if role == "target" else preset.drafter_cache
+    per_mode.sort(key=lambda m: m.mode != own)
+    return ContextBounds(tuple(sorted(frames)), visible, capacity, tuple(per_mode))
+
+
+def dit_profiles(bounds: ContextBounds, tokens_per_frame: int) -> tuple:
+    """The optimisation profiles of a cached DiT stage: one per context mode (the role's own first, its
+    opt the shape the preset runs: a recompute target's whole context, a full context's middle
+    block), each ((visible_tokens, min, opt, max), (cache_tokens, min, opt, max)); bounds without
+    modes (a benchmark's one shape) give one profile at their upper bounds."""
+    lo = max(2, tokens_per_frame)  # torch.export specialises sizes 0 and 1
+    modes = bounds.modes or (ModeBounds("given", bounds.max_visible_frames, bounds.max_visible_frames,
+                                        bounds.max_cache_frames),)
+    out = []
+    for m in modes:
+        vis_max = max(lo, m.max_visible_frames * tokens_per_frame)
+        vis_opt = min(vis_max, max(lo, m.opt_visible_frames * tokens_per_frame))
+        cap = max(vis_max, m.cache_frames * tokens_per_frame)
+        out.append((m.mode, ((VISIBLE_TOKENS, lo, vis_opt, vis_max), (CACHE_TOKENS, lo, cap, cap))))
+    return tuple(out)
 
 
 def dit_signature(preset: Preset, role: str, frames: int, cached: bool, dtype=None,
@@ -175,22 +239,22 @@ def dit_signature(preset: Preset, role: str, frames: int, cached: bool, dtype=No
               TensorSig("text_v", (L, 1, H, cfg.text_len, D), dt),
               TensorSig("cos", (S, D // 2), "float32"),
               TensorSig("sin", (S, D // 2), "float32")]
-    dynamic = ()
+    dynamic = profiles = ()
     if cached:
         b = bounds or context_bounds(preset, role)
         if b.max_visible_frames < 1:
             raise ValueError(f"{role}: no forward sees a cached frame with these bounds ({b}); a one-block video "
                              "needs no cached stage")
-        lo = max(2, tpf)  # torch.export specialises sizes 0 and 1
-        vis_max = max(lo, b.max_visible_frames * tpf)
-        cap_max = max(vis_max, b.max_cache_frames * tpf)
-        dynamic = ((VISIBLE_TOKENS, lo, vis_max, vis_max), (CACHE_TOKENS, lo, cap_max, cap_max))
+        profiles = dit_profiles(b, tpf)
+        first = dict((d, opt) for d, _, opt, _ in profiles[0][1])
+        dynamic = tuple((d, min(p[1][i][1] for p in profiles), first[d], max(p[1][i][3] for p in profiles))
+                        for i, d in enumerate((VISIBLE_TOKENS, CACHE_TOKENS)))
         inputs.append(TensorSig("cache_index", (VISIBLE_TOKENS,), "int64"))
         inputs += [TensorSig(f"kv_{i}", (2, 1, H, CACHE_TOKENS, D), dt) for i in range(L)]
     outputs = (TensorSig("flow", (1, cfg.out_channels, frames, lh, lw), dt),
                TensorSig("new_k", (L, 1, H, S, D), dt), TensorSig("new_v", (L, 1, H, S, D), dt))
     return StageSignature(dit_stage_name(role, frames, cached), f"{role}_dit", tuple(inputs), outputs, dynamic,
-                          frames, cached)
+                          frames, cached, profiles if len(profiles) > 1 else ())
 
 
 def dit_signatures(preset: Preset, role: str, dtype=None, num_blocks: int | None = None,
@@ -382,8 +446,9 @@ def device_identity(device: torch.device) -> tuple[str, str]:
     return "cpu", "none"
 
 
-def stage_key(sig: StageSignature, comps, artifact: str) -> EngineKey:
-    """Everything the stage's engine depends on (see `sdvg.engines.cache`)."""
+def stage_key(sig: StageSignature, comps, artifact: str, weights_hash: str | None = None) -> EngineKey:
+    """Everything the stage's engine depends on (see `sdvg.engines.cache`); `weights_hash`: the
+    weights fingerprint when the caller kept it (the weights may be released since)."""
     from sdvg.engines.tensorrt import trt_version
     from sdvg.engines.torch_trt import torch_trt_version
 
@@ -393,6 +458,7 @@ def stage_key(sig: StageSignature, comps, artifact: str) -> EngineKey:
     versions = {}
     if artifact == "torch-tensorrt":  # the program runs inside the torch it was built with
         versions = dict(torch_version=torch.__version__, torch_trt_version=torch_trt_version())
-    return EngineKey(stage=sig.name, config_hash=chash, weights_hash=weights_fingerprint(weights), shapes=sig.shapes(),
+    whash = weights_hash or weights_fingerprint(weights)
+    return EngineKey(stage=sig.name, config_hash=chash, weights_hash=whash, shapes=sig.shapes(),
                      precision=comps.preset.precision, gpu_name=gpu, compute_capability=cc,
                      trt_version=trt_version() if artifact != "onnx" else "none", artifact=artifact, **versions)

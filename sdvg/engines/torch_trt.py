@@ -76,7 +76,9 @@ def build_program(module: torch.nn.Module, signature, inputs, path: Path) -> Pat
     require_cuda(inputs[0].device, "torch-tensorrt")
     program = export_stage(module, signature, inputs)
     specs = trt_inputs(tt, signature)
-    compiled = tt.dynamo.compile(program, arg_inputs=specs, use_explicit_typing=True)
+    # no use_explicit_typing: torch-tensorrt 2.14 removed it (its networks are strongly typed: the
+    # exported program's dtypes are the engine's)
+    compiled = tt.dynamo.compile(program, arg_inputs=specs)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)
     tt.save(compiled, str(path), output_format="exported_program", arg_inputs=specs)

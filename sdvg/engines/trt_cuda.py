@@ -3,10 +3,13 @@ stream and allocator do not give.
 
 * Stream-ordered engine memory: the execution context is created `USER_MANAGED`; its scratch memory
   (`engine.device_memory_size_v2`, or `context.update_device_memory_size_for_shapes()` for the
-  shapes of a dynamic stage) comes from `cudaMallocAsync` on the executor's stream, grows when a
-  larger shape needs more, and goes back with `cudaFreeAsync` on `close()`.
-* Its own non-blocking stream, ordered after torch's current stream (the scheduler's role stream)
-  by an event before every launch, and torch's stream after it by an event after.
+  shapes of a dynamic stage; 0 there is refused) is the role's `scratch.CudaScratch`: one buffer
+  from `cudaMallocAsync` on the role's stream, shared by the role's executors, grown when a larger
+  shape needs more, freed with `cudaFreeAsync` when its owner closes it (an executor opened without
+  one owns a private one).
+* The role's non-blocking stream (the scratch's), ordered after torch's current stream (the
+  scheduler's role stream) by an event before every launch, and torch's stream after it by an
+  event after.
 * A CUDA graph of the engine call (`cuda_graph=True`, static-shape stages only; a dynamic stage is
   refused): captured on that stream with `cudaStreamBeginCapture` / `cudaStreamEndCapture` /
   `cudaGraphInstantiate`, bound to static input and output buffers allocated once, replayed with
@@ -28,7 +31,9 @@ from pathlib import Path
 import torch
 
 from sdvg.engines.executor import require_cuda
-from sdvg.engines.tensorrt import _torch_dtype, engine_feeds, import_tensorrt, open_engine, set_input_shapes
+from sdvg.engines.scratch import CudaScratch
+from sdvg.engines.tensorrt import (_torch_dtype, engine_feeds, import_tensorrt, open_engine, scratch_bytes,
+                                   select_profile, set_input_shapes)
 
 INSTALL_HINT = ("cuda-python is not installed: install the optional extra with `pip install 'sdvg[tensorrt]'` "
                 "(cuda-python 13, with TensorRT 11 for CUDA 13) on a machine with an NVIDIA GPU")
@@ -66,7 +71,8 @@ class TRTCudaStage:
     """A TensorRT plan run through cuda-python (see the module docstring); called like the stage
     module it was built from, positional inputs in the signature's order."""
 
-    def __init__(self, plan_path: Path, signature, device, cuda_graph: bool = False):
+    def __init__(self, plan_path: Path, signature, device, cuda_graph: bool = False,
+                 scratch: CudaScratch | None = None):
         self.signature = signature
         self.device = require_cuda(device, "the cuda-python TensorRT executor")
         if cuda_graph and signature.dynamic:
@@ -79,13 +85,14 @@ class TRTCudaStage:
         self.trt, self.runtime, self.engine, self.context, self.inputs, self.outputs = open_engine(
             plan_path, signature, trt.ExecutionContextAllocationStrategy.USER_MANAGED)
         with torch.cuda.device(self.device):
-            self.stream = self._cuda(cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking),
-                                     "cudaStreamCreateWithFlags")
+            self._owns_scratch = scratch is None
+            self.scratch = scratch if scratch is not None else CudaScratch(cudart, check, signature.name)
+            self.stream = self.scratch.stream
             self._ready = self._cuda(cudart.cudaEventCreateWithFlags(cudart.cudaEventDisableTiming),
                                      "cudaEventCreateWithFlags")
             self._done = self._cuda(cudart.cudaEventCreateWithFlags(cudart.cudaEventDisableTiming),
                                     "cudaEventCreateWithFlags")
-        self._memory, self._memory_bytes = None, 0  # the engine's scratch memory (stream-ordered)
+        self._profile = 0
         self._graph = self._graph_exec = None
         self._static_in: dict[str, torch.Tensor] = {}
         self._static_out: dict[str, torch.Tensor] = {}
@@ -109,17 +116,8 @@ class TRTCudaStage:
                    "cudaStreamWaitEvent")
 
     def _ensure_memory(self) -> None:
-        """Scratch memory for the shapes set now, from cudaMallocAsync on this stream (grown, never shrunk)."""
-        need = (self.context.update_device_memory_size_for_shapes() if self.signature.dynamic
-                else self.engine.device_memory_size_v2)
-        if need <= self._memory_bytes:
-            return
-        cudart = self.cudart
-        if self._memory is not None:
-            self._cuda(cudart.cudaFreeAsync(self._memory, self.stream), "cudaFreeAsync")
-        self._memory = self._cuda(cudart.cudaMallocAsync(need, self.stream), "cudaMallocAsync")
-        self._memory_bytes = need
-        self.context.set_device_memory(int(self._memory), need)
+        """The role's scratch memory for the shapes set now, bound to this context (grown, never shrunk)."""
+        self.scratch.bind(self.context, scratch_bytes(self.engine, self.context, self.signature))
 
     def _launch(self) -> None:
         if not self.context.execute_async_v3(int(self.stream)):
@@ -137,6 +135,7 @@ class TRTCudaStage:
             return self._run(feeds, out or {})
 
     def _run(self, feeds, out):
+        self._profile = select_profile(self.context, self.signature, feeds, self._profile, int(self.stream))
         set_input_shapes(self.engine, self.context, feeds)
         for n, t in feeds.items():
             self.context.set_tensor_address(n, t.data_ptr())
@@ -209,7 +208,8 @@ class TRTCudaStage:
         return outs if len(outs) > 1 else outs[0]
 
     def close(self) -> None:
-        """Destroy the graph, free the engine memory on this stream, wait for it and drop the stream."""
+        """Destroy the graph, wait for the stream, free the scratch memory and the stream when this
+        executor owns them."""
         cudart = getattr(self, "cudart", None)
         if cudart is None or getattr(self, "stream", None) is None:
             return
@@ -218,13 +218,11 @@ class TRTCudaStage:
                 self._cuda(cudart.cudaGraphExecDestroy(self._graph_exec), "cudaGraphExecDestroy")
                 self._cuda(cudart.cudaGraphDestroy(self._graph), "cudaGraphDestroy")
                 self._graph = self._graph_exec = None
-            if self._memory is not None:
-                self._cuda(cudart.cudaFreeAsync(self._memory, self.stream), "cudaFreeAsync")
-                self._memory, self._memory_bytes = None, 0
             self._cuda(cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
             for ev in (self._ready, self._done):
                 self._cuda(cudart.cudaEventDestroy(ev), "cudaEventDestroy")
-            self._cuda(cudart.cudaStreamDestroy(self.stream), "cudaStreamDestroy")
+            if self._owns_scratch:  # a shared one is closed by its owner (StageRunners)
+                self.scratch.close()
             self.stream = None
 
     def __del__(self):

@@ -117,6 +117,9 @@ class StageRunners:
         self._stages: dict = {}  # stage name -> callable (compiled module or engine)
         self._text: dict = {}  # role -> (TextKV, stacked K, stacked V) of its last prompt (one thread per role)
         self._cache = None
+        self._weights_hash: dict[str, str] = {}  # family -> weights fingerprint, kept before any release
+        self._scratch: dict[str, object] = {}  # role -> its TensorRT scratch memory, shared by its contexts
+        self.released: dict[str, int] = {}  # role -> torch DiT bytes released after its engines loaded
         self.executor = executor or ExecutorOptions()
         self.graphs = None  # DiTGraphs, made by the first video that asks for cuda_graphs
         self._graphs_on = False  # whether the current video uses them
@@ -131,6 +134,10 @@ class StageRunners:
 
             self.engines = Path(engines)
             self._cache = EngineCache(self.engines)
+            if backend != "onnxruntime":  # a plan of another TensorRT: refused now, not mid-video
+                from sdvg.engines.tensorrt import trt_version
+
+                self._cache.check_trt_version(trt_version(), self.rebuild_command())
 
     @property
     def static(self) -> bool:
@@ -251,10 +258,41 @@ class StageRunners:
 
     def _engine(self, sig, extra=()):
         """The validated engine of stage `sig` (refused, with the rebuild command, when stale, foreign,
-        damaged or missing), as an executor (`sdvg.engines.executor`) ready to call."""
+        damaged or missing), as an executor (`sdvg.engines.executor`) ready to call. A TensorRT
+        executor gets its role's shared scratch memory; once a role's first DiT engine has loaded, the
+        torch DiT weights it replaces are released (`ExecutorOptions.release_torch_weights`)."""
+        from sdvg.engines.cache import weights_fingerprint
         from sdvg.engines.signatures import family_parts, stage_key
 
         artifact = engine_artifact(self.backend, sig.family)
-        path = self._cache.load(stage_key(sig, self.comps, artifact), self.rebuild_command(extra))
-        device = family_parts(self.comps, sig.family)[0]
-        return open_executor(artifact, path, sig, device, self.executor)
+        device, _, weights = family_parts(self.comps, sig.family)
+        if sig.family not in self._weights_hash:
+            self._weights_hash[sig.family] = weights_fingerprint(weights)
+        key = stage_key(sig, self.comps, artifact, self._weights_hash[sig.family])
+        path = self._cache.load(key, self.rebuild_command(extra))
+        scratch = self._role_scratch(sig.family, device) if artifact == "tensorrt" else None
+        runner = open_executor(artifact, path, sig, device, self.executor, scratch)
+        if sig.family.endswith("_dit") and artifact in ("tensorrt", "torch-tensorrt") \
+                and self.executor.release_torch_weights:
+            from sdvg.engines.release import release_replaced_weights
+
+            role = sig.family[: -len("_dit")]
+            freed = release_replaced_weights(getattr(self.comps, role), f"its {artifact} engines loaded")
+            self.released[role] = self.released.get(role, 0) + freed
+        return runner
+
+    def _role_scratch(self, family: str, device):
+        """The scratch memory shared by the TensorRT contexts of `family`'s role (drafter, target, vae,
+        reward), for the executors' runtime."""
+        role = family[: -len("_dit")] if family.endswith("_dit") else {"vae_decode": "vae"}.get(family, family)
+        if role not in self._scratch:
+            if self.executor.runtime == "cuda-python":
+                from sdvg.engines.scratch import CudaScratch
+                from sdvg.engines.trt_cuda import check, import_cuda_python
+
+                self._scratch[role] = CudaScratch(import_cuda_python(), check, role)
+            else:
+                from sdvg.engines.scratch import TorchScratch
+
+                self._scratch[role] = TorchScratch(device, role)
+        return self._scratch[role]
