@@ -132,23 +132,10 @@ def csv_text(summary: dict) -> str:
 
 
 def plot_acceptance_by_block(summary: dict, path: Path) -> None:
-    import matplotlib
+    """The accepted share per block index at each tau (`sdvg.evaluation.plots.acceptance_by_block_plot`)."""
+    from sdvg.evaluation.plots import acceptance_by_block_plot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    table = acceptance_table(summary)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for tau, shares in table["rows"]:
-        ax.plot(table["blocks"], [float("nan") if s is None else s for s in shares], "o-", label=f"tau {tau:g}")
-    ax.set_xlabel("block index")
-    ax.set_ylabel("accepted share")
-    ax.set_ylim(-0.05, 1.05)
-    if table["rows"]:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    acceptance_by_block_plot(acceptance_table(summary), path)
 
 
 def write_reports(summary: dict, out: Path) -> dict[str, Path]:

@@ -484,32 +484,11 @@ def all_rows(summary: dict) -> list[dict]:
 
 def plot(summary: dict, path: Path) -> None:
     """Quality against speed-up: SDVG at each tau, target-only and draft-only, and the Pareto front of
-    all of them (target-only is on the front when nothing is at least as good and as fast)."""
-    import matplotlib
+    all of them (target-only is on the front when nothing is at least as good and as fast); drawn by
+    `sdvg.evaluation.plots.pareto_plot`."""
+    from sdvg.evaluation.plots import pareto_plot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = summary["taus"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.scatter([r["speedup"] for r in rows], [r["quality"] for r in rows], label="SDVG at tau")
-    for r in rows:
-        acc = "n/a" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
-        ax.annotate(f"{r['tau']:g} ({acc})", (r["speedup"], r["quality"]), fontsize=7)
-    for key, marker, label in (("target", "*", "target-only"), ("draft", "s", "draft-only")):
-        r = summary.get(key)
-        if r is not None:
-            ax.scatter([r["speedup"]], [r["quality"]], marker=marker, s=120 if marker == "*" else 60, label=label)
-    higher = summary.get("quality_higher_is_better", True)
-    front = pareto(all_rows(summary), higher)
-    ax.plot([r["speedup"] for r in front], [r["quality"] for r in front], "--", label="Pareto front")
-    ax.set_xlabel("speed-up over target-only")
-    ax.set_ylabel(f"{summary.get('quality_metric') or 'quality'} (mean; "
-                  f"{'higher' if higher else 'lower'} is better)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    pareto_plot(summary, path)
 
 
 # ---------------------------------------------------------------------------- calibration
