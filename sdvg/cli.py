@@ -1006,13 +1006,14 @@ EXIT_BAD_INPUT, EXIT_RUNTIME = 2, 1
 
 def main(argv=None) -> int:
     from sdvg.io.interrupts import exit_code_of, signals_interrupt
+    from sdvg.io.prompts import with_prompts_file_resolved
     from sdvg.config import MemoryBudgetError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(_config_values(argv)).parse_args(argv)
     try:
         with signals_interrupt():  # before the first block too (loading): exit 128 + signal, no traceback
-            return args.func(args)
+            return args.func(with_prompts_file_resolved(args))
     except KeyboardInterrupt as exc:
         print(f"interrupted ({exc.args[0] if exc.args else 'SIGINT'})", file=sys.stderr)
         return exit_code_of(exc)

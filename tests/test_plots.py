@@ -19,7 +19,8 @@ def test_labels_are_signed_with_a_real_minus():
     assert signed(-0.7) == "\u22120.7" and signed(0.0) == "+0" and signed(1.5) == "+1.5"
     assert signed(-math.inf) == "\u2212\u221e" and signed(math.inf) == "+\u221e"
     assert tau_label({"tau": -2.5, "acceptance": 0.731}) == "\u03c4 \u22122.5 (73%)"
-    assert tau_label({"tau": -2.5, "acceptance": 1.0}, {"tau": -0.7, "acceptance": 1.0}) == "\u03c4 \u22122.5, \u22120.7 (100%)"
+    two = tau_label({"tau": -2.5, "acceptance": 1.0}, {"tau": -0.7, "acceptance": 1.0})
+    assert two == "\u03c4 \u22122.5, \u22120.7 (100%)"
 
 
 def test_crowded_labels_do_not_overlap():

@@ -105,7 +105,8 @@ def place_labels(ax, points: list[tuple[float, float]], texts: list[str], fontsi
             probe.remove()
         offset, box = chosen
         placed.append(box)
-        annotations.append(_annotate(ax, text, xy, offset, fontsize, leader=offset[1] != 0 or abs(offset[0]) > RADII[0]))
+        beside = offset[1] == 0 and abs(offset[0]) <= RADII[0]  # a label right beside its point needs no leader
+        annotations.append(_annotate(ax, text, xy, offset, fontsize, leader=not beside))
     return annotations
 
 
