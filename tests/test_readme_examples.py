@@ -45,7 +45,7 @@ def test_the_docs_have_examples_to_check():
     assert len(commands) >= 15 and any(argv[:1] == ["sweep"] for _, argv in commands)
 
 
-@pytest.mark.parametrize("where,argv", command_lines(), ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize("where,argv", command_lines(), ids=[w for w, _ in command_lines()])
 def test_every_sdvg_command_line_parses(where, argv):
     from sdvg.cli import build_parser
 
@@ -57,7 +57,7 @@ def test_every_sdvg_command_line_parses(where, argv):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where,line,code", blocks("python"), ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize("where,line,code", blocks("python"), ids=[f"{w}:{n}" for w, n, _ in blocks("python")])
 def test_python_blocks_run_on_tiny(where, line, code, tmp_path, monkeypatch):
     assert 'from_preset("tiny")' in code  # the examples run on random tiny weights
     monkeypatch.chdir(tmp_path)  # files the example writes land here
