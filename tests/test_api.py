@@ -123,11 +123,11 @@ def test_export_to_video_writes_the_first_video(tiny_pipe, tmp_path):
 
 
 def _read(path) -> np.ndarray:
-    """Every frame of an MP4 through imageio's ffmpeg reader (imageio-ffmpeg's own binary; no ffprobe)."""
-    import imageio
+    """Every frame of an MP4 as uint8 [F, H, W, 3], read back through imageio's ffmpeg plugin (imageio-ffmpeg's
+    own binary; no ffprobe needed)."""
+    from sdvg.io.video_writer import read_mp4_frames
 
-    with imageio.get_reader(str(path), format="FFMPEG") as r:
-        return np.stack(list(r))
+    return read_mp4_frames(path)
 
 
 def test_torch_dtype_and_to():

@@ -74,7 +74,8 @@ def test_export_to_video_of_both_pipelines_reads_back_alike(wan_pipe, tiny_pipe,
 
 
 def _read(path) -> np.ndarray:
-    import imageio
+    """Every frame of an MP4 as uint8 [F, H, W, 3], read back through imageio's ffmpeg plugin (imageio-ffmpeg's
+    own binary; no ffprobe needed)."""
+    from sdvg.io.video_writer import read_mp4_frames
 
-    with imageio.get_reader(str(path), format="FFMPEG") as r:  # imageio-ffmpeg's own binary; no ffprobe needed
-        return np.stack(list(r))
+    return read_mp4_frames(path)
