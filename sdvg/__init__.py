@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "SpeculativeVideoPipeline": "sdvg.pipeline",
     "PipelineOutput": "sdvg.pipeline",
+    "VideoOutput": "sdvg.pipeline",
     "BlockStream": "sdvg.pipeline",
     "GenerationOptions": "sdvg.options",
     "OptionError": "sdvg.options",

@@ -3,27 +3,31 @@
     from sdvg import SpeculativeVideoPipeline
     pipe = SpeculativeVideoPipeline.from_preset("tiny")
     out = pipe("a red fox in the snow", mode="sdvg", tau=-0.7, num_blocks=9, seed=42)
-    out.frames  # float32 numpy [F, H, W, 3] in [0, 1] (output_type="np", diffusers' convention)
+    out.frames[0]  # video 0: float32 numpy [F, H, W, 3] in [0, 1]; out.frames is [batch, F, H, W, 3] as in
+                   # diffusers' WanPipelineOutput (one prompt is a batch of one; sdvg/io/video_batch.py)
     stream = pipe.stream("...", tau=-0.7)
     for block in stream: ...      # each block as soon as its frames are final
     stream.stats                  # RunStats, complete once the stream is exhausted
 
 The generation keywords of `__call__` and `stream` are the options declared once in
 `sdvg.options.GenerationOptions` (their defaults are read from there); `__call__` adds the
-diffusers call surface: a list of prompts, `generator`, `output_type`, `return_dict` and
-`callback_on_block_end`.
+diffusers call surface: a list of prompts, `num_videos_per_prompt`, `generator` (or one per video),
+`output_type`, `return_dict` and `callback_on_block_end`; the pipeline has diffusers' `to(device | dtype)`,
+`device`, `dtype`, `interrupt`, `set_progress_bar_config` and its components as attributes
+(`drafter`, `target`, `vae`, `text_encoder`, `reward`).
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+import inspect
+from typing import Callable, Iterator
 
-import numpy as np
 import torch
 
-from sdvg.config import Preset, config_hash, get_preset
+from sdvg.config import Preset, config_hash, get_preset, torch_dtype
 from sdvg.generation.types import BlockRecord, LoopReport, RunStats
+from sdvg.io.video_batch import (OUTPUT_TYPES, PipelineOutput, VideoOutput,  # noqa: F401 (re-exported)
+                                 batch_output, convert_frames)
 from sdvg.models.components import Components, build_random, load_pretrained
 from sdvg.models.fingerprint import file_fingerprint, random_fingerprint
 from sdvg.models.hub import preset_for, resolve_components
@@ -32,41 +36,9 @@ from sdvg.options import OPTION_NAMES, SEED_MAX, GenerationOptions
 
 
 COMPONENT_ROLES = ("drafter", "target", "vae", "reward", "text_encoder")
-OUTPUT_TYPES = ("np", "pt", "pil", "uint8", "latent")
-API_KEYWORDS = ("generator", "output_type", "return_dict", "callback_on_block_end")  # __call__ only, not options
+API_KEYWORDS = ("num_videos_per_prompt", "generator", "output_type", "return_dict",
+                "callback_on_block_end")  # __call__ only, not options
 PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-@dataclass
-class PipelineOutput:
-    """One prompt: `frames` is one video, frames first; a list of prompts: a list of them (and of
-    `latents`, `stats`, `blocks`), in prompt order.
-
-    frames by output_type: np float32 [F, H, W, 3] in [0, 1] | pt float32 tensor [F, 3, H, W] in [0, 1] |
-    pil a list of F PIL images | uint8 tensor [F, H, W, 3] | latent None (see `latents`)."""
-
-    frames: Any
-    latents: Any  # float32 [1, z, B*frames_per_block, h, w], the emitted latents
-    stats: Any  # RunStats
-    blocks: Any  # list[BlockRecord]
-
-
-def convert_frames(frames: torch.Tensor, output_type: str):
-    """uint8 [F, H, W, 3] -> the frames of `output_type` (the uint8 values k become k / 255 exactly, so
-    `(x * 255).astype(uint8)`, as diffusers' export_to_video does, gives k back)."""
-    if output_type == "uint8":
-        return frames
-    if output_type == "latent":
-        return None
-    if output_type == "np":
-        return frames.numpy().astype(np.float32) / np.float32(255)
-    if output_type == "pt":
-        return frames.permute(0, 3, 1, 2).float() / 255
-    if output_type == "pil":
-        from PIL import Image
-
-        return [Image.fromarray(f) for f in frames.numpy()]
-    raise ValueError(f"unknown output_type {output_type!r}; choose one of {', '.join(OUTPUT_TYPES)}")
 
 
 def device_name(device: torch.device) -> str:
@@ -139,6 +111,8 @@ class SpeculativeVideoPipeline:
         self.sources = dict(sources or {})  # component -> checkpoint fingerprint (or random:preset:seed)
         self.build_flags: list[str] = []  # the `python -m build_engines` flags that load these weights
         self.engine_executor = None  # ExecutorOptions of the TensorRT executors (None: the torch runtime)
+        self._interrupt = False  # set (pipe.interrupt = True) by a callback: the call stops after this block
+        self._progress_bar_config: dict = {}  # tqdm keywords of __call__'s block progress bar
 
     @property
     def memory_budget_gib(self) -> float | None:
@@ -236,10 +210,65 @@ class SpeculativeVideoPipeline:
                             for a in (f"--{role.replace('_', '-')}", str(path))]
         return pipe
 
-    # ------------------------------------------------------------------ placement
-    def to(self, device) -> "SpeculativeVideoPipeline":
-        """Every component onto one device (dtypes kept). For two devices, build with
-        `drafter_device=` / `target_device=`."""
+    # ------------------------------------------------------------------ components, placement, dtype
+    @property
+    def drafter(self):
+        """The drafter DiT (`CausalWanDiT`, Self-Forcing 1.3B for `wan2.1`)."""
+        return self.components.drafter
+
+    @property
+    def target(self):
+        """The target DiT (`CausalWanDiT`, Krea Realtime 14B for `wan2.1`)."""
+        return self.components.target
+
+    @property
+    def vae(self):
+        """The streaming Wan VAE decoder (`StreamingVAEDecoder`; the diffusers module is `pipe.vae.vae`)."""
+        return self.components.vae
+
+    @property
+    def text_encoder(self):
+        """The umT5 text encoder (`TextEncoder`; the transformers model is `pipe.text_encoder.model`)."""
+        return self.components.text_encoder
+
+    @property
+    def reward(self):
+        """The ImageReward scorer of the router (`RewardScorer`), or None when none was built."""
+        return self.components.scorer
+
+    @property
+    def device(self) -> torch.device:
+        """The drafter's device: where prompts are encoded and frames decoded and scored (the target's
+        is `pipe.target.device`; they differ only when built with `target_device=`)."""
+        return torch.device(self.components.drafter_device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The DiTs' and the VAE's dtype (the preset's precision)."""
+        return torch_dtype(self.preset.precision)
+
+    def to(self, *args, device=None, dtype=None) -> "SpeculativeVideoPipeline":
+        """As diffusers' `pipe.to`: `to("cuda")`, `to(torch.bfloat16)`, `to("cuda", torch.float16)` or
+        `to(device=..., dtype=...)`. A device moves every component there (dtypes kept; for two devices,
+        build with `drafter_device=` / `target_device=`); a dtype casts the pipeline as `torch_dtype=` of
+        `from_preset` / `from_pretrained` would have built it."""
+        for a in args:
+            if isinstance(a, torch.dtype):
+                dtype = a if dtype is None else _twice("dtype", dtype, a)
+            elif isinstance(a, (str, torch.device, int)):
+                device = a if device is None else _twice("device", device, a)
+            else:
+                raise TypeError(f"pipe.to() takes a device (e.g. 'cuda:0') and/or a torch dtype (e.g. "
+                                f"torch.bfloat16), got {a!r}")
+        if dtype is not None:
+            precision_of(dtype)  # refused before anything moves
+        if device is not None:
+            self._move(device)
+        if dtype is not None:
+            self._cast(dtype)
+        return self
+
+    def _move(self, device) -> None:
         c = self.components
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
@@ -257,7 +286,24 @@ class SpeculativeVideoPipeline:
             c.scorer.to(dev, c.scorer.dtype)
         c.drafter_device = c.target_device = dev
         self._runners.clear()  # compiled modules and engines belong to the old placement
-        return self
+
+    def _cast(self, dtype: torch.dtype) -> None:
+        """The builders' rule per component (sdvg/models/components.py): the DiTs (their fp32 parts kept) and
+        the VAE in `dtype`; the text encoder in `dtype` for loaded weights, fp32 for random ones; the reward
+        model in `dtype`, except fp32 on the CPU for random weights."""
+        precision = precision_of(dtype)
+        c = self.components
+        random = all(str(s).startswith("random:") for s in self.sources.values()) and bool(self.sources)
+        for dit in (c.drafter, c.target):
+            if dit is not None:
+                dit.set_precision(precision)
+        torch.nn.Module.to(c.vae.vae, dtype)
+        enc = c.text_encoder
+        enc.to(enc.device, "fp32" if random else precision)
+        if c.scorer is not None:
+            c.scorer.to(c.scorer.device, torch.float32 if random and c.scorer.device.type != "cuda" else dtype)
+        c.preset = self.preset = self.preset.replace(precision=precision)
+        self._runners.clear()
 
     def enable_model_cpu_offload(self, device=None) -> "SpeculativeVideoPipeline":
         """Keep the text encoder (umT5-XXL, ~11 GB) in CPU memory; it visits `device` (default: the
@@ -357,48 +403,158 @@ class SpeculativeVideoPipeline:
                  score_emitted: bool = D.score_emitted, scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead,
                  run_ahead_blocks: int = D.run_ahead_blocks,
                  cuda_graphs: bool = D.cuda_graphs, fast_vae: bool = D.fast_vae, stage_timing: str = D.stage_timing,
-                 backend: str | None = D.backend, generator: torch.Generator | None = None, output_type: str = "np",
+                 backend: str | None = D.backend, num_videos_per_prompt: int | None = 1,
+                 generator: torch.Generator | list[torch.Generator] | None = None, output_type: str = "np",
                  return_dict: bool = True,
                  callback_on_block_end: Callable[["SpeculativeVideoPipeline", BlockRecord], None] | None = None):
-        """Whole videos at once. The generation keywords are those of `stream`; besides them:
+        """Whole videos at once, returned as diffusers' `WanPipeline` returns them (sdvg/io/video_batch.py).
+        The generation keywords are those of `stream`; besides them:
 
-        prompt: a string (one video) or a list of strings (one video each, in order; each equals the
-        video of that prompt run alone with the same seed).
-        generator: a torch.Generator; when given, the seed is drawn from it (one 63-bit draw per call,
-        the same seed for every prompt of a list) and `seed` is ignored; the stats record the seed used.
-        output_type: np (float32 [F, H, W, 3] in [0, 1], the default, as diffusers) | pt | pil | uint8 |
-        latent (see PipelineOutput). return_dict: False returns `(frames,)`.
-        callback_on_block_end(pipe, block): called with every BlockRecord as soon as it is final."""
+        prompt: a string or a list of strings. num_videos_per_prompt: videos per prompt. The call makes
+        `batch = len(prompts) * num_videos_per_prompt` videos, prompt by prompt (video i is copy
+        `i % num_videos_per_prompt` of prompt `i // num_videos_per_prompt`); one prompt is a batch of one.
+        Seeds: video i has seed `seed + i`, so `pipe(prompt_of_i, seed=seed + i)` reproduces it alone.
+        generator: a torch.Generator (one 63-bit draw gives `seed`, then video i has `seed + i`; the
+        generator's state moves on, as in diffusers) or a list of `batch` generators (video i's seed is
+        one draw from generator i). The stats record each video's seed.
+        output_type: np (float32 [batch, F, H, W, 3] in [0, 1], the default) | pt ([batch, F, 3, H, W]) |
+        pil (a list per video of lists of images) | latent (the latents [batch, z, T, h, w]) | uint8 (torch
+        [batch, F, H, W, 3]). return_dict: False returns `(frames,)`.
+        callback_on_block_end(pipe, block): called with every BlockRecord as soon as it is final; setting
+        `pipe.interrupt = True` there stops the call after that block (the output then holds the blocks
+        every emitted video has; `blocks` and `stats`, marked interrupted, keep all).
+        Everything is checked before any work: a bad callback, generator list or num_videos_per_prompt is
+        refused naming the fix. A progress bar counts the blocks (`set_progress_bar_config`)."""
         if output_type not in OUTPUT_TYPES:
             raise ValueError(f"unknown output_type {output_type!r}; choose one of {', '.join(OUTPUT_TYPES)}")
         prompts = _prompt_list(prompt)
-        if generator is not None:
-            if not isinstance(generator, torch.Generator):
-                raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-            seed = int(torch.randint(0, SEED_MAX, (), generator=generator))
-        options = _options(locals())
-        outs = [self.generate(p, options, output_type, callback_on_block_end) for p in prompts]
-        if isinstance(prompt, str):
-            out = outs[0]
-        else:
-            out = PipelineOutput(frames=[o.frames for o in outs], latents=[o.latents for o in outs],
-                                 stats=[o.stats for o in outs], blocks=[o.blocks for o in outs])
+        options = self.resolve(_options(locals()))  # every option checked before the first video
+        per_prompt = _videos_per_prompt(num_videos_per_prompt)
+        batch = [p for p in prompts for _ in range(per_prompt)]
+        seeds = _video_seeds(generator, options.seed, len(batch), len(prompts), per_prompt)
+        check_callback(callback_on_block_end)
+        self._interrupt = False
+        videos, stats = [], []
+        with self._progress_bar(len(batch) * options.num_blocks) as bar:
+            for p, s in zip(batch, seeds):
+                blocks, run_stats = self._video(p, options.replace(seed=s), callback_on_block_end, bar)
+                videos.append(blocks)
+                stats.append(run_stats)
+                if self._interrupt:
+                    break
+        out = batch_output(videos, stats, output_type)
         return out if return_dict else (out.frames,)
 
     def generate(self, prompt: str, options: GenerationOptions, output_type: str = "uint8",
-                 callback_on_block_end: Callable | None = None) -> PipelineOutput:
-        """One whole video for explicit options (frames as uint8 [F, H, W, 3] unless `output_type` says
-        otherwise). The scheduler runs on this thread (nothing to stream)."""
+                 callback_on_block_end: Callable | None = None) -> VideoOutput:
+        """One whole video for explicit options, unbatched: frames uint8 [F, H, W, 3] (or `output_type`'s
+        frames of one video), latents [1, z, T, h, w], its RunStats and BlockRecords. The scheduler runs
+        on this thread (nothing to stream)."""
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"unknown output_type {output_type!r}; choose one of {', '.join(OUTPUT_TYPES)}")
+        check_callback(callback_on_block_end)
+        self._interrupt = False
+        blocks, stats = self._video(prompt, options, callback_on_block_end, None)
+        if not blocks:
+            return VideoOutput(frames=None, latents=None, stats=stats, blocks=blocks)
+        frames = torch.cat([b.frames for b in blocks])
+        return VideoOutput(frames=convert_frames(frames, output_type),
+                           latents=torch.cat([b.latents for b in blocks], dim=2), stats=stats, blocks=blocks)
+
+    def _video(self, prompt: str, options: GenerationOptions, callback, bar) -> tuple[list[BlockRecord], RunStats]:
+        """The blocks of one video on this thread; stops after a block when `interrupt` was set."""
         stream = self.run(prompt, options, threaded=False)
         blocks = []
         for block in stream:
             blocks.append(block)
-            if callback_on_block_end is not None:
-                callback_on_block_end(self, block)
-        frames = torch.cat([b.frames for b in blocks])
-        return PipelineOutput(frames=convert_frames(frames, output_type),
-                              latents=torch.cat([b.latents for b in blocks], dim=2), stats=stream.stats,
-                              blocks=blocks)
+            if bar is not None:
+                bar.update(1)
+            if callback is not None:
+                callback(self, block)
+            if self._interrupt:
+                stream.close()  # the stats are final and marked interrupted
+                break
+        return blocks, stream.stats
+
+    # ------------------------------------------------------------------ diffusers' call-control surface
+    @property
+    def interrupt(self) -> bool:
+        """Set it (`pipe.interrupt = True`, or diffusers' `pipe._interrupt = True`) from
+        `callback_on_block_end` to stop the call after the current block. Each call starts with it False."""
+        return self._interrupt
+
+    @interrupt.setter
+    def interrupt(self, value: bool) -> None:
+        self._interrupt = bool(value)
+
+    def set_progress_bar_config(self, **kwargs) -> None:
+        """tqdm keywords for the block progress bar of `__call__` (e.g. `disable=True`, `desc=`, `leave=`)."""
+        import tqdm
+
+        bad = sorted(set(kwargs) - set(inspect.signature(tqdm.tqdm.__init__).parameters))
+        if bad:
+            raise TypeError(f"set_progress_bar_config got {', '.join(bad)}, which tqdm does not take; give tqdm "
+                            "keywords such as disable=True, desc='...', leave=False")
+        self._progress_bar_config = dict(kwargs)
+
+    def _progress_bar(self, total: int):
+        from tqdm.auto import tqdm
+
+        config = {"desc": "blocks", "unit": "block", **self._progress_bar_config}
+        return tqdm(total=total, **config)
+
+
+def check_callback(callback) -> None:
+    """`callback_on_block_end` must be callable as `callback(pipe, block)`; refused before any work."""
+    if callback is None:
+        return
+    if not callable(callback):
+        raise TypeError(f"callback_on_block_end must be callable as callback(pipe, block), got "
+                        f"{type(callback).__name__}; e.g. def on_block_end(pipe, block): ...")
+    try:
+        signature = inspect.signature(callback)
+    except (TypeError, ValueError):  # a builtin without a signature: trusted
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise TypeError(f"callback_on_block_end{signature} cannot be called as callback(pipe, block); sdvg calls "
+                        "it once per emitted block with the pipeline and the BlockRecord: write "
+                        "def on_block_end(pipe, block): ... (diffusers' callback_on_step_end(pipe, step, "
+                        "timestep, callback_kwargs) has no per-step counterpart here)") from None
+
+
+def _videos_per_prompt(n) -> int:
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"num_videos_per_prompt must be a positive integer, got {n!r}; e.g. num_videos_per_prompt=2")
+    return n
+
+
+def _video_seeds(generator, seed: int, batch: int, prompts: int, per_prompt: int) -> list[int]:
+    """The seed of each video of the batch (the rule in `__call__`'s docstring)."""
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != batch:
+            raise ValueError(f"got a list of {len(generator)} generators for {batch} videos ({prompts} prompt(s) x "
+                             f"num_videos_per_prompt={per_prompt}); pass one generator per video, or a single one")
+        for i, g in enumerate(generator):
+            if not isinstance(g, torch.Generator):
+                raise TypeError(f"generator[{i}] must be a torch.Generator, got {type(g).__name__}")
+        return [_draw_seed(g) for g in generator]
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or a list of them, got {type(generator).__name__}")
+        seed = _draw_seed(generator)
+    return [(seed + i) % (SEED_MAX + 1) for i in range(batch)]
+
+
+def _draw_seed(generator: torch.Generator) -> int:
+    return int(torch.randint(0, SEED_MAX, (), generator=generator, device=generator.device))
+
+
+def _twice(what: str, first, second):
+    raise TypeError(f"pipe.to() got two {what}s ({first!r} and {second!r}); give one")
 
 
 def _prompt_list(prompt) -> list[str]:

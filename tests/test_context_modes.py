@@ -174,7 +174,7 @@ def test_recompute_extremes_equal_single_model_runs(tiny_pipe):
 def test_own_drafts_do_not_depend_on_tau(tiny_pipe):
     drafts = []
     for tau in (-math.inf, -0.1, 0.0, math.inf):
-        blocks = tiny_pipe(PROMPT, num_blocks=4, seed=5, tau=tau, output_type="latent").blocks
+        blocks = tiny_pipe(PROMPT, num_blocks=4, seed=5, tau=tau, output_type="latent").blocks[0]
         drafts.append([b.draft_latents for b in blocks])
         assert all(d is not None for d in drafts[-1])  # block 0 is drafted too
     for other in drafts[1:]:

@@ -32,8 +32,8 @@ def test_tau_minus_inf_gives_target_block0_then_drafts(tiny_pipe):
     sd = tiny_pipe(PROMPT, tau=-math.inf, num_blocks=NB, seed=3)
     tgt = tiny_pipe(PROMPT, mode="target", num_blocks=1, seed=3)
     assert [b["decision"] for b in sd.stats["blocks"]] == ["forced"] + ["accepted"] * (NB - 1)
-    assert torch.equal(sd.blocks[0].latents, tgt.blocks[0].latents)
-    for blk in sd.blocks[1:]:
+    assert torch.equal(sd.blocks[0][0].latents, tgt.blocks[0][0].latents)
+    for blk in sd.blocks[0][1:]:
         assert torch.equal(blk.latents, blk.draft_latents)
     assert sd.stats["acceptance_rate"] == 1.0
     # Accepted blocks cost the target one commit forward at most; the trailing run costs nothing.
@@ -87,12 +87,12 @@ def test_drafter_cache_holds_what_the_policy_says(tiny_pipe, policy):
 @pytest.mark.slow
 def test_frames_total_and_emitted_equal_streaming_decode(tiny_pipe):
     out = tiny_pipe(PROMPT, tau=0.0, num_blocks=NB, seed=2, output_type="uint8")
-    assert out.frames.shape == (9 + 12 * (NB - 1), 64, 64, 3)
-    assert out.stats["frames"] == out.frames.shape[0]
+    assert out.frames.shape == (1, 9 + 12 * (NB - 1), 64, 64, 3)  # a batch of one
+    assert out.stats["frames"] == out.frames.shape[1]
     from sdvg.models.vae import to_uint8_frames
 
     dec = tiny_pipe.components.vae
-    assert torch.equal(to_uint8_frames(dec.decode_video(out.latents)), out.frames)
+    assert torch.equal(to_uint8_frames(dec.decode_video(out.latents)), out.frames[0])
 
 
 @pytest.mark.slow
@@ -309,7 +309,7 @@ def test_bf16_pipeline_runs_and_keeps_fp32_parts():
     assert target.model.blocks[0].scale_shift_table.dtype == torch.float32  # kept in fp32, as diffusers does
     assert target.model.condition_embedder.time_embedder.linear_1.weight.dtype == torch.float32
     out = pipe(PROMPT, tau=-0.1, num_blocks=2, seed=0)
-    assert out.frames.shape == (21, 64, 64, 3) and torch.isfinite(out.latents).all()
+    assert out.frames.shape == (1, 21, 64, 64, 3) and torch.isfinite(out.latents).all()
 
 
 @pytest.mark.slow

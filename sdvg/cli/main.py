@@ -35,13 +35,14 @@ def main(argv=None, load_pipeline: Loader | None = None) -> int:
     from sdvg.io.exit_status import is_input_error
     from sdvg.io.interrupts import exit_code_of, signals_interrupt
     from sdvg.io.locks import lock_command_outputs
+    from sdvg.io.prompts import with_prompts_file_resolved
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(config_values(argv)).parse_args(argv)
     try:
         # before the first block too (loading): exit 128 + signal, no traceback; every output locked before loading
         with signals_interrupt(), lock_command_outputs(args):
-            return args.func(args, load_pipeline or build_pipeline)
+            return args.func(with_prompts_file_resolved(args), load_pipeline or build_pipeline)
     except KeyboardInterrupt as exc:
         print(f"interrupted ({exc.args[0] if exc.args else 'SIGINT'})", file=sys.stderr)
         return exit_code_of(exc)

@@ -13,7 +13,6 @@ from pathlib import Path
 
 from sdvg.evaluation.sweep import PAPER_TAUS, PUBLISHED_PAPER_TAUS, all_rows, plot, summary_json, tau_to_json
 from sdvg.generation.types import strict_json
-from sdvg.io.safe_files import save_figure
 
 UNPUBLISHED_PAPER_TAUS = tuple(t for t in PAPER_TAUS if t not in PUBLISHED_PAPER_TAUS)
 COLUMNS = ("method", "tau", "prompts", "seconds_per_video", "speedup", "acceptance", "quality", "retention")
@@ -133,23 +132,10 @@ def csv_text(summary: dict) -> str:
 
 
 def plot_acceptance_by_block(summary: dict, path: Path) -> None:
-    import matplotlib
+    """The accepted share per block index at each tau (`sdvg.evaluation.plots.acceptance_by_block_plot`)."""
+    from sdvg.evaluation.plots import acceptance_by_block_plot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    table = acceptance_table(summary)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for tau, shares in table["rows"]:
-        ax.plot(table["blocks"], [float("nan") if s is None else s for s in shares], "o-", label=f"tau {tau:g}")
-    ax.set_xlabel("block index")
-    ax.set_ylabel("accepted share")
-    ax.set_ylim(-0.05, 1.05)
-    if table["rows"]:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    save_figure(fig, path, dpi=120)
-    plt.close(fig)
+    acceptance_by_block_plot(acceptance_table(summary), path)
 
 
 def write_reports(summary: dict, out: Path) -> dict[str, Path]:
@@ -157,13 +143,11 @@ def write_reports(summary: dict, out: Path) -> dict[str, Path]:
     out = Path(out)
     paths = {name: out / name for name in ("summary.json", "report.md", "report.csv", "report.json", "pareto.png",
                                            "acceptance_by_block.png")}
-    from sdvg.io.outputs import write_text_atomic
-
-    write_text_atomic(paths["summary.json"], summary_json(summary))
-    write_text_atomic(paths["report.md"], markdown(summary))
-    write_text_atomic(paths["report.csv"], csv_text(summary))
+    paths["summary.json"].write_text(summary_json(summary))
+    paths["report.md"].write_text(markdown(summary), encoding="utf-8")
+    paths["report.csv"].write_text(csv_text(summary), encoding="utf-8")
     table = acceptance_table(summary)
-    write_text_atomic(paths["report.json"], strict_json({
+    paths["report.json"].write_text(strict_json({
         "prompts": summary["prompts"], "retention_kind": summary["retention_kind"],
         "quality_metric": summary.get("quality_metric"), "metrics": summary.get("metrics", {}),
         "rows": table_rows(summary),

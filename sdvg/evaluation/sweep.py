@@ -28,7 +28,6 @@ import statistics
 from pathlib import Path
 
 from sdvg.generation.types import strict_json
-from sdvg.io.safe_files import append_line, save_figure
 from sdvg.options import GenerationOptions
 
 TARGET_KEY = "target"
@@ -134,9 +133,10 @@ def _drop_torn_tail(path: Path) -> None:
     starts on a line of its own (its pair is redone)."""
     if not path.is_file():
         return
-    from sdvg.io.outputs import repair_jsonl
-
-    repair_jsonl(path)  # opened O_NOFOLLOW: a planted link is refused, not truncated through
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with path.open("r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
 
 
 # ---------------------------------------------------------------------------- the manifest
@@ -225,11 +225,8 @@ def record_differences(rec: dict, manifest: dict, prompt_hashes: dict[int, str])
 
 def write_manifest(out: Path, manifest: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    from sdvg.io.safe_files import create_new
-
     tmp = out / f".{MANIFEST}.{os.getpid()}.tmp"  # several ranks may write it: each atomically
-    with os.fdopen(create_new(tmp, f"the temporary manifest of {out}"), "w", encoding="utf-8") as f:
-        f.write(strict_json(manifest, indent=2) + "\n")
+    tmp.write_text(strict_json(manifest, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, out / MANIFEST)
 
 
@@ -318,7 +315,8 @@ def run_sweep(pipe, prompts: list, taus: list[float], out: Path, evaluator, opti
                    "torch_version": prov["torch_version"]}
             if video is not None:
                 rec["video"] = video.relative_to(out).as_posix()
-            append_line(path, strict_json({**rec, "tau": tau_to_json(v)}), "sweep records")
+            with path.open("a", encoding="utf-8") as f:
+                f.write(strict_json({**rec, "tau": tau_to_json(v)}) + "\n")
             new.append(rec)
             if progress:
                 progress(rec)
@@ -486,32 +484,11 @@ def all_rows(summary: dict) -> list[dict]:
 
 def plot(summary: dict, path: Path) -> None:
     """Quality against speed-up: SDVG at each tau, target-only and draft-only, and the Pareto front of
-    all of them (target-only is on the front when nothing is at least as good and as fast)."""
-    import matplotlib
+    all of them (target-only is on the front when nothing is at least as good and as fast); drawn by
+    `sdvg.evaluation.plots.pareto_plot`."""
+    from sdvg.evaluation.plots import pareto_plot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = summary["taus"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.scatter([r["speedup"] for r in rows], [r["quality"] for r in rows], label="SDVG at tau")
-    for r in rows:
-        acc = "n/a" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
-        ax.annotate(f"{r['tau']:g} ({acc})", (r["speedup"], r["quality"]), fontsize=7)
-    for key, marker, label in (("target", "*", "target-only"), ("draft", "s", "draft-only")):
-        r = summary.get(key)
-        if r is not None:
-            ax.scatter([r["speedup"]], [r["quality"]], marker=marker, s=120 if marker == "*" else 60, label=label)
-    higher = summary.get("quality_higher_is_better", True)
-    front = pareto(all_rows(summary), higher)
-    ax.plot([r["speedup"] for r in front], [r["quality"] for r in front], "--", label="Pareto front")
-    ax.set_xlabel("speed-up over target-only")
-    ax.set_ylabel(f"{summary.get('quality_metric') or 'quality'} (mean; "
-                  f"{'higher' if higher else 'lower'} is better)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    save_figure(fig, path, dpi=120)
-    plt.close(fig)
+    pareto_plot(summary, path)
 
 
 # ---------------------------------------------------------------------------- calibration

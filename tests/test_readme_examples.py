@@ -1,0 +1,96 @@
+"""The README's and docs' examples run as written: every ```python block is executed on the `tiny` preset
+(slow), every `sdvg ...` command line of a ```bash block is parsed by the CLI's own parser (every flag and
+subcommand exists), and the prompts-file example runs from a directory outside the clone (slow)."""
+import os
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def blocks(language: str) -> list[tuple[str, int, str]]:
+    """(file, line, code) of every fenced block of `language` in the README and docs/."""
+    found = []
+    for path in DOCS:
+        text = path.read_text(encoding="utf-8")
+        for m in re.finditer(rf"^```{language}\n(.*?)^```", text, flags=re.S | re.M):
+            found.append((path.relative_to(ROOT).as_posix(), text[:m.start()].count("\n") + 1, m.group(1)))
+    return found
+
+
+def command_lines() -> list[tuple[str, list[str]]]:
+    """The sdvg command lines of the bash blocks, as argv (what follows `sdvg` / `-m sdvg.cli`)."""
+    out = []
+    for where, line, code in blocks("bash"):
+        for i, text in enumerate(code.splitlines()):
+            for part in text.split("&&"):
+                words = shlex.split(part.replace('"..."', '"a prompt"'), comments=True)  # a quoted `...`: a value
+                for k, w in enumerate(words):
+                    if w.endswith("bin/sdvg") or w == "sdvg" or (w == "sdvg.cli" and k and words[k - 1] == "-m"):
+                        argv = words[k + 1:]
+                        if argv[-1:] == ["..."]:  # a trailing `...`: the reader fills in the rest
+                            argv = argv[:-1]
+                        out.append((f"{where}:{line + 1 + i}", argv))
+                        break
+    return out
+
+
+def test_the_docs_have_examples_to_check():
+    assert [w for w, _, _ in blocks("python")] == ["README.md"]
+    commands = command_lines()
+    assert len(commands) >= 15 and any(argv[:1] == ["sweep"] for _, argv in commands)
+
+
+@pytest.mark.parametrize("where,argv", command_lines(), ids=[w for w, _ in command_lines()])
+def test_every_sdvg_command_line_parses(where, argv):
+    from sdvg.cli import build_parser
+
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:
+        pytest.fail(f"{where}: `sdvg {shlex.join(argv)}` does not parse (exit {exc.code})")
+    assert callable(args.func)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where,line,code", blocks("python"), ids=[f"{w}:{n}" for w, n, _ in blocks("python")])
+def test_python_blocks_run_on_tiny(where, line, code, tmp_path, monkeypatch):
+    assert 'from_preset("tiny")' in code  # the examples run on random tiny weights
+    monkeypatch.chdir(tmp_path)  # files the example writes land here
+    namespace = {"__name__": "__readme__"}
+    exec(compile(code, f"{where}:{line}", "exec"), namespace)
+    assert (tmp_path / "fox.mp4").stat().st_size > 0
+    out, stream = namespace["out"], namespace["stream"]
+    assert out.frames.shape == (1, 9 + 12 * 2, 64, 64, 3) and stream.finished and len(stream.stats["blocks"]) == 2
+    assert len(namespace["outs"].blocks[0]) == 1  # the interrupting callback stopped after block 0
+
+
+@pytest.mark.slow
+def test_the_prompts_file_example_runs_outside_the_clone(tmp_path, monkeypatch):
+    from sdvg.cli import main
+
+    (line,) = [argv for _, argv in command_lines() if "--prompts-file" in argv and argv[0] == "generate"]
+    assert line[line.index("--prompts-file") + 1] == "moviegen"
+    monkeypatch.chdir(tmp_path)
+    assert not Path("sdvg/data/MovieGenVideoBench.txt").exists()
+    # the README's line, made short: one prompt, one block (later flags win)
+    assert main(line + ["--limit", "1", "--num-blocks", "1", "--quiet"]) == 0
+    assert (tmp_path / "out" / "s.jsonl").read_text().count("\n") == 1
+    assert [p.name for p in (tmp_path / "out").glob("*.mp4")] != []
+
+
+def test_prompts_file_names_resolve_to_the_packaged_file(tmp_path, monkeypatch):
+    from sdvg.cli import DEFAULT_PROMPTS
+    from sdvg.io.prompts import prompts_file
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("moviegen", "MovieGen", "MovieGenVideoBench.txt"):
+        assert prompts_file(name) == DEFAULT_PROMPTS.resolve()
+    (tmp_path / "moviegen").write_text("a cat\n")
+    assert prompts_file("moviegen") == Path("moviegen")  # an existing file of that name wins
+    assert prompts_file("nope.txt") == Path("nope.txt") and prompts_file(None) is None
+    assert os.path.isfile(prompts_file("MOVIEGEN"))
