@@ -948,6 +948,9 @@ def build_parser(config: dict | None = None) -> argparse.ArgumentParser:
     te.set_defaults(func=cmd_train_exit_head)
     for sp in (ce, te):
         _add_config(sp, {k: v for k, v in (config or {}).items() if k not in EXIT_CALIBRATION_EXCLUDE})
+    from sdvg.serve.cli import add_serve_parser  # sdvg serve (sdvg/serve/)
+
+    add_serve_parser(sub)
     return parser
 
 
