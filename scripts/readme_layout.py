@@ -19,7 +19,7 @@ LAYERS = (
     ("sdvg/generation/", "one video, block by block"),
     ("sdvg/evaluation/", "sweeps, calibration, evaluators, plots"),
     ("sdvg/pipeline.py", "the API"),
-    ("sdvg/cli.py", "the command line"),
+    ("sdvg/cli.py, sdvg/serve/", "the command line and the realtime server (`sdvg serve`)"),
 )
 FOLDERS = (
     ("csrc/", "the native core `sdvg._C`: KV-cache slot table and buffers, the SDVG scheduler and its Python "
