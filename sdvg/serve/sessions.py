@@ -230,11 +230,14 @@ class SessionManager:
         self.metrics.sessions_active.set(len(self.active))
         self.metrics.sessions_queued.set(len(self.queue))
 
+    def _runnable(self) -> list[Session]:
+        return [s for s in self.active if not s.paused and s.generation is not None and not s.commands]
+
     def _next(self) -> Session | None:
-        runnable = [s for s in self.active if not s.paused and s.generation is not None and not s.commands]
+        """The next session in round-robin order over the admitted ones (advances the turn)."""
+        runnable = self._runnable()
         if not runnable:
             return None
-        # round robin over the admitted order
         order = self.active[self.turn % len(self.active):] + self.active[:self.turn % len(self.active)]
         pick = next(s for s in order if s in runnable)
         self.turn = self.active.index(pick) + 1
@@ -245,7 +248,7 @@ class SessionManager:
         while True:
             with self.cond:
                 while not self.stopping and not self.closing and not any(s.commands for s in self.active) \
-                        and self._next() is None:
+                        and not self._runnable():
                     self.cond.wait()
                 if self.stopping:
                     break
