@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import tempfile
 from contextlib import asynccontextmanager
@@ -177,7 +178,7 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
         if superset:
             h, w = engine.size
             ready.update(session_id=session_id, preset=engine.preset.name, width=w, height=h, live=engine.live,
-                         fmt=fmt)
+                         fmt=fmt, replica=f"{socket.gethostname()}:{os.getpid()}")
         outbox.text(ready)
         try:
             await receive_loop(websocket, session)

@@ -39,6 +39,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"mid-stream updates per second per socket (default: {_D.updates_per_s:g})")
     p.add_argument("--video-dir", help="folder of the session MP4s and uploads (default: a temporary folder)")
     p.add_argument("--fps", type=float, default=_D.fps, help=f"frame rate of the MP4s (default: {_D.fps:g})")
+    p.add_argument("--ray-replicas", type=int, default=0,
+                   help="serve through Ray Serve with this many replicas, each its own pipeline (one per GPU pair; "
+                        "the serve-ray extra; 0: no Ray, the default)")
+    p.add_argument("--ray-gpus-per-replica", type=float, default=0.0,
+                   help="GPUs Ray reserves per replica (2 for a drafter/target pair; default 0: CPU)")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--quiet", action="store_true", help="no loading messages")
     p.set_defaults(func=run_serve)
@@ -71,6 +76,14 @@ def run_serve(args) -> int:
     except ImportError as exc:
         print(f"error: sdvg serve needs the serve extra: pip install 'sdvg[serve]' ({exc})", file=sys.stderr)
         return 2
+    if args.ray_replicas > 0:
+        try:
+            from sdvg.serve.ray_app import run
+        except ImportError as exc:
+            print(f"error: --ray-replicas needs the serve-ray extra: pip install 'sdvg[serve-ray]' ({exc})",
+                  file=sys.stderr)
+            return 2
+        return run(args, cfg, defaults)
     from sdvg.cli import build_pipeline
 
     pipe = build_pipeline(args)
