@@ -398,3 +398,102 @@ def test_max_sessions_2_queues_the_third_and_refuses_beyond_the_queue(tiny_pipe,
     assert third == {"status": "queued", "position": 1, "session_id": "q2"}
     assert fourth["status"] == "error" and fourth["error"].startswith("busy") and code == 1013
     assert frames == 9
+
+
+class LivePipe:
+    """The tiny pipeline with a stand-in for issue 24's live sessions (`pipe.session`), to check the
+    server's dispatch: updates go to `session.update(...)` and its `UpdateAck.block` comes back."""
+
+    def __init__(self, pipe):
+        self.pipe, self.preset, self.updates = pipe, pipe.preset, []
+
+    def resolve(self, options):
+        return self.pipe.resolve(options)
+
+    def session(self, prompt, **options):
+        from types import SimpleNamespace
+
+        from sdvg.options import GenerationOptions
+
+        stream = self.pipe.run(prompt, GenerationOptions(**options))
+        outer = self
+
+        class Live:
+            emitted = 0
+
+            def __iter__(self):
+                return self
+
+            def __next__(self):
+                block = next(stream)
+                Live.emitted += 1
+                return block
+
+            def update(self, **changes):
+                outer.updates.append(changes)
+                return SimpleNamespace(block=Live.emitted)
+
+            def close(self):
+                stream.close()
+                return stream.stats
+
+        return Live()
+
+
+def test_live_updates_go_to_the_session_and_are_acked(tiny_pipe, tmp_path):
+    live = LivePipe(tiny_pipe)
+    with running_server(live, tmp_path) as (url, app):
+        assert app.state.engine.live
+
+        async def go():
+            async with websockets.connect(f"ws://{url}/session/live1?sdvg=1") as ws:
+                await recv_json(ws, 30)
+                await ws.send(msgpack.packb(params(num_blocks=2)))
+                acks = []
+                while True:
+                    m = await asyncio.wait_for(ws.recv(), TIMEOUT)
+                    if isinstance(m, bytes):
+                        if not acks:
+                            acks.append(None)
+                            await ws.send(msgpack.packb({"prompt": "a cat", "interp_steps": 3, "request_id": "u1"}))
+                            await ws.send(msgpack.packb({"tau": 0.25}))
+                        continue
+                    msg = json.loads(m)
+                    if msg["status"] == "ack":
+                        acks.append(msg)
+                    elif msg["status"] == "completed":
+                        return acks[1:]
+
+        acks = asyncio.run(go())
+    assert live.updates == [{"prompt": "a cat", "interp_blocks": 3}, {"tau": 0.25}]
+    assert [(a["field"], a["request_id"]) for a in acks] == [("prompt", "u1"), ("tau", None)]
+    assert all(a["block"] >= 1 for a in acks)
+
+
+def test_pause_holds_the_session_and_resume_finishes_it(server, refs):
+    url, _ = server
+
+    async def go():
+        async with websockets.connect(f"ws://{url}/session/pause1?fmt=raw&sdvg=1") as ws:
+            await recv_json(ws, 30)
+            await ws.send(msgpack.packb(params()))
+            await ws.send(msgpack.packb({"action": "pause"}))
+            frames, paused_frames, acked = 0, None, False
+            while True:
+                try:
+                    m = await asyncio.wait_for(ws.recv(), 10 if acked and paused_frames is None else TIMEOUT)
+                except asyncio.TimeoutError:  # paused: nothing more comes
+                    paused_frames = frames
+                    await ws.send(msgpack.packb({"action": "resume"}))
+                    continue
+                if isinstance(m, bytes):
+                    frames += 1
+                    continue
+                msg = json.loads(m)
+                acked = acked or (msg["status"] == "ack" and msg["action"] == "pause")
+                if msg["status"] == "completed":
+                    return paused_frames, frames
+
+    paused_frames, frames = asyncio.run(go())
+    assert paused_frames in (0, 9)  # at most the block in progress when the pause arrived
+    assert frames == len(refs[5]["frames"])

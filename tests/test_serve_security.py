@@ -119,3 +119,19 @@ def test_serve_cli_refuses_a_public_bind_without_token(capsys):
 
     assert main(["serve", "--preset", "tiny", "--host", "0.0.0.0", "--quiet"]) == 2
     assert "--token" in capsys.readouterr().err
+
+
+def test_idle_socket_is_closed(tiny_pipe, tmp_path):
+    from serve_harness import recv_json, running_server
+
+    with running_server(tiny_pipe, tmp_path, idle_timeout_s=1.0) as (url, _):
+        async def go():
+            async with websockets.connect(f"ws://{url}/session/idle1") as ws:
+                await recv_json(ws, 30)
+                error = await recv_json(ws, 30)  # no parameters sent
+                try:
+                    await asyncio.wait_for(ws.recv(), 30)
+                except websockets.exceptions.ConnectionClosed as exc:
+                    return error, exc.rcvd.code
+        error, code = asyncio.run(go())
+    assert error["status"] == "error" and "idle" in error["error"] and code == 1000
