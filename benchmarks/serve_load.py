@@ -125,10 +125,11 @@ def markdown(results: dict) -> str:
             "| jitter p50 / p95 / p99 s | worker block p50 s | dropped |", "|" + "---|" * 10]
     f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     for r in results["rounds"]:
-        rows.append(f"| {r['sessions']} | {r['completed']} | {r['frames']} | {r['wall_s']:.1f} | {r['frames_per_s']:.2f} "
-                    f"| {f(r['ttff_s']['p50'])} / {f(r['ttff_s']['max'])} "
-                    f"| {f(r['inter_block_s']['p50'])} / {f(r['inter_block_s']['p95'])} / {f(r['inter_block_s']['p99'])} "
-                    f"| {f(r['jitter_s']['p50'])} / {f(r['jitter_s']['p95'])} / {f(r['jitter_s']['p99'])} "
+        ib, jt = r["inter_block_s"], r["jitter_s"]
+        rows.append(f"| {r['sessions']} | {r['completed']} | {r['frames']} | {r['wall_s']:.1f} "
+                    f"| {r['frames_per_s']:.2f} | {f(r['ttff_s']['p50'])} / {f(r['ttff_s']['max'])} "
+                    f"| {f(ib['p50'])} / {f(ib['p95'])} / {f(ib['p99'])} "
+                    f"| {f(jt['p50'])} / {f(jt['p95'])} / {f(jt['p99'])} "
                     f"| {f(r['worker_block_s']['p50'])} | {r['dropped_frames']} |")
     return "\n".join(rows) + "\n"
 

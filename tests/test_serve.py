@@ -86,7 +86,8 @@ def test_raw_frames_are_bitwise_and_stats_follow_each_block(server, refs):
     assert [s["block"] for s in stats] == [0, 1]
     assert [s["decision"] for s in stats] == ref["decisions"]
     assert [s["score"] for s in stats] == pytest.approx(ref["scores"])
-    assert stats[0]["producer"] == "target" and {"times", "acceptance", "queue_depth", "dropped_frames"} <= set(stats[0])
+    assert stats[0]["producer"] == "target"
+    assert {"times", "acceptance", "queue_depth", "dropped_frames"} <= set(stats[0])
     kinds = [m["status"] for m in out["texts"]]
     assert kinds[0] == "params" and kinds[-1] == "completed" and out["ready"]["preset"] == "tiny"
 

@@ -3,7 +3,6 @@ two websocket sessions through Ray's proxy, each pinned to its own replica."""
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 import pytest
