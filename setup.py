@@ -71,6 +71,11 @@ setup(
         # is no extra: it pins transformers 4.33.2 and numpy < 2 (its own environment: requirements-vbench.txt)
         "eval": ["pyiqa==0.1.16"],
         "onnx": ["onnx", "onnxruntime", "onnxscript"],
+        # sdvg serve (docs/server.md): the ASGI stack, the websocket client the tests use, the wire format
+        "serve": ["fastapi>=0.110", "uvicorn>=0.30", "websockets>=13", "msgpack>=1.0", "pydantic>=2",
+                  "prometheus-client>=0.20", "python-multipart>=0.0.9", "pillow"],
+        # sdvg serve --ray-replicas N: the same app as a Ray Serve deployment (docs/server.md, "Ray Serve")
+        "serve-ray": ["ray[serve]>=2.40"],
         # TensorRT plans (build_engines --format tensorrt) and the cuda-python executor
         "tensorrt": ["tensorrt-cu13>=11", "cuda-python>=13"],
         # build_engines --format torch-tensorrt: the release built for requirements-torch.txt's torch

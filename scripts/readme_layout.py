@@ -19,7 +19,7 @@ LAYERS = (
     ("sdvg/generation/", "one video, block by block"),
     ("sdvg/evaluation/", "sweeps, calibration, evaluators, plots"),
     ("sdvg/pipeline.py", "the API"),
-    ("sdvg/cli/", "the command line: one module per command, parsing and dispatch only"),
+    ("sdvg/cli/, sdvg/serve/", "the command line (one module per command, parsing and dispatch only) and the realtime server (`sdvg serve`)"),
 )
 FOLDERS = (
     ("csrc/", "the native core `sdvg._C`: `scheduler.h/.cpp` the SDVG loop (decisions, order, run-ahead; "

@@ -22,7 +22,7 @@ RANKS = {
     "sdvg.generation": 3,
     "sdvg.evaluation": 4,
     "sdvg.pipeline": 5,
-    "sdvg.cli": 6,
+    "sdvg.cli": 6, "sdvg.serve": 6,
 }
 
 

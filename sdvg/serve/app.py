@@ -1,0 +1,325 @@
+"""The FastAPI app: GET /health, GET / (the page), WS /session/{id}, GET /download_video/{id},
+POST /upload_video and /upload_start_frame, GET /metrics (docs/server.md has the protocol)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import tempfile
+from contextlib import asynccontextmanager
+from pathlib import Path
+from urllib.parse import parse_qs
+
+import msgpack
+from fastapi import FastAPI, Request, WebSocket
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response
+
+from sdvg.generation.types import strict_json
+from sdvg.serve.config import ServeConfig
+from sdvg.serve.encode import FORMATS
+from sdvg.serve.engine import LIVE_ONLY, Engine
+from sdvg.serve.metrics import ServeMetrics
+from sdvg.serve.protocol import ProtocolError, parse_params, parse_update
+from sdvg.serve.security import RateLimit, token_matches, token_of, valid_session_id
+from sdvg.serve.sessions import Outbox, Session, SessionManager
+from sdvg.serve.uploads import IMAGE_KINDS, VIDEO_KINDS, UploadError, UploadStore, check_image, sniff
+from sdvg.serve.videos import VideoStore
+
+STATIC = Path(__file__).parent / "static"
+OPEN_PATHS = ("/health",)  # answered without the token (says "OK" and nothing else)
+
+
+class TokenGate:
+    """ASGI middleware: every HTTP request and websocket (but /health) must carry the token, as
+    `Authorization: Bearer T` or `?token=T`; compared in constant time. Refused: HTTP 401, websocket
+    closed with 1008 before it is accepted."""
+
+    def __init__(self, app, token: str | None):
+        self.app, self.token = app, token
+
+    async def __call__(self, scope, receive, send):
+        if self.token is None or scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        query = {k: v[0] for k, v in parse_qs(scope.get("query_string", b"").decode("latin-1")).items()}
+        if token_matches(token_of(headers, query), self.token):
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            await receive()  # websocket.connect
+            await send({"type": "websocket.close", "code": 1008, "reason": "missing or wrong token"})
+            return
+        await PlainTextResponse("missing or wrong token", status_code=401)(scope, receive, send)
+
+
+def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI:
+    """The server of one pipeline (models loaded once). `defaults`: the server's GenerationOptions."""
+    engine = Engine(pipe, defaults)
+    metrics = ServeMetrics()
+    folder = Path(cfg.video_dir) if cfg.video_dir else Path(tempfile.mkdtemp(prefix="sdvg-serve-"))
+    videos = VideoStore(folder / "videos", cfg.fps, cfg.keep_videos)
+    uploads = UploadStore(folder / "uploads", cfg.upload_ttl_s)
+    manager = SessionManager(engine, cfg, metrics, videos, uploads)
+    senders: set[asyncio.Task] = set()
+
+    @asynccontextmanager
+    async def lifespan(app):
+        manager.start()
+        yield
+        await drain()
+        uploads.clear()
+
+    async def drain() -> None:
+        """Shutdown: finish every generation and MP4, send `completed`, close each socket (1001)."""
+        if not manager.stopping:
+            await asyncio.to_thread(manager.stop)
+        if senders:
+            await asyncio.wait(list(senders), timeout=cfg.drain_timeout_s)
+
+    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.manager, app.state.metrics, app.state.engine, app.state.drain = manager, metrics, engine, drain
+    app.state.videos, app.state.uploads, app.state.config = videos, uploads, cfg
+    app.add_middleware(TokenGate, token=cfg.token)
+
+    @app.get("/health")
+    async def health():
+        return "OK"
+
+    @app.get("/")
+    async def page():
+        return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))
+
+    @app.get("/static/app.js")
+    async def page_script():
+        return Response((STATIC / "app.js").read_text(encoding="utf-8"), media_type="text/javascript")
+
+    @app.get("/metrics")
+    async def metrics_text():
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/download_video/{session_id}")
+    async def download_video(session_id: str):
+        if not valid_session_id(session_id):
+            return JSONResponse({"error": "session id: letters, digits, _ and - only (1 to 64)"}, status_code=400)
+        state, path = videos.state(session_id)
+        if state == "writing":
+            return JSONResponse({"error": "the video is still being written; download it after `completed`"},
+                                status_code=409)
+        if state == "none":
+            return JSONResponse({"error": "No video data found for this session"}, status_code=404)
+        return FileResponse(path, media_type="video/mp4", filename=f"video_{session_id}.mp4")
+
+    async def read_upload(request: Request, kinds: dict, limit: int):
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit + 65536):
+            raise UploadError(413, f"upload larger than {limit} bytes")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit + 65536:
+                raise UploadError(413, f"upload larger than {limit} bytes")
+        request._body = bytes(body)  # the form parser reads the capped body
+        try:
+            form = await request.form(max_files=1, max_fields=4)
+        except Exception as exc:
+            raise UploadError(400, f"a multipart form with one `file` field is expected ({exc})") from None
+        file = form.get("file")
+        if file is None or isinstance(file, str):
+            raise UploadError(400, "the form has no `file` field")
+        data = await file.read(limit + 1)
+        if len(data) > limit:
+            raise UploadError(413, f"file larger than {limit} bytes")
+        kind = sniff(data[:16], kinds)
+        if kind is None:
+            raise UploadError(415, f"not one of {', '.join(kinds)} (judged by the file's bytes, not its name)")
+        return data, kind, file.filename
+
+    async def upload(request: Request, kinds: dict, limit: int, image: bool):
+        try:
+            data, kind, filename = await read_upload(request, kinds, limit)
+            if image:
+                await asyncio.to_thread(check_image, data, cfg.max_image_pixels)
+        except UploadError as exc:
+            metrics.refused.labels("upload").inc()
+            return JSONResponse({"error": str(exc)}, status_code=exc.status)
+        upload_id = await asyncio.to_thread(uploads.add, data, kind)
+        return {"id": upload_id, "filename": Path(filename or "").name[:128], "bytes": len(data), "type": kind}
+
+    @app.post("/upload_video")
+    async def upload_video(request: Request):
+        return await upload(request, VIDEO_KINDS, cfg.max_upload_bytes, image=False)
+
+    @app.post("/upload_start_frame")
+    async def upload_start_frame(request: Request):
+        return await upload(request, IMAGE_KINDS, cfg.max_image_bytes, image=True)
+
+    @app.websocket("/session/{session_id}")
+    async def ws_session(websocket: WebSocket, session_id: str):
+        fmt = websocket.query_params.get("fmt", "jpeg")
+        superset = websocket.query_params.get("sdvg", "0") in ("1", "true")
+        if not valid_session_id(session_id) or fmt not in FORMATS:
+            metrics.refused.labels("handshake").inc()
+            await websocket.close(code=1008, reason="session id: [A-Za-z0-9_-]{1,64}; fmt: " + "|".join(FORMATS))
+            return
+        await websocket.accept()
+        if not manager.claim_id(session_id):
+            await websocket.send_text(json.dumps({"status": "error", "error": f"session id {session_id} is in use",
+                                                  "field": None}))
+            await websocket.close(code=1008)
+            return
+        outbox = Outbox(cfg.send_buffer_frames, metrics)
+        session = Session(session_id, fmt, superset, asyncio.get_running_loop(), outbox)
+        sender = asyncio.create_task(send_loop(websocket, outbox))
+        senders.add(sender)
+        sender.add_done_callback(senders.discard)
+        ready = {"status": "ready", "worker": socket.gethostname()}
+        if superset:
+            h, w = engine.size
+            ready.update(session_id=session_id, preset=engine.preset.name, width=w, height=h, live=engine.live,
+                         fmt=fmt, replica=f"{socket.gethostname()}:{os.getpid()}")
+        outbox.text(ready)
+        try:
+            await receive_loop(websocket, session)
+        finally:
+            manager.release(session)
+            if not sender.done():
+                outbox.close(1000)
+                try:
+                    await asyncio.wait_for(asyncio.shield(sender), 2.0)
+                except (asyncio.TimeoutError, Exception):
+                    sender.cancel()
+
+    async def send_loop(websocket: WebSocket, outbox: Outbox) -> None:
+        try:
+            while True:
+                item = await outbox.next()
+                if item[0] == "text":
+                    await websocket.send_text(strict_json(item[1]))
+                elif item[0] == "frame":
+                    await websocket.send_bytes(item[1])
+                else:
+                    await websocket.close(code=item[1])
+                    return
+        except Exception:  # the client is gone
+            return
+
+    def refuse(session: Session, error: ProtocolError, reason: str) -> None:
+        metrics.refused.labels(reason).inc()
+        session.outbox.text(error.reply())
+
+    async def receive_loop(websocket: WebSocket, session: Session) -> None:
+        rate = RateLimit(cfg.updates_per_s, cfg.update_burst)
+        while True:
+            waiting = session.state not in ("running", "queued") or session.paused
+            try:
+                message = await asyncio.wait_for(websocket.receive(), cfg.idle_timeout_s if waiting else None)
+            except asyncio.TimeoutError:
+                session.outbox.text({"status": "error", "error": f"idle for {cfg.idle_timeout_s:g} s; closing",
+                                     "field": None})
+                session.outbox.close(1000)
+                return
+            if message["type"] == "websocket.disconnect":
+                return
+            data = message.get("bytes")
+            if data is None:
+                refuse(session, ProtocolError(None, "messages must be binary msgpack maps (text frames are not read)"),
+                       "text")
+                continue
+            if len(data) > cfg.max_message_bytes:
+                refuse(session, ProtocolError(None, f"message of {len(data)} bytes; at most {cfg.max_message_bytes}"),
+                       "size")
+                session.outbox.close(1009)
+                return
+            if session.spec is not None and not rate.allow():
+                refuse(session, ProtocolError(None, f"more than {cfg.updates_per_s:g} updates per second "
+                                                    f"(burst {cfg.update_burst}); this one was dropped"), "rate")
+                if rate.refused >= cfg.flood_close_after:
+                    session.outbox.close(1008)
+                    return
+                continue
+            try:
+                obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+            except Exception as exc:
+                refuse(session, ProtocolError(None, f"malformed msgpack ({type(exc).__name__})"), "malformed")
+                continue
+            try:
+                if session.spec is None:
+                    await start(session, obj)
+                else:
+                    handle_update(session, obj)
+            except ProtocolError as exc:
+                refuse(session, exc, "invalid")
+            if session.outbox.items and session.outbox.items[-1][0] == "close":
+                return
+
+    async def start(session: Session, obj) -> None:
+        params = parse_params(obj, cfg.max_prompt_chars)
+        spec = engine.spec(params, cfg.max_blocks, uploads.known)
+        admitted(session, spec)
+
+    def admitted(session: Session, spec) -> None:
+        state = manager.admit(session, spec)
+        if state == "busy":
+            session.outbox.text({"status": "error", "error": f"busy: {cfg.max_sessions} sessions are generating "
+                                 f"and {cfg.max_queue} are waiting; try again later", "field": None})
+            session.outbox.close(1013)
+            return
+        if session.superset:
+            session.outbox.text({"status": "params", "state": state, "seed": spec.options.seed,
+                                 "num_blocks": spec.options.num_blocks, "prompt": spec.prompt,
+                                 "options": spec.options.as_dict(), "request_id": spec.request_id})
+
+    def ack(session: Session, field: str, block, request_id, **extra) -> None:
+        if session.superset:
+            session.outbox.text({"status": "ack", "field": field, "block": block, "request_id": request_id, **extra})
+
+    def handle_update(session: Session, obj) -> None:
+        u = parse_update(obj, cfg.max_prompt_chars)
+        if u.action in ("pause", "resume", "ping") and not session.superset:
+            raise ProtocolError("action", f"{u.action!r} is sdvg's superset: connect with ?sdvg=1")
+        if u.tau is not None and not session.superset:
+            raise ProtocolError("tau", "a live tau is sdvg's superset: connect with ?sdvg=1")
+        if u.action == "reset":  # Krea: a new generation with the same parameters (and a pending seed)
+            spec = session.spec
+            if session.next_seed is not None:
+                spec = type(spec)(spec.prompt, spec.options.replace(seed=session.next_seed), spec.request_id)
+                session.next_seed = None
+            admitted(session, spec)
+            ack(session, "action", 0, u.request_id, action="reset")
+        elif u.action in ("pause", "resume"):
+            manager.pause(session, u.action == "pause")
+            ack(session, "action", None, u.request_id, action=u.action)
+        elif u.action == "ping":
+            session.outbox.text({"status": "pong", "request_id": u.request_id, "timestamp": u.timestamp})
+        live = {}
+        if u.prompt is not None and u.prompt != session.spec.prompt:  # Krea: the same prompt changes nothing
+            steps = u.interp_steps or u.interpolation_steps or 4  # Krea's default blend
+            live["prompt"] = ("prompt", {"prompt": u.prompt, "interp_blocks": steps})
+        elif u.interp_steps is not None or u.interpolation_steps is not None:
+            name = "interp_steps" if u.interp_steps is not None else "interpolation_steps"
+            if u.prompt is None:
+                raise ProtocolError(name, "a blend needs a new `prompt` in the same message")
+        if u.seed is not None:  # Krea: stored; the next reset starts from it
+            session.next_seed = u.seed
+            ack(session, "seed", None, u.request_id, effective="next reset")
+        if u.image is not None:
+            if len(u.image) > cfg.max_image_bytes:
+                raise ProtocolError("image", f"{len(u.image)} bytes; at most {cfg.max_image_bytes}")
+            live["image"] = ("image", {"input_frames": [u.image]}
+                             | ({"strength": u.strength} if u.strength is not None else {}))
+        elif u.strength is not None:
+            raise ProtocolError("strength", "applies to webcam `image` frames; send it with one")
+        if u.tau is not None:
+            live["tau"] = ("tau", {"tau": u.tau})
+        for field, changes in live.values():
+            if not engine.live:
+                what = "live prompt blending" if field == "prompt" else \
+                       "video input" if field == "image" else "a live tau"
+                raise ProtocolError(field, f"{what} {LIVE_ONLY}")
+            manager.command(session, "update", changes, field, u.request_id)
+        if u.prompt is not None and "prompt" in live:
+            session.spec = type(session.spec)(u.prompt, session.spec.options, session.spec.request_id)
+
+    return app

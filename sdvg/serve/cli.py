@@ -1,0 +1,98 @@
+"""`sdvg serve`: its flags and its run (registered by sdvg/cli/serve.py; nothing heavy imported here)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from sdvg.serve.config import ServeConfig
+
+_D = ServeConfig()
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    from sdvg.cli import add_generation_args
+
+    p = subparsers.add_parser("serve", help="realtime websocket server speaking Krea Realtime Video's protocol, "
+                                            "with a browser page (docs/server.md)")
+    add_generation_args(p)  # generate's preset, model and device flags; the option flags are the server's defaults
+    p.add_argument("--host", default=_D.host, help="address to bind (default: 127.0.0.1, loopback only; any "
+                                                   "other needs --token)")
+    p.add_argument("--port", type=int, default=_D.port, help=f"TCP port (default: {_D.port}; 0: any free port)")
+    p.add_argument("--token", help="shared secret every HTTP request and websocket must carry (Authorization: "
+                                   "Bearer T, or ?token=T); required beyond loopback")
+    p.add_argument("--max-sessions", type=int, default=_D.max_sessions,
+                   help=f"generations at once, interleaved block by block (default: {_D.max_sessions})")
+    p.add_argument("--max-queue", type=int, default=_D.max_queue,
+                   help=f"sessions that wait for a slot, told their position; more get `busy` "
+                        f"(default: {_D.max_queue})")
+    p.add_argument("--idle-timeout", type=float, default=_D.idle_timeout_s,
+                   help=f"seconds a socket may stay silent while nothing generates (default: {_D.idle_timeout_s:g})")
+    p.add_argument("--send-buffer-frames", type=int, default=_D.send_buffer_frames,
+                   help=f"unsent frames per socket before the oldest is dropped (default: {_D.send_buffer_frames})")
+    p.add_argument("--max-message-bytes", type=int, default=_D.max_message_bytes,
+                   help=f"largest websocket message (default: {_D.max_message_bytes})")
+    p.add_argument("--max-upload-bytes", type=int, default=_D.max_upload_bytes,
+                   help=f"largest POST /upload_video (default: {_D.max_upload_bytes})")
+    p.add_argument("--max-blocks", type=int, default=_D.max_blocks,
+                   help=f"largest num_blocks a client may ask for (default: {_D.max_blocks})")
+    p.add_argument("--updates-per-s", type=float, default=_D.updates_per_s,
+                   help=f"mid-stream updates per second per socket (default: {_D.updates_per_s:g})")
+    p.add_argument("--video-dir", help="folder of the session MP4s and uploads (default: a temporary folder)")
+    p.add_argument("--fps", type=float, default=_D.fps, help=f"frame rate of the MP4s (default: {_D.fps:g})")
+    p.add_argument("--ray-replicas", type=int, default=0,
+                   help="serve through Ray Serve with this many replicas, each its own pipeline (one per GPU pair; "
+                        "the serve-ray extra; 0: no Ray, the default)")
+    p.add_argument("--ray-gpus-per-replica", type=float, default=0.0,
+                   help="GPUs Ray reserves per replica (2 for a drafter/target pair; default 0: CPU)")
+    p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--quiet", action="store_true", help="no loading messages")
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def config_of(args) -> ServeConfig:
+    return ServeConfig(host=args.host, port=args.port, token=args.token, max_sessions=args.max_sessions,
+                       max_queue=args.max_queue, idle_timeout_s=args.idle_timeout,
+                       send_buffer_frames=args.send_buffer_frames, max_message_bytes=args.max_message_bytes,
+                       max_upload_bytes=args.max_upload_bytes, max_blocks=args.max_blocks,
+                       updates_per_s=args.updates_per_s, video_dir=args.video_dir, fps=args.fps)
+
+
+def run_serve(args, load_pipeline=None) -> int:
+    """`load_pipeline(args)`: the pipeline the server serves (default: from the preset, checkpoint and device
+    flags, as `sdvg generate` builds it)."""
+    from sdvg.options import options_from_args
+    from sdvg.serve.protocol import ProtocolError
+    from sdvg.serve.security import check_bind
+
+    cfg = config_of(args)
+    check_bind(cfg.host, cfg.token)  # a ValueError: exit 2 before anything loads
+    defaults = options_from_args(args)
+    if defaults.run_ahead or defaults.cuda_graphs and cfg.max_sessions > 1:
+        raise ProtocolError("run_ahead" if defaults.run_ahead else "cuda_graphs",
+                            "sessions are interleaved on one worker: drop --run-ahead; --cuda-graphs needs "
+                            "--max-sessions 1")
+    try:
+        from sdvg.serve.app import create_app
+        from sdvg.serve.server import serve
+    except ImportError as exc:
+        print(f"error: sdvg serve needs the serve extra: pip install 'sdvg[serve]' ({exc})", file=sys.stderr)
+        return 2
+    if args.ray_replicas > 0:
+        try:
+            from sdvg.serve.ray_app import run
+        except ImportError as exc:
+            print(f"error: --ray-replicas needs the serve-ray extra: pip install 'sdvg[serve-ray]' ({exc})",
+                  file=sys.stderr)
+            return 2
+        return run(args, cfg, defaults)
+    if load_pipeline is None:
+        from sdvg.cli import build_pipeline as load_pipeline
+
+    pipe = load_pipeline(args)
+    app = create_app(pipe, cfg, defaults)
+    if not args.quiet:
+        print(f"sdvg serve: http://{cfg.host}:{cfg.port}/ (preset {args.preset}, at most {cfg.max_sessions} "
+              f"sessions)", file=sys.stderr, flush=True)
+    serve(app, cfg, args.log_level)
+    return 0

@@ -1,0 +1,43 @@
+"""The server's limits and policies, one frozen config (the CLI flags of `sdvg serve` fill it)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    token: str | None = None  # required for any bind other than the loopback default (security.check_bind)
+    max_sessions: int = 4  # generations in progress at once (interleaved block by block)
+    max_queue: int = 8  # sessions waiting for a slot; one more gets `busy`
+    idle_timeout_s: float = 300.0  # no client message while not generating (before params, after completed)
+    send_buffer_frames: int = 64  # per socket; when full the oldest unsent frame is dropped (counted)
+    max_message_bytes: int = 8 * 2**20  # one websocket message (uvicorn closes with 1009 above it)
+    max_image_bytes: int = 4 * 2**20  # a webcam `image` or a start frame
+    max_image_pixels: int = 4096 * 4096  # decoded image limit (uploads)
+    max_upload_bytes: int = 256 * 2**20  # POST /upload_video
+    max_prompt_chars: int = 2000
+    max_blocks: int = 256  # num_blocks a client may ask for
+    updates_per_s: float = 20.0  # sustained mid-stream update rate per socket
+    update_burst: int = 40  # updates allowed at once before the rate applies
+    flood_close_after: int = 200  # refused updates on one socket before it is closed (1008)
+    upload_ttl_s: float = 600.0  # an unclaimed upload is deleted after this
+    keep_videos: int = 64  # finished session MP4s kept for download (oldest deleted first)
+    jpeg_quality: int = 90  # Krea's
+    fps: float = 16.0  # of the MP4s
+    drain_timeout_s: float = 30.0  # SIGTERM: time given to the block in progress before sockets close
+    video_dir: str | None = None  # where session MP4s and uploads live (default: a temporary folder)
+
+    def __post_init__(self) -> None:
+        for name in ("max_sessions", "send_buffer_frames", "max_message_bytes", "max_image_bytes", "max_blocks",
+                     "update_burst", "flood_close_after", "keep_videos", "max_prompt_chars"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue {self.max_queue} must be >= 0 (0: refuse when every slot is taken)")
+        for name in ("idle_timeout_s", "updates_per_s", "upload_ttl_s", "fps", "drain_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} {getattr(self, name)} must be > 0")
+        if not 1 <= self.jpeg_quality <= 100:
+            raise ValueError(f"jpeg_quality {self.jpeg_quality} must be in [1, 100]")

@@ -1,0 +1,126 @@
+"""The adapter between the server and the pipeline: the options of one session from its parameters
+(refusing what sdvg cannot honour, by field), the block iterator of one generation, and updates.
+
+Today a generation is `pipe.run(prompt, options)` with scheduler "reference" (bitwise the native
+scheduler's video): it runs on the caller's thread and yields each block as soon as it is final,
+so the one generation worker decides which session's next block runs (round-robin) and no two
+videos' stages ever run at once. (The native scheduler cannot serve here: threaded, its thread
+would run stages concurrently with other sessions'; unthreaded, it yields a video's blocks only
+when the whole video is done.) When the pipeline has live
+sessions (`pipe.session(prompt, **options)`, with `session.update(...) -> UpdateAck`), a
+generation is a live session and mid-stream prompt / tau / image updates go to it."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from sdvg.options import GenerationOptions, OptionError
+from sdvg.serve.protocol import KreaParams, ProtocolError, UPLOAD_ID, option_fields
+
+LIVE_ONLY = "arrives with live sessions (pipe.session, issue 24); this sdvg has none yet"
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    """What one generation runs: the prompt and the resolved options."""
+
+    prompt: str
+    options: GenerationOptions
+    request_id: str | None
+
+
+class Engine:
+    """`pipe`: a SpeculativeVideoPipeline (models loaded once); `defaults`: the server's options
+    (`sdvg serve --tau ...`) that a client's fields override."""
+
+    def __init__(self, pipe, defaults: GenerationOptions | None = None):
+        self.pipe = pipe
+        self.defaults = defaults or GenerationOptions()
+        self.preset = pipe.preset
+
+    @property
+    def live(self) -> bool:
+        return hasattr(self.pipe, "session")
+
+    @property
+    def size(self) -> tuple[int, int]:  # height, width
+        return self.preset.video.height, self.preset.video.width
+
+    # ------------------------------------------------------------------ parameters -> options
+    def spec(self, params: KreaParams, max_blocks: int, upload_known) -> SessionSpec:
+        """The session's options; a field sdvg cannot honour raises ProtocolError naming it."""
+        height, width = self.size
+        for name, value, ours in (("width", params.width, width), ("height", params.height, height)):
+            if value is not None and value != ours:
+                raise ProtocolError(name, f"{value}: this server's preset {self.preset.name!r} makes "
+                                          f"{width}x{height} videos only; send {ours} or leave it out")
+        steps = len(self.preset.timesteps)
+        if params.num_denoising_steps is not None and params.num_denoising_steps != steps:
+            raise ProtocolError("num_denoising_steps", f"{params.num_denoising_steps}: the models of preset "
+                                f"{self.preset.name!r} take {steps} steps; send {steps} or leave it out")
+        if params.timestep_shift is not None and params.timestep_shift != self.preset.shift:
+            raise ProtocolError("timestep_shift", f"{params.timestep_shift}: the preset's schedule uses shift "
+                                f"{self.preset.shift:g}; send it or leave it out")
+        if params.num_blocks > max_blocks:
+            raise ProtocolError("num_blocks", f"{params.num_blocks}: at most {max_blocks} on this server")
+        if params.context_noise != 0.0:
+            raise ProtocolError("context_noise", "only 0.0: sdvg's context is clean (no context noise)")
+        if params.resume_latents is not None:
+            raise ProtocolError("resume_latents", "resuming from client latents is not supported")
+        if params.interp_blocks != -1:
+            raise ProtocolError("interp_blocks", f"prompt interpolation {LIVE_ONLY}")
+        for name in ("input_video", "start_frame"):
+            value = getattr(params, name)
+            if value is None:
+                continue
+            if isinstance(value, bytes) or not UPLOAD_ID.match(value):
+                raise ProtocolError(name, "must be an id returned by POST /upload_"
+                                    + ("video" if name == "input_video" else "start_frame")
+                                    + "; the server never opens a path or URL a client names")
+            if not upload_known(value):
+                raise ProtocolError(name, f"{value}: no such upload (expired, used, or never made)")
+            raise ProtocolError(name, f"video input {LIVE_ONLY}")
+        if params.webcam_mode:
+            raise ProtocolError("webcam_mode", f"webcam input {LIVE_ONLY}")
+        if params.strength != 1.0:
+            raise ProtocolError("strength", f"{params.strength}: strength applies to video input, which {LIVE_ONLY}")
+        seed = params.seed if params.seed is not None else random.randint(0, 2**24 - 1)  # Krea's rule
+        values = {**option_fields(params), "seed": seed, "num_blocks": params.num_blocks,
+                  "kv_cache_frames": params.kv_cache_num_frames, "keep_first_frame": params.keep_first_frame,
+                  "scheduler": "reference", "run_ahead": False}
+        for name, value in option_fields(params).items():  # each alone first: the error names its field
+            try:
+                GenerationOptions(**{name: value})
+            except (OptionError, TypeError, ValueError) as exc:
+                raise ProtocolError(name, str(exc)) from None
+        try:
+            options = self.defaults.replace(**values)
+            options = self.pipe.resolve(options)
+        except (OptionError, TypeError, ValueError) as exc:
+            field = next((n for n in values if n in str(exc).split()[:3] or str(exc).startswith(n)), None)
+            if field == "kv_cache_frames":
+                field = "kv_cache_num_frames"
+            raise ProtocolError(field, str(exc)) from None
+        return SessionSpec(params.prompt, options, params.request_id)
+
+    # ------------------------------------------------------------------ generation
+    def start(self, spec: SessionSpec) -> Iterator:
+        """The blocks of one generation (run on the generation worker's thread only)."""
+        if self.live:
+            return self.pipe.session(spec.prompt, **_keywords(spec.options))
+        return self.pipe.run(spec.prompt, spec.options)
+
+    @staticmethod
+    def update(generation, **changes) -> int:
+        """A live update (prompt=, interp_blocks=, tau=, input_frames=, strength=): the block it takes
+        effect at (`UpdateAck.block`). Only with live sessions."""
+        return generation.update(**changes).block
+
+    @staticmethod
+    def close(generation) -> Any:
+        return generation.close()
+
+
+def _keywords(options: GenerationOptions) -> dict:
+    return {name: getattr(options, name) for name in GenerationOptions.__dataclass_fields__}

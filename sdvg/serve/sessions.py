@@ -1,0 +1,397 @@
+"""Sessions and the one generation worker that interleaves them block by block.
+
+The worker is one thread that owns every generation (the pipeline is not thread-safe across
+videos): between two blocks it applies the commands the sockets queued (start, stop, live updates),
+then runs the next block of the next runnable session in round-robin order, writes it to that
+session's MP4 and hands its frames to the session's socket. A socket never waits for the worker
+and the worker never waits for a socket:
+
+- at most `max_sessions` generations are admitted (running or paused); the next `max_queue` wait
+  in order and are told their position on every change; one more is refused with `busy`;
+- each socket has a bounded send buffer of `send_buffer_frames` frames; when a new frame finds it
+  full, the oldest unsent frame is dropped and counted (`sdvg_serve_dropped_frames_total`; text
+  messages are never dropped), so a slow client loses frames, not other sessions' time; the MP4
+  keeps every frame;
+- a socket that closes is out of the rotation at once; its generation is closed (and its slot given
+  to the queue) before the worker runs any other block.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+
+from sdvg.serve.config import ServeConfig
+from sdvg.serve.encode import encode_block
+from sdvg.serve.engine import Engine, SessionSpec
+from sdvg.serve.metrics import ServeMetrics
+from sdvg.serve.videos import VideoStore
+
+PRODUCER = {"forced": "target", "rejected": "target", "target": "target", "accepted": "drafter",
+            "draft": "drafter"}
+
+
+class Outbox:
+    """One socket's send buffer: text messages (never dropped) and frames (at most `limit` unsent;
+    the oldest goes when a new one finds it full). Used from the event loop only."""
+
+    def __init__(self, limit: int, metrics: ServeMetrics):
+        self.items: collections.deque = collections.deque()
+        self.frames = 0
+        self.limit, self.metrics = limit, metrics
+        self.dropped = 0
+        self.event = asyncio.Event()
+
+    def text(self, message: dict) -> None:
+        self.items.append(("text", message))
+        self.event.set()
+
+    def frame(self, data: bytes, on_send=None) -> None:
+        if self.frames >= self.limit:
+            for i, item in enumerate(self.items):
+                if item[0] == "frame":
+                    del self.items[i]
+                    self.frames -= 1
+                    self.dropped += 1
+                    self.metrics.dropped.inc()
+                    break
+        self.items.append(("frame", data, on_send))
+        self.frames += 1
+        self.event.set()
+
+    def close(self, code: int) -> None:
+        self.items.append(("close", code))
+        self.event.set()
+
+    async def next(self):
+        while not self.items:
+            self.event.clear()
+            await self.event.wait()
+        item = self.items.popleft()
+        if item[0] == "frame":
+            self.frames -= 1
+        return item
+
+
+class Session:
+    """One websocket's session. Fields marked (worker) are touched by the worker thread only."""
+
+    def __init__(self, session_id: str, fmt: str, superset: bool, loop: asyncio.AbstractEventLoop,
+                 outbox: Outbox):
+        self.id, self.fmt, self.superset, self.loop, self.outbox = session_id, fmt, superset, loop, outbox
+        self.spec: SessionSpec | None = None
+        self.state = "new"  # new | queued | running | done | closed
+        self.paused = False
+        self.commands: collections.deque = collections.deque()  # for the worker (under the manager's lock)
+        self.run = 0  # bumped by every (re)start: blocks of an older run are not sent
+        self.next_seed: int | None = None  # Krea: a `seed` update applies at the next reset
+        self.generation: Any = None  # (worker)
+        self.writer: Any = None  # (worker)
+        self.blocks_done = 0  # (worker) blocks of the current run
+        self.frames_done = 0  # (worker)
+        self.accepted = self.later = 0  # (worker)
+        self.t_start = 0.0
+        self.first_frame_sent = False
+        self.last_block_sent: float | None = None
+        self.last_interval: float | None = None
+        self.lock = asyncio.Lock()  # orders encoded blocks and text messages
+
+    def post_text(self, message: dict) -> None:
+        """A text message after every block already handed over (from any thread)."""
+        self.post(self._ordered, ("text", message))
+
+    def post_close(self, code: int) -> None:
+        self.post(self._ordered, ("close", code))
+
+    def _ordered(self, item) -> None:
+        asyncio.ensure_future(self._ordered_async(item))
+
+    async def _ordered_async(self, item) -> None:
+        async with self.lock:  # FIFO: after the frames of the blocks handed over before it
+            (self.outbox.text if item[0] == "text" else self.outbox.close)(item[1])
+
+    def post(self, fn, *args) -> None:
+        """Run fn(*args) on the event loop (from the worker)."""
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: the server is gone
+            pass
+
+
+class SessionManager:
+    def __init__(self, engine: Engine, cfg: ServeConfig, metrics: ServeMetrics, videos: VideoStore,
+                 uploads=None):
+        self.engine, self.cfg, self.metrics, self.videos, self.uploads = engine, cfg, metrics, videos, uploads
+        self.cond = threading.Condition()
+        self.active: list[Session] = []  # admitted (running or paused), in round-robin order
+        self.queue: collections.deque[Session] = collections.deque()
+        self.closing: list[Session] = []  # sockets gone or runs ended early, for the worker to close
+        self.ids: set[str] = set()  # session ids of open sockets
+        self.turn = 0
+        self.stopping = False
+        self.busy_block = False
+        self.thread = threading.Thread(target=self._work, name="sdvg-serve-worker", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    # ------------------------------------------------------------------ called on the event loop
+    def claim_id(self, session_id: str) -> bool:
+        with self.cond:
+            if session_id in self.ids:
+                return False
+            self.ids.add(session_id)
+            return True
+
+    def admit(self, session: Session, spec: SessionSpec) -> str:
+        """Start (or queue) a generation: 'running', 'queued' or 'busy'."""
+        with self.cond:
+            if self.stopping:
+                return "busy"
+            session.spec = spec
+            if session.state == "running":  # a reset: the slot is kept
+                self._restart(session)
+                return "running"
+            if len(self.active) < self.cfg.max_sessions:
+                self.active.append(session)
+                session.state = "running"
+                self._restart(session)
+                self._counts()
+                return "running"
+            if len(self.queue) >= self.cfg.max_queue:
+                self.metrics.busy_total.inc()
+                return "busy"
+            self.queue.append(session)
+            session.state = "queued"
+            self._counts()
+            self._tell_positions()
+            return "queued"
+
+    def command(self, session: Session, *command) -> None:
+        with self.cond:
+            session.commands.append(command)
+            self.cond.notify()
+
+    def pause(self, session: Session, paused: bool) -> None:
+        with self.cond:
+            session.paused = paused
+            self.cond.notify()
+
+    def release(self, session: Session) -> None:
+        """The socket is gone: out of the rotation now; the worker closes its generation next."""
+        with self.cond:
+            self.ids.discard(session.id)
+            if session in self.queue:
+                self.queue.remove(session)
+                self._tell_positions()
+            if session in self.active:
+                self.active.remove(session)
+                self._promote()
+            session.state = "closed"
+            self.closing.append(session)
+            self._counts()
+            self.cond.notify()
+
+    def stop(self) -> None:
+        """Shutdown: the block in progress ends, then every generation is finished (MP4 included)."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+        self.thread.join(self.cfg.drain_timeout_s)
+
+    # ------------------------------------------------------------------ under the lock
+    def _restart(self, session: Session) -> None:
+        session.run += 1
+        session.t_start = time.perf_counter()
+        session.first_frame_sent = False
+        session.last_block_sent = session.last_interval = None
+        session.commands.append(("start", session.run, session.spec))
+        self.metrics.sessions_total.inc()
+        self.cond.notify()
+
+    def _promote(self) -> None:
+        while self.queue and len(self.active) < self.cfg.max_sessions:
+            nxt = self.queue.popleft()
+            self.active.append(nxt)
+            nxt.state = "running"
+            self._restart(nxt)
+        self._tell_positions()
+
+    def _tell_positions(self) -> None:
+        for pos, s in enumerate(self.queue, 1):
+            s.post_text({"status": "queued", "position": pos, "session_id": s.id})
+
+    def _counts(self) -> None:
+        self.metrics.sessions_active.set(len(self.active))
+        self.metrics.sessions_queued.set(len(self.queue))
+
+    def _runnable(self) -> list[Session]:
+        return [s for s in self.active if not s.paused and s.generation is not None and not s.commands]
+
+    def _next(self) -> Session | None:
+        """The next session in round-robin order over the admitted ones (advances the turn)."""
+        runnable = self._runnable()
+        if not runnable:
+            return None
+        order = self.active[self.turn % len(self.active):] + self.active[:self.turn % len(self.active)]
+        pick = next(s for s in order if s in runnable)
+        self.turn = self.active.index(pick) + 1
+        return pick
+
+    # ------------------------------------------------------------------ the worker
+    def _work(self) -> None:
+        while True:
+            with self.cond:
+                while not self.stopping and not self.closing and not any(s.commands for s in self.active) \
+                        and not self._runnable():
+                    self.cond.wait()
+                if self.stopping:
+                    break
+                closing, self.closing = self.closing, []
+                commands = [(s, s.commands.popleft()) for s in self.active if s.commands]
+            for s in closing:
+                self._end(s, reason="closed")
+            for s, cmd in commands:
+                self._apply(s, cmd)
+            with self.cond:
+                pick = self._next()
+            if pick is not None:
+                self._step(pick)
+        # shutdown: finish every generation and MP4, tell each socket completed, close it
+        with self.cond:
+            every = self.active + list(self.queue) + self.closing
+            self.active, self.closing = [], []
+            self.queue.clear()
+            self._counts()
+        for s in every:
+            self._end(s, reason="shutdown")
+            if s.state != "closed":
+                s.post_text({"session_id": s.id, "status": "completed"})
+                s.post_close(1001)
+
+    def _apply(self, s: Session, cmd: tuple) -> None:
+        if cmd[0] == "start":
+            self._end(s, reason="restart")
+            run, spec = cmd[1], cmd[2]
+            try:
+                s.generation = self.engine.start(spec)
+                s.writer = self.videos.writer(s.id)
+            except Exception as exc:  # e.g. a memory budget refusal
+                s.post_text({"status": "error", "error": f"could not start: {exc}", "field": None})
+                self._finished(s)
+                return
+            s.gen_run = run
+            s.blocks_done = s.frames_done = s.accepted = s.later = 0
+        elif cmd[0] == "update":  # live sessions only (engine.live)
+            changes, field, request_id = cmd[1], cmd[2], cmd[3]
+            try:
+                block = self.engine.update(s.generation, **changes)
+            except Exception as exc:
+                s.post_text({"status": "error", "error": f"{field}: {exc}", "field": field})
+                return
+            if s.superset:
+                s.post_text({"status": "ack", "field": field, "block": block, "request_id": request_id})
+
+    def _step(self, s: Session) -> None:
+        gen = s.generation
+        t0 = time.perf_counter()
+        try:
+            block = next(gen)
+        except StopIteration:
+            self._end(s, reason="completed")
+            s.post_text({"session_id": s.id, "status": "completed"})
+            self._finished(s)
+            return
+        except Exception as exc:
+            traceback.print_exc()
+            self._end(s, reason="error")
+            s.post_text({"status": "error", "error": f"generation failed at block {s.blocks_done}: "
+                                                              f"{type(exc).__name__}: {exc}", "field": None})
+            self._finished(s)
+            return
+        self.metrics.block_latency.observe(time.perf_counter() - t0)
+        self.metrics.block(block.index, block.decision)
+        frames = block.frames.cpu().numpy()  # uint8 [T, H, W, 3]
+        try:
+            s.writer.write(block.frames)
+        except Exception as exc:  # the MP4 failed; the stream goes on
+            s.post_text({"status": "error", "error": f"video file: {exc}", "field": None})
+        if block.index > 0 and block.decision in ("accepted", "rejected"):
+            s.later += 1
+            s.accepted += block.decision == "accepted"
+        first = s.frames_done
+        s.blocks_done += 1
+        s.frames_done += frames.shape[0]
+        stats = None
+        if s.superset:
+            stats = {"status": "stats", "block": block.index, "decision": block.decision, "score": block.score,
+                     "producer": PRODUCER.get(block.decision, block.decision), "frames": int(frames.shape[0]),
+                     "first_frame": first, "times": {k: round(v, 6) for k, v in block.times.items()},
+                     "acceptance": s.accepted / s.later if s.later else None, "latency_s": time.perf_counter() - t0}
+        s.post(self._deliver, s, s.gen_run, block.index, first, frames, stats)
+
+    def _end(self, s: Session, reason: str) -> None:
+        """Close the generation and finish its MP4 (worker)."""
+        if s.generation is not None:
+            try:
+                self.engine.close(s.generation)
+            except Exception:
+                traceback.print_exc()
+            s.generation = None
+        if s.writer is not None:
+            try:
+                self.videos.finish(s.id, s.writer)
+            except Exception as exc:
+                s.post_text({"status": "error", "error": f"video file: {exc}", "field": None})
+            s.writer = None
+        if reason in ("closed", "shutdown") and self.uploads is not None:
+            self.uploads.expire()
+
+    def _finished(self, s: Session) -> None:
+        """The run ended (completed or failed): the slot goes to the queue; the socket stays open."""
+        with self.cond:
+            if s in self.active:
+                self.active.remove(s)
+                self._promote()
+            if s.state == "running":
+                s.state = "done"
+            self._counts()
+
+    # ------------------------------------------------------------------ back on the event loop
+    def _deliver(self, s: Session, run: int, block: int, first: int, frames: np.ndarray, stats) -> None:
+        if run != s.run or s.state == "closed":
+            return  # a block of a run that was reset, or of a socket that is gone
+        asyncio.ensure_future(self._send_block(s, run, block, first, frames, stats))
+
+    async def _send_block(self, s: Session, run, block, first, frames, stats) -> None:
+        async with s.lock:
+            await self._send_block_locked(s, run, block, first, frames, stats)
+
+    async def _send_block_locked(self, s: Session, run, block, first, frames, stats) -> None:
+        loop = asyncio.get_running_loop()
+        request_id = s.spec.request_id if s.spec else None
+        messages = await loop.run_in_executor(None, encode_block, frames, s.fmt, block, first, request_id,
+                                              self.cfg.jpeg_quality)
+        if run != s.run:
+            return
+        now = time.perf_counter()
+        if not s.first_frame_sent:
+            s.first_frame_sent = True
+            self.metrics.first_frame.observe(now - s.t_start)
+        if s.last_block_sent is not None:
+            interval = now - s.last_block_sent
+            if s.last_interval is not None:
+                self.metrics.jitter.observe(abs(interval - s.last_interval))
+            s.last_interval = interval
+        s.last_block_sent = now
+        for m in messages:
+            s.outbox.frame(m)
+        if stats is not None:
+            stats["queue_depth"] = s.outbox.frames
+            stats["dropped_frames"] = s.outbox.dropped
+            s.outbox.text(stats)

@@ -1,0 +1,97 @@
+// sdvg serve page: plain JS, no build step. Speaks Krea's protocol with sdvg's superset (?sdvg=1).
+"use strict";
+(function () {
+  const $ = (id) => document.getElementById(id);
+  const token = new URLSearchParams(location.search).get("token");
+  const enc = new TextEncoder();
+
+  // a small msgpack encoder: maps, strings, numbers, booleans, null, byte arrays
+  function pack(value, out) {
+    const u8 = (b) => out.push(b & 0xff);
+    const u16 = (v) => out.push((v >>> 8) & 0xff, v & 0xff);
+    const u32 = (v) => out.push((v >>> 24) & 0xff, (v >>> 16) & 0xff, (v >>> 8) & 0xff, v & 0xff);
+    if (value === null || value === undefined) u8(0xc0);
+    else if (value === true) u8(0xc3);
+    else if (value === false) u8(0xc2);
+    else if (typeof value === "number") {
+      if (Number.isInteger(value) && value >= 0 && value < 2 ** 32) {
+        if (value < 128) u8(value); else { u8(0xce); u32(value); }
+      } else if (Number.isInteger(value) && value < 0 && value >= -(2 ** 31)) {
+        u8(0xd2); u32(value >>> 0);
+      } else {
+        u8(0xcb); const b = new DataView(new ArrayBuffer(8)); b.setFloat64(0, value);
+        for (let i = 0; i < 8; i++) out.push(b.getUint8(i));
+      }
+    } else if (typeof value === "string") {
+      const s = enc.encode(value);
+      if (s.length < 32) u8(0xa0 | s.length); else { u8(0xdb); u32(s.length); }
+      for (const b of s) out.push(b);
+    } else if (value instanceof Uint8Array) {
+      u8(0xc6); u32(value.length); for (const b of value) out.push(b);
+    } else if (typeof value === "object") {
+      const keys = Object.keys(value).filter((k) => value[k] !== undefined);
+      u8(0xdf); u32(keys.length);
+      for (const k of keys) { pack(k, out); pack(value[k], out); }
+    } else throw new Error("cannot pack " + typeof value);
+    return out;
+  }
+  const msg = (obj) => new Uint8Array(pack(obj, []));
+
+  let ws = null, sessionId = null, frames = 0, frameTimes = [], blockSent = {};
+  const canvas = $("canvas"), ctx = canvas.getContext("2d");
+  const setStatus = (s) => { $("status").textContent = s; };
+  const running = (on) => { $("start").disabled = on; $("stop").disabled = !on; $("apply").disabled = !on; };
+  $("blend").oninput = () => { $("blendValue").textContent = $("blend").value; };
+  $("tau").oninput = () => { $("tauValue").textContent = $("tau").value; };
+  $("tau").onchange = () => { if (ws && ws.readyState === 1) ws.send(msg({ tau: Number($("tau").value) })); };
+
+  function draw(blob) {
+    createImageBitmap(blob).then((img) => {
+      if (canvas.width !== img.width) { canvas.width = img.width; canvas.height = img.height; }
+      ctx.drawImage(img, 0, 0);
+      frames += 1; $("frames").textContent = frames; document.body.dataset.framesDrawn = frames;
+      const now = performance.now(); frameTimes.push(now);
+      while (frameTimes.length && now - frameTimes[0] > 2000) frameTimes.shift();
+      $("fps").textContent = (frameTimes.length / 2).toFixed(1);
+    });
+  }
+
+  function onText(data) {
+    const m = JSON.parse(data);
+    if (m.status === "ready") {
+      setStatus("ready");
+      ws.send(msg({ prompt: $("prompt").value, seed: Number($("seed").value), num_blocks: Number($("numBlocks").value),
+                    tau: Number($("tau").value), request_id: "page" }));
+    } else if (m.status === "queued") setStatus("queued, position " + m.position);
+    else if (m.status === "params") setStatus("generating (seed " + m.seed + ")");
+    else if (m.status === "stats") {
+      const line = document.createElement("div");
+      line.className = m.decision; line.dataset.decision = m.decision;
+      line.textContent = "block " + m.block + ": " + m.decision + " score " +
+        (m.score === null ? "-" : m.score.toFixed(3)) + " (" + m.producer + ")";
+      $("blocks").appendChild(line);
+      $("latency").textContent = (m.latency_s * 1000).toFixed(0);
+      $("acceptance").textContent = m.acceptance === null ? "-" : m.acceptance.toFixed(2);
+    } else if (m.status === "ack") setStatus("update " + m.field + " takes effect at block " + m.block);
+    else if (m.status === "error") { setStatus("error: " + m.error); document.body.dataset.lastError = m.error; }
+    else if (m.status === "completed") { setStatus("completed"); $("download").disabled = false; running(false); }
+  }
+
+  $("start").onclick = () => {
+    sessionId = "page-" + Math.random().toString(36).slice(2, 12);
+    frames = 0; $("blocks").textContent = ""; $("download").disabled = true;
+    const q = "?sdvg=1" + (token ? "&token=" + encodeURIComponent(token) : "");
+    ws = new WebSocket((location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/session/" + sessionId + q);
+    ws.binaryType = "blob";
+    ws.onmessage = (e) => (typeof e.data === "string" ? onText(e.data) : draw(e.data));
+    ws.onclose = () => { running(false); if ($("status").textContent !== "completed") setStatus("disconnected"); };
+    running(true);
+  };
+  $("stop").onclick = () => { if (ws) ws.close(); };
+  $("apply").onclick = () => {
+    if (ws && ws.readyState === 1) ws.send(msg({ prompt: $("prompt").value, interp_steps: Number($("blend").value) }));
+  };
+  $("download").onclick = () => {
+    location.href = "/download_video/" + sessionId + (token ? "?token=" + encodeURIComponent(token) : "");
+  };
+})();

@@ -1,0 +1,87 @@
+"""Uploaded files, known only by the ids the server makes (`up_` + 32 hex): never a client's path.
+
+Each upload is checked by its first bytes (MP4/MOV/WebM for videos; JPEG/PNG/WebP for images,
+which are also decoded under a pixel limit), capped in size while it is read, stored under the
+server's own folder with a name made from the id, and deleted when the session that named it ends
+or after `upload_ttl_s` unclaimed."""
+from __future__ import annotations
+
+import io
+import secrets
+import threading
+import time
+from pathlib import Path
+
+VIDEO_KINDS = {"mp4": lambda h: h[4:8] == b"ftyp", "webm": lambda h: h[:4] == b"\x1a\x45\xdf\xa3"}
+IMAGE_KINDS = {"jpeg": lambda h: h[:3] == b"\xff\xd8\xff", "png": lambda h: h[:8] == b"\x89PNG\r\n\x1a\n",
+               "webp": lambda h: h[:4] == b"RIFF" and h[8:12] == b"WEBP"}
+
+
+class UploadError(ValueError):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def sniff(head: bytes, kinds: dict) -> str | None:
+    return next((name for name, test in kinds.items() if test(head)), None)
+
+
+def check_image(data: bytes, max_pixels: int) -> tuple[int, int]:
+    """Decode an image under a pixel limit (before and after the header is read); its (width, height)."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            if img.width * img.height > max_pixels:
+                raise UploadError(413, f"image of {img.width}x{img.height} pixels; at most {max_pixels} pixels")
+            img.load()
+            return img.width, img.height
+    except UploadError:
+        raise
+    except Exception as exc:  # PIL's many decode errors
+        raise UploadError(400, f"not a decodable image ({type(exc).__name__})") from None
+
+
+class UploadStore:
+    def __init__(self, folder: Path, ttl_s: float):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.ttl_s = ttl_s
+        self._items: dict[str, tuple[Path, float, str]] = {}  # id -> (file, created, kind)
+        self._lock = threading.Lock()
+
+    def add(self, data: bytes, kind: str) -> str:
+        upload_id = "up_" + secrets.token_hex(16)
+        path = self.folder / f"{upload_id}.{kind}"
+        path.write_bytes(data)
+        with self._lock:
+            self._items[upload_id] = (path, time.monotonic(), kind)
+        self.expire()
+        return upload_id
+
+    def known(self, upload_id: str) -> bool:
+        with self._lock:
+            return upload_id in self._items
+
+    def delete(self, upload_id: str) -> None:
+        with self._lock:
+            item = self._items.pop(upload_id, None)
+        if item is not None:
+            item[0].unlink(missing_ok=True)
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            old = [k for k, (_, t, _) in self._items.items() if now - t > self.ttl_s]
+        for k in old:
+            self.delete(k)
+
+    def clear(self) -> None:
+        with self._lock:
+            ids = list(self._items)
+        for k in ids:
+            self.delete(k)
+
+    def __len__(self) -> int:
+        return len(self._items)

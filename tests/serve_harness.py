@@ -1,0 +1,94 @@
+"""Shared by the tests/test_serve*.py files: a real uvicorn server on 127.0.0.1 (a free port) in a
+thread, and a websockets client that runs one session to its end."""
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import msgpack
+import numpy as np
+
+TIMEOUT = 240.0  # seconds any one session may take on a loaded 2-core machine
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(pipe, tmp_path, **config):
+    """Yields (base_url, app); the server drains and stops on exit."""
+    from sdvg.serve.app import create_app
+    from sdvg.serve.config import ServeConfig
+    from sdvg.serve.server import DrainingServer, uvicorn_config
+
+    host = config.pop("host", "127.0.0.1")
+    cfg = ServeConfig(host=host, port=free_port(host), video_dir=str(tmp_path), **config)
+    app = create_app(pipe, cfg)
+    server = DrainingServer(uvicorn_config(app, cfg))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"{host}:{cfg.port}", app
+    finally:
+        server.should_exit = True
+        thread.join(60)
+
+
+def decode_jpeg(data: bytes) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+async def recv_json(ws, timeout: float = TIMEOUT) -> dict:
+    """The next text message (binary ones before it are an error)."""
+    m = await asyncio.wait_for(ws.recv(), timeout)
+    assert isinstance(m, str), f"expected a text message, got {len(m)} binary bytes"
+    return json.loads(m)
+
+
+async def run_session(url: str, params: dict, fmt: str = "jpeg", superset: bool = False, session_id: str = "s1",
+                      token: str | None = None, on_frame=None) -> dict:
+    """One session to `completed`: {'ready', 'frames' (decoded uint8 [H, W, 3] in order), 'texts', 'blocks'
+    (msgpack/raw block indices per frame)}."""
+    import websockets
+
+    q = f"?fmt={fmt}" + ("&sdvg=1" if superset else "") + (f"&token={token}" if token else "")
+    out = {"frames": [], "texts": [], "blocks": [], "frame_ids": []}
+    async with websockets.connect(f"ws://{url}/session/{session_id}{q}", max_size=2**26) as ws:
+        out["ready"] = await recv_json(ws, 30)
+        await ws.send(msgpack.packb(params))
+        while True:
+            m = await asyncio.wait_for(ws.recv(), TIMEOUT)
+            if isinstance(m, str):
+                msg = json.loads(m)
+                out["texts"].append(msg)
+                if msg.get("status") == "completed":
+                    break
+                if msg.get("status") == "error" and "field" in msg and msg["field"] is not None:
+                    break
+                continue
+            if fmt == "jpeg":
+                out["frames"].append(decode_jpeg(m))
+            else:
+                d = msgpack.unpackb(m)
+                out["blocks"].append(d["block"])
+                out["frame_ids"].append(d["frame"])
+                out["frames"].append(np.frombuffer(d["image"], np.uint8).reshape(d["shape"]) if fmt == "raw"
+                                     else decode_jpeg(d["image"]))
+                out.setdefault("request_ids", []).append(d["request_id"])
+            if on_frame is not None:
+                await on_frame(ws, len(out["frames"]))
+    return out

@@ -1,0 +1,500 @@
+"""sdvg serve end to end: a real uvicorn server on 127.0.0.1, the `websockets` library as the client,
+the tiny preset (docs/server.md)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import msgpack
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+websockets = pytest.importorskip("websockets")
+
+from serve_harness import TIMEOUT, recv_json, run_session, running_server  # noqa: E402
+
+PROMPT = "a red fox running through fresh snow"
+SEEDS = (5, 7)
+
+
+@pytest.fixture(scope="module")
+def refs(tiny_pipe):
+    """The frames `pipe.stream` makes with the parameters the sessions send (before any server runs)."""
+    out = {}
+    for seed in SEEDS:
+        blocks = list(tiny_pipe.stream(PROMPT, num_blocks=2, seed=seed, kv_cache_frames=3, keep_first_frame=False))
+        out[seed] = {"frames": np.concatenate([b.frames.numpy() for b in blocks]),
+                     "per_block": [b.frames.shape[0] for b in blocks],
+                     "decisions": [b.decision for b in blocks], "scores": [b.score for b in blocks]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tiny_pipe, refs, tmp_path_factory):
+    with running_server(tiny_pipe, tmp_path_factory.mktemp("serve"), max_sessions=8,
+                        send_buffer_frames=4096) as (url, app):
+        yield url, app
+
+
+def jpeg_roundtrip(frames: np.ndarray) -> np.ndarray:
+    from serve_harness import decode_jpeg
+
+    from sdvg.serve.encode import jpeg
+
+    return np.stack([decode_jpeg(jpeg(f, 90)) for f in frames])
+
+
+def params(seed=5, **extra):
+    return {"prompt": PROMPT, "num_blocks": 2, "seed": seed, **extra}
+
+
+def http(url: str, path: str, token: str | None = None, header: bool = True):
+    req = urllib.request.Request(f"http://{url}{path}")
+    if token and header:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_jpeg_session_is_krea_shaped_and_matches_stream(server, refs):
+    url, _ = server
+    out = asyncio.run(run_session(url, params(), session_id="jpeg1"))
+    assert out["ready"]["status"] == "ready" and set(out["ready"]) == {"status", "worker"}  # Krea's, exactly
+    assert out["texts"] == [{"session_id": "jpeg1", "status": "completed"}]  # no sdvg message without ?sdvg=1
+    ref = refs[5]["frames"]
+    got = np.stack(out["frames"])
+    assert got.shape == ref.shape  # every frame: 9 in block 0, then 12 per block (tiny)
+    # within codec tolerance: the pipeline's frames through the same JPEG codec (quality 90), decoded
+    assert np.array_equal(got, jpeg_roundtrip(ref))
+
+
+def test_raw_frames_are_bitwise_and_stats_follow_each_block(server, refs):
+    url, _ = server
+    out = asyncio.run(run_session(url, params(request_id="r-1"), fmt="raw", superset=True, session_id="raw1"))
+    ref = refs[5]
+    assert np.array_equal(np.stack(out["frames"]), ref["frames"])
+    assert out["frame_ids"] == list(range(len(ref["frames"])))
+    assert out["blocks"] == [i for i, n in enumerate(ref["per_block"]) for _ in range(n)]
+    assert set(out["request_ids"]) == {"r-1"}
+    stats = [m for m in out["texts"] if m["status"] == "stats"]
+    assert [s["block"] for s in stats] == [0, 1]
+    assert [s["decision"] for s in stats] == ref["decisions"]
+    assert [s["score"] for s in stats] == pytest.approx(ref["scores"])
+    assert stats[0]["producer"] == "target"
+    assert {"times", "acceptance", "queue_depth", "dropped_frames"} <= set(stats[0])
+    kinds = [m["status"] for m in out["texts"]]
+    assert kinds[0] == "params" and kinds[-1] == "completed" and out["ready"]["preset"] == "tiny"
+
+
+def test_msgpack_format_carries_block_frame_and_request_id(server, refs):
+    url, _ = server
+    out = asyncio.run(run_session(url, params(request_id="abc"), fmt="msgpack", session_id="mp1"))
+    assert out["frame_ids"] == list(range(len(refs[5]["frames"])))
+    assert set(out["request_ids"]) == {"abc"}
+    assert np.array_equal(np.stack(out["frames"]), jpeg_roundtrip(refs[5]["frames"]))
+
+
+def test_download_has_every_frame(server, refs, tmp_path):
+    from sdvg.io.video_writer import read_mp4_frames
+
+    url, _ = server
+    asyncio.run(run_session(url, params(), session_id="dl1"))
+    status, body = http(url, "/download_video/dl1")
+    assert status == 200
+    (tmp_path / "v.mp4").write_bytes(body)
+    frames = read_mp4_frames(tmp_path / "v.mp4")
+    assert frames.shape == refs[5]["frames"].shape  # every frame
+    err = np.abs(frames.astype(np.int16) - refs[5]["frames"].astype(np.int16)).mean()
+    other = np.abs(frames.astype(np.int16) - refs[7]["frames"].astype(np.int16)).mean()
+    assert err < other / 2, (err, other)  # H.264 of noise-like tiny frames: the right video, lossy
+    assert http(url, "/download_video/nosuch")[0] == 404
+    assert http(url, "/download_video/..%2F..%2Fetc%2Fpasswd")[0] in (400, 404)
+
+
+def test_reset_restarts_at_block_0(server, refs):
+    url, _ = server
+
+    async def go():
+        async with websockets.connect(f"ws://{url}/session/reset1?fmt=raw&sdvg=1") as ws:
+            await recv_json(ws, 30)
+            await ws.send(msgpack.packb(params()))
+            frames, texts, reset_at = [], [], None
+            while True:
+                m = await asyncio.wait_for(ws.recv(), TIMEOUT)
+                if isinstance(m, str):
+                    texts.append(json.loads(m))
+                    if texts[-1]["status"] == "completed" and reset_at is not None:
+                        return frames, texts, reset_at
+                    continue
+                d = msgpack.unpackb(m)
+                frames.append(d)
+                if reset_at is None and d["frame"] == 0:
+                    reset_at = len(frames)
+                    await ws.send(msgpack.packb({"action": "reset", "request_id": "x"}))
+
+    frames, texts, reset_at = asyncio.run(go())
+    assert {"status": "ack", "field": "action", "block": 0, "request_id": "x", "action": "reset"} in texts
+    # after the reset: a new run from block 0 and frame 0, equal to a fresh stream
+    restart = max(i for i, d in enumerate(frames) if d["frame"] == 0)
+    after = frames[restart:]
+    assert restart >= 1 and after[0]["block"] == 0
+    got = np.stack([np.frombuffer(d["image"], np.uint8).reshape(d["shape"]) for d in after])
+    assert np.array_equal(got, refs[5]["frames"])
+
+
+def test_hostile_messages_get_errors_and_the_server_carries_on(server):
+    url, _ = server
+
+    async def go():
+        errors = []
+        async with websockets.connect(f"ws://{url}/session/hostile1", max_size=2**26) as ws:
+            await recv_json(ws, 30)
+            for bad in (b"\xc1\xff\x00", msgpack.packb([1, 2]), msgpack.packb({"prompt": "x", "bogus": 1}),
+                        msgpack.packb({"prompt": 3}), msgpack.packb({"prompt": "x", "num_blocks": "9"}),
+                        msgpack.packb({"prompt": "x", "input_video": "/etc/passwd"}),
+                        msgpack.packb({"prompt": "x", "input_video": "http://example.com/a.mp4"}),
+                        msgpack.packb({"prompt": "x", "start_frame": "../../secret.png"}),
+                        msgpack.packb({"prompt": "x", "input_video": "up_" + "0" * 32}),
+                        msgpack.packb({"prompt": "x", "width": 832}),
+                        msgpack.packb({"prompt": "x", "num_denoising_steps": 7}),
+                        msgpack.packb({"prompt": "x", "scheduler": "cpp"}),
+                        msgpack.packb({"prompt": "x", "exit_head": "/etc/shadow"}),
+                        msgpack.packb({"prompt": "x", "tau": "high"}),
+                        msgpack.packb({"prompt": "x", "mode": "turbo"}),
+                        msgpack.packb({"prompt": "x", "webcam_mode": True})):
+                await ws.send(bad)
+                errors.append(await recv_json(ws, 30))
+            await ws.send("a text frame")
+            errors.append(await recv_json(ws, 30))
+            # the same socket still starts a valid session afterwards
+            await ws.send(msgpack.packb(params(num_blocks=1)))
+            got = 0
+            while True:
+                m = await asyncio.wait_for(ws.recv(), TIMEOUT)
+                if isinstance(m, bytes):
+                    got += 1
+                elif json.loads(m).get("status") == "completed":
+                    break
+                else:
+                    errors.append(json.loads(m))
+            return errors, got
+
+    errors, got = asyncio.run(go())
+    fields = [e.get("field") for e in errors]
+    assert all(e["status"] == "error" for e in errors)
+    assert fields == [None, None, "bogus", "prompt", "num_blocks", "input_video", "input_video", "start_frame",
+                      "input_video", "width", "num_denoising_steps", "scheduler", "exit_head", "tau", "mode",
+                      "webcam_mode", None]
+    assert "never opens a path or URL" in errors[5]["error"]
+    assert got == 9
+
+
+def test_live_updates_without_live_sessions_are_refused_by_field(server):
+    url, app = server
+    assert not app.state.engine.live  # issue 24 not merged: the dispatch answers with a named error
+
+    async def go():
+        async with websockets.connect(f"ws://{url}/session/upd1?sdvg=1") as ws:
+            await recv_json(ws, 30)
+            await ws.send(msgpack.packb(params(num_blocks=1)))
+            replies = []
+            for update in ({"prompt": "a cat", "interp_steps": 4}, {"image": b"\xff\xd8\xff" + b"0" * 10},
+                           {"tau": 0.5}, {"seed": 11}, {"action": "ping", "request_id": "p"},
+                           {"prompt": PROMPT}, {"interp_steps": 3}, {"action": "jump"}):
+                await ws.send(msgpack.packb(update))
+            while len(replies) < 7:  # the unchanged prompt gets no reply (Krea: nothing changes)
+                m = await asyncio.wait_for(ws.recv(), TIMEOUT)
+                if isinstance(m, str) and json.loads(m)["status"] in ("error", "ack", "pong"):
+                    replies.append(json.loads(m))
+            return replies
+
+    r = asyncio.run(go())
+    assert [x.get("field") for x in r[:3]] == ["prompt", "image", "tau"]
+    assert "live sessions" in r[0]["error"] and r[0]["status"] == "error"
+    assert r[3] == {"status": "ack", "field": "seed", "block": None, "request_id": None, "effective": "next reset"}
+    assert r[4]["status"] == "pong" and r[4]["request_id"] == "p"
+    assert r[5]["status"] == "error" and r[5]["field"] == "interp_steps"  # a blend without a new prompt
+    assert r[6]["status"] == "error" and r[6]["field"] == "action"
+
+
+def test_handshake_refusals_oversize_message_and_update_flood(server):
+    url, _ = server
+
+    async def refused(path):
+        try:
+            async with websockets.connect(f"ws://{url}{path}") as ws:
+                await asyncio.wait_for(ws.recv(), 30)
+        except websockets.exceptions.InvalidStatus as exc:
+            return exc.response.status_code
+        except websockets.exceptions.ConnectionClosed as exc:
+            return exc.rcvd.code if exc.rcvd else None
+        return "open"
+
+    assert asyncio.run(refused("/session/..%2F..%2Fetc")) in (403, 404, 1008)
+    assert asyncio.run(refused("/session/a.b")) in (403, 1008)
+    assert asyncio.run(refused("/session/ok?fmt=png")) in (403, 1008)
+
+    async def oversize():
+        async with websockets.connect(f"ws://{url}/session/big1", max_size=2**26) as ws:
+            await recv_json(ws, 30)
+            await ws.send(b"\x00" * (9 * 2**20))  # beyond the 8 MiB limit
+            try:
+                while True:
+                    await asyncio.wait_for(ws.recv(), 30)
+            except websockets.exceptions.ConnectionClosed as exc:
+                return exc.rcvd.code if exc.rcvd else None
+
+    assert asyncio.run(oversize()) == 1009
+
+    async def flood():
+        async with websockets.connect(f"ws://{url}/session/flood1") as ws:
+            await recv_json(ws, 30)
+            await ws.send(msgpack.packb(params(num_blocks=1)))
+            try:
+                for _ in range(400):
+                    await ws.send(msgpack.packb({"seed": 1}))
+                while True:
+                    await asyncio.wait_for(ws.recv(), 60)
+            except websockets.exceptions.ConnectionClosed as exc:
+                return exc.rcvd.code if exc.rcvd else None
+
+    assert asyncio.run(flood()) == 1008
+    assert http(url, "/health") == (200, b'"OK"')
+    metrics = http(url, "/metrics")[1].decode()
+    assert 'sdvg_serve_refused_messages_total{reason="rate"}' in metrics
+
+
+def test_uploads_return_ids_and_check_type_and_size(server):
+    import io
+
+    from PIL import Image
+
+    url, app = server
+
+    def post(path, data: bytes, filename="f.bin"):
+        boundary = "sdvgboundary"
+        body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{filename}\"\r\n"
+                "Content-Type: application/octet-stream\r\n\r\n").encode() + data + f"\r\n--{boundary}--\r\n".encode()
+        req = urllib.request.Request(f"http://{url}{path}", data=body, method="POST",
+                                     headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+        except urllib.error.URLError:  # refused from its Content-Length while the body was still being sent
+            return "reset", None
+
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(png, format="PNG")
+    status, body = post("/upload_start_frame", png.getvalue(), "../../evil.png")
+    assert status == 200 and body["id"].startswith("up_") and "path" not in body and body["filename"] == "evil.png"
+    assert app.state.uploads.known(body["id"])
+    assert post("/upload_start_frame", b"#!/bin/sh\nrm -rf /\n", "x.png")[0] == 415
+    assert post("/upload_video", b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 64)[0] == 200
+    assert post("/upload_video", b"GIF89a" + b"\x00" * 64)[0] == 415
+    assert post("/upload_start_frame", b"\xff\xd8\xff" + b"\x00" * (5 * 2**20))[0] in (413, "reset")
+    assert post("/upload_start_frame", b"\xff\xd8\xff" + b"\x00" * 64)[0] == 400  # JPEG magic, not an image
+
+
+def test_metrics_are_prometheus_text(server):
+    url, _ = server
+    asyncio.run(run_session(url, params(num_blocks=1), session_id="metrics1"))
+    text = http(url, "/metrics")[1].decode()
+    for name in ("sdvg_serve_sessions_active", "sdvg_serve_sessions_queued", "sdvg_serve_blocks_total",
+                 "sdvg_serve_acceptance_ratio", "sdvg_serve_time_to_first_frame_seconds_bucket",
+                 "sdvg_serve_block_latency_seconds_bucket", "sdvg_serve_inter_frame_jitter_seconds_bucket",
+                 "sdvg_serve_dropped_frames_total"):
+        assert name in text, name
+    assert 'sdvg_serve_blocks_total{decision="forced"}' in text
+
+
+def test_page_is_served(server):
+    url, _ = server
+    status, body = http(url, "/")
+    assert status == 200 and b"/static/app.js" in body
+    status, js = http(url, "/static/app.js")
+    assert status == 200 and b"interp_steps" in js and b"http" not in js.replace(b"https:", b"")
+
+
+@pytest.mark.slow
+def test_eight_concurrent_sessions_all_complete_bitwise(server, refs):
+    url, _ = server
+
+    async def go():
+        return await asyncio.gather(*[run_session(url, params(seed=SEEDS[i % 2]), fmt="raw", session_id=f"many{i}")
+                                      for i in range(8)])
+
+    outs = asyncio.run(go())
+    for i, out in enumerate(outs):
+        assert out["texts"][-1]["status"] == "completed"
+        assert np.array_equal(np.stack(out["frames"]), refs[SEEDS[i % 2]]["frames"]), i  # interleaving is exact
+
+
+@pytest.mark.slow
+def test_killed_client_frees_its_session_and_others_finish(server, refs):
+    url, app = server
+
+    async def go():
+        killed = asyncio.Event()
+
+        async def victim():
+            ws = await websockets.connect(f"ws://{url}/session/victim1")
+            await recv_json(ws, 30)
+            await ws.send(msgpack.packb(params(num_blocks=9)))
+            await asyncio.wait_for(ws.recv(), TIMEOUT)  # a frame: it is generating
+            ws.transport.abort()  # killed: no close handshake
+            killed.set()
+
+        async def other():
+            await killed.wait()
+            return await run_session(url, params(seed=7), fmt="raw", session_id="survivor1")
+
+        _, out = await asyncio.gather(victim(), other())
+        return out
+
+    out = asyncio.run(go())
+    assert np.array_equal(np.stack(out["frames"]), refs[7]["frames"])
+    # the victim's 9 blocks would outlast the survivor's 2 by far: freed at once, nothing is left running
+    manager = app.state.manager
+    assert manager.active == [] and "victim1" not in manager.ids
+
+
+@pytest.mark.slow
+def test_max_sessions_2_queues_the_third_and_refuses_beyond_the_queue(tiny_pipe, refs, tmp_path):
+    with running_server(tiny_pipe, tmp_path, max_sessions=2, max_queue=1) as (url, _):
+        async def go():
+            socks = []
+            for i in range(4):
+                ws = await websockets.connect(f"ws://{url}/session/q{i}?fmt=raw")
+                await recv_json(ws, 30)
+                await ws.send(msgpack.packb(params(num_blocks=1)))
+                socks.append(ws)
+                await asyncio.sleep(0.3)
+            third = await recv_json(socks[2], 30)
+            fourth = await recv_json(socks[3], 30)
+            try:
+                await asyncio.wait_for(socks[3].recv(), 30)
+                code = "open"
+            except websockets.exceptions.ConnectionClosed as exc:
+                code = exc.rcvd.code
+            frames = 0
+            while True:  # the queued third runs once a slot frees
+                m = await asyncio.wait_for(socks[2].recv(), TIMEOUT)
+                if isinstance(m, bytes):
+                    frames += 1
+                elif json.loads(m)["status"] == "completed":
+                    break
+            for ws in socks:
+                await ws.close()
+            return third, fourth, code, frames
+
+        third, fourth, code, frames = asyncio.run(go())
+    assert third == {"status": "queued", "position": 1, "session_id": "q2"}
+    assert fourth["status"] == "error" and fourth["error"].startswith("busy") and code == 1013
+    assert frames == 9
+
+
+class LivePipe:
+    """The tiny pipeline with a stand-in for issue 24's live sessions (`pipe.session`), to check the
+    server's dispatch: updates go to `session.update(...)` and its `UpdateAck.block` comes back."""
+
+    def __init__(self, pipe):
+        self.pipe, self.preset, self.updates = pipe, pipe.preset, []
+
+    def resolve(self, options):
+        return self.pipe.resolve(options)
+
+    def session(self, prompt, **options):
+        from types import SimpleNamespace
+
+        from sdvg.options import GenerationOptions
+
+        stream = self.pipe.run(prompt, GenerationOptions(**options))
+        outer = self
+
+        class Live:
+            emitted = 0
+
+            def __iter__(self):
+                return self
+
+            def __next__(self):
+                block = next(stream)
+                Live.emitted += 1
+                return block
+
+            def update(self, **changes):
+                outer.updates.append(changes)
+                return SimpleNamespace(block=Live.emitted)
+
+            def close(self):
+                stream.close()
+                return stream.stats
+
+        return Live()
+
+
+def test_live_updates_go_to_the_session_and_are_acked(tiny_pipe, tmp_path):
+    live = LivePipe(tiny_pipe)
+    with running_server(live, tmp_path) as (url, app):
+        assert app.state.engine.live
+
+        async def go():
+            async with websockets.connect(f"ws://{url}/session/live1?sdvg=1") as ws:
+                await recv_json(ws, 30)
+                await ws.send(msgpack.packb(params(num_blocks=2)))
+                acks = []
+                while True:
+                    m = await asyncio.wait_for(ws.recv(), TIMEOUT)
+                    if isinstance(m, bytes):
+                        if not acks:
+                            acks.append(None)
+                            await ws.send(msgpack.packb({"prompt": "a cat", "interp_steps": 3, "request_id": "u1"}))
+                            await ws.send(msgpack.packb({"tau": 0.25}))
+                        continue
+                    msg = json.loads(m)
+                    if msg["status"] == "ack":
+                        acks.append(msg)
+                    elif msg["status"] == "completed":
+                        return acks[1:]
+
+        acks = asyncio.run(go())
+    assert live.updates == [{"prompt": "a cat", "interp_blocks": 3}, {"tau": 0.25}]
+    assert [(a["field"], a["request_id"]) for a in acks] == [("prompt", "u1"), ("tau", None)]
+    assert all(a["block"] >= 1 for a in acks)
+
+
+def test_pause_holds_the_session_and_resume_finishes_it(server, refs):
+    url, _ = server
+
+    async def go():
+        async with websockets.connect(f"ws://{url}/session/pause1?fmt=raw&sdvg=1") as ws:
+            await recv_json(ws, 30)
+            await ws.send(msgpack.packb(params()))
+            await ws.send(msgpack.packb({"action": "pause"}))
+            frames, paused_frames, acked = 0, None, False
+            while True:
+                try:
+                    m = await asyncio.wait_for(ws.recv(), 10 if acked and paused_frames is None else TIMEOUT)
+                except asyncio.TimeoutError:  # paused: nothing more comes
+                    paused_frames = frames
+                    await ws.send(msgpack.packb({"action": "resume"}))
+                    continue
+                if isinstance(m, bytes):
+                    frames += 1
+                    continue
+                msg = json.loads(m)
+                acked = acked or (msg["status"] == "ack" and msg["action"] == "pause")
+                if msg["status"] == "completed":
+                    return paused_frames, frames
+
+    paused_frames, frames = asyncio.run(go())
+    assert paused_frames in (0, 9)  # at most the block in progress when the pause arrived
+    assert frames == len(refs[5]["frames"])

@@ -1,0 +1,137 @@
+"""sdvg serve's rules on what is let in, unit by unit, and the token on a real non-default bind."""
+from __future__ import annotations
+
+import asyncio
+import urllib.error
+import urllib.request
+
+import pytest
+
+pytest.importorskip("fastapi")
+websockets = pytest.importorskip("websockets")
+
+from sdvg.serve.protocol import ProtocolError, parse_params, parse_update  # noqa: E402
+from sdvg.serve.security import BindError, RateLimit, check_bind, token_matches, valid_session_id  # noqa: E402
+
+TOKEN = "s3cret-token-for-tests-0123"
+
+
+def test_bind_rule_needs_a_token_beyond_the_loopback_default():
+    check_bind("127.0.0.1", None)
+    check_bind("::1", None)
+    for host in ("0.0.0.0", "192.168.1.5", "127.0.0.2", "::"):
+        with pytest.raises(BindError, match="--token"):
+            check_bind(host, None)
+        check_bind(host, TOKEN)
+    with pytest.raises(BindError, match="16 characters"):
+        check_bind("0.0.0.0", "short")
+
+
+def test_token_compare_and_session_ids():
+    assert token_matches(TOKEN, TOKEN)
+    assert not token_matches(TOKEN[:-1], TOKEN) and not token_matches(None, TOKEN) and not token_matches("", TOKEN)
+    assert valid_session_id("abc-DEF_123") and valid_session_id("x" * 64)
+    for bad in ("", "../etc", "a/b", "a.b", "x" * 65, "a b", "é"):
+        assert not valid_session_id(bad), bad
+
+
+def test_rate_limit_is_a_token_bucket():
+    now = [0.0]
+    rate = RateLimit(10.0, 5, clock=lambda: now[0])
+    assert [rate.allow() for _ in range(7)] == [True] * 5 + [False] * 2
+    now[0] += 0.5  # 5 more tokens
+    assert sum(rate.allow() for _ in range(10)) == 5 and rate.refused == 7
+
+
+def test_every_message_is_validated_with_the_field_named():
+    cases = {"prompt": {"prompt": ""}, "seed": {"prompt": "x", "seed": -1}, "width": {"prompt": "x", "width": 1.5},
+             "request_id": {"prompt": "x", "request_id": "r" * 200}, "backend": {"prompt": "x", "backend": "tensorrt"},
+             "run_ahead": {"prompt": "x", "run_ahead": True}, "cuda_graphs": {"prompt": "x", "cuda_graphs": True}}
+    for field, data in cases.items():
+        with pytest.raises(ProtocolError) as exc:
+            parse_params(data)
+        assert exc.value.field == field, (field, exc.value)
+    with pytest.raises(ProtocolError, match="at most 2000"):
+        parse_params({"prompt": "x" * 2001})
+    with pytest.raises(ProtocolError) as exc:
+        parse_update({"prompt": "a", "extra": 1})
+    assert exc.value.field == "extra"
+    with pytest.raises(ProtocolError, match="at least one"):
+        parse_update({"request_id": "x"})
+    with pytest.raises(ProtocolError) as exc:
+        parse_update({1: 2})
+    assert "keys must be strings" in str(exc.value)
+
+
+def test_outbox_drops_the_oldest_frame_and_counts_it():
+    from sdvg.serve.metrics import ServeMetrics
+    from sdvg.serve.sessions import Outbox
+
+    async def go():
+        metrics = ServeMetrics()
+        box = Outbox(3, metrics)
+        box.text({"status": "ready"})
+        for i in range(5):
+            box.frame(bytes([i]))
+        box.text({"status": "completed"})
+        got = [await box.next() for _ in range(5)]
+        return got, box.dropped, metrics.dropped._value.get()
+
+    got, dropped, counted = asyncio.run(go())
+    assert [g[1] if g[0] == "frame" else g[1]["status"] for g in got] == ["ready", b"\x02", b"\x03", b"\x04",
+                                                                            "completed"]
+    assert dropped == counted == 2
+
+
+def test_token_is_checked_on_http_and_websocket_off_the_default_bind(tiny_pipe, tmp_path):
+    from serve_harness import recv_json, running_server
+
+    with running_server(tiny_pipe, tmp_path, host="127.0.0.2", token=TOKEN) as (url, _):
+        def status(path, headers=None):
+            req = urllib.request.Request(f"http://{url}{path}", headers=headers or {})
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    return r.status
+            except urllib.error.HTTPError as e:
+                return e.code
+
+        assert status("/health") == 200  # says OK and nothing else
+        assert status("/") == 401 and status("/metrics") == 401
+        assert status("/", {"Authorization": "Bearer wrong-token-wrong-token"}) == 401
+        assert status(f"/?token={TOKEN}x") == 401
+        assert status("/", {"Authorization": f"Bearer {TOKEN}"}) == 200
+        assert status(f"/metrics?token={TOKEN}") == 200
+
+        async def ws(query):
+            try:
+                async with websockets.connect(f"ws://{url}/session/tok1{query}") as w:
+                    return (await recv_json(w, 30))["status"]
+            except websockets.exceptions.InvalidStatus as exc:
+                return exc.response.status_code
+
+        assert asyncio.run(ws("")) == 403
+        assert asyncio.run(ws("?token=nope")) == 403
+        assert asyncio.run(ws(f"?token={TOKEN}")) == "ready"
+
+
+def test_serve_cli_refuses_a_public_bind_without_token(capsys):
+    from sdvg.cli import main
+
+    assert main(["serve", "--preset", "tiny", "--host", "0.0.0.0", "--quiet"]) == 2
+    assert "--token" in capsys.readouterr().err
+
+
+def test_idle_socket_is_closed(tiny_pipe, tmp_path):
+    from serve_harness import recv_json, running_server
+
+    with running_server(tiny_pipe, tmp_path, idle_timeout_s=1.0) as (url, _):
+        async def go():
+            async with websockets.connect(f"ws://{url}/session/idle1") as ws:
+                await recv_json(ws, 30)
+                error = await recv_json(ws, 30)  # no parameters sent
+                try:
+                    await asyncio.wait_for(ws.recv(), 30)
+                except websockets.exceptions.ConnectionClosed as exc:
+                    return error, exc.rcvd.code
+        error, code = asyncio.run(go())
+    assert error["status"] == "error" and "idle" in error["error"] and code == 1000

@@ -1,0 +1,63 @@
+"""The generation worker alone (a fake engine, no server): fair round-robin, one block at a time."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("prometheus_client")
+import torch  # noqa: E402
+
+from sdvg.serve.config import ServeConfig  # noqa: E402
+from sdvg.serve.engine import SessionSpec  # noqa: E402
+from sdvg.serve.metrics import ServeMetrics  # noqa: E402
+from sdvg.serve.sessions import Outbox, Session, SessionManager  # noqa: E402
+from sdvg.serve.videos import VideoStore  # noqa: E402
+
+
+class FakeEngine:
+    """Generations of `blocks` one-frame blocks that record which session advanced and check that no
+    two advance at once."""
+
+    def __init__(self, blocks: int):
+        self.blocks, self.order, self.running = blocks, [], threading.Lock()
+
+    def start(self, spec):
+        def gen():
+            for b in range(self.blocks):
+                assert self.running.acquire(blocking=False), "two generations ran at once"
+                try:
+                    time.sleep(0.01)
+                    self.order.append(spec.prompt)
+                finally:
+                    self.running.release()
+                yield SimpleNamespace(index=b, decision="forced" if b == 0 else "accepted",
+                                      frames=torch.zeros(1, 2, 2, 3, dtype=torch.uint8), score=0.0, times={})
+        return gen()
+
+    @staticmethod
+    def close(generation):
+        generation.close()
+
+
+def test_worker_takes_turns_round_robin(tmp_path):
+    engine = FakeEngine(blocks=3)
+    metrics = ServeMetrics()
+    manager = SessionManager(engine, ServeConfig(max_sessions=4), metrics, VideoStore(tmp_path, 16, 8))
+    loop = asyncio.new_event_loop()  # never run: what the worker posts for the sockets just waits there
+    try:
+        sessions = [Session(f"s{i}", "raw", False, loop, Outbox(8, metrics)) for i in range(4)]
+        for s in sessions:
+            assert manager.admit(s, SessionSpec(s.id, None, None)) == "running"
+        manager.start()
+        deadline = time.monotonic() + 60
+        while len(engine.order) < 12 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        manager.stop()
+    finally:
+        loop.close()
+    assert engine.order == ["s0", "s1", "s2", "s3"] * 3
+    assert manager.active == []  # every run ended and gave its slot back
