@@ -7,11 +7,11 @@ import json
 import urllib.error
 import urllib.request
 
-import msgpack
 import numpy as np
 import pytest
 
 pytest.importorskip("fastapi")
+msgpack = pytest.importorskip("msgpack")
 websockets = pytest.importorskip("websockets")
 
 from serve_harness import TIMEOUT, recv_json, run_session, running_server  # noqa: E402

@@ -12,10 +12,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-import msgpack
 import pytest
 
 pytest.importorskip("fastapi")
+msgpack = pytest.importorskip("msgpack")
 websockets = pytest.importorskip("websockets")
 
 from serve_harness import free_port, recv_json  # noqa: E402

@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 pytest.importorskip("prometheus_client")
+pytest.importorskip("fastapi")
+pytest.importorskip("msgpack")
 import torch  # noqa: E402
 
 from sdvg.serve.config import ServeConfig  # noqa: E402
