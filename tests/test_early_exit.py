@@ -56,7 +56,9 @@ def test_sparse_forward_over_a_subset_equals_the_dense_rows(dit, text):
     active = torch.tensor([0, 5, 17, 18, 31, 40, 47])
     sparse = dit(x, t, text, cache=cache, active=active)  # the others' K/V are the dense pass's
     mask = token_mask_to_latents(torch.isin(torch.arange(S), active), tuple(x.shape), (1, 2, 2)).expand_as(x)
-    assert (sparse[mask] - dense[mask]).abs().max() < 1e-5  # fp32, attention over the same keys
+    # fp32, attention over the same keys; the reduction order differs between the two shapes (1.05e-5 seen
+    # with one thread, below 1e-5 with two)
+    assert (sparse[mask] - dense[mask]).abs().max() < 2e-5
     assert torch.equal(sparse[~mask], torch.zeros_like(sparse[~mask]))  # not computed: zero
     assert (cache.buffer - before).abs().max() < 1e-5  # the active rows rewritten with the same K/V
 
