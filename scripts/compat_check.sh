@@ -4,7 +4,8 @@
 # wheels of benchmarks/gpu-wheels.txt on top exactly as benchmarks/gpu_check.sh installs them there. First
 # gpu_check.sh itself with the tiny preset on the CPU (a failure there would have cost a GPU
 # session): its dry run, then the run, which must leave at most 3 files in $OUT (a device session
-# returns at most 8), its tarball holding every result; then the whole test suite. Uses .compat/ (a venv) and .whl/; downloads ~3.5 GB once.
+# returns at most 8), its tarball holding every result; then the test suite (arguments go to pytest: CI
+# passes -m "not slow", the fast tier). Uses .compat/ (a venv) and .whl/; downloads ~3.5 GB once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # pip warns about each of this machine's local index folders that lacks a package; keep errors only
