@@ -61,6 +61,17 @@ def test_truncated_and_corrupt_files_refused(cache, tmp_path):
         cache.load(_key(), CMD)
 
 
+@pytest.mark.parametrize("field", ["sha256", "size", "file"])
+def test_a_manifest_without_a_field_is_refused_by_name(cache, field):
+    path = cache.load(_key(), CMD)
+    manifest = path.parent / "manifest.json"
+    m = json.loads(manifest.read_text())
+    del m[field]
+    manifest.write_text(json.dumps(m))
+    with pytest.raises(CorruptEngineError, match=rf"lacks {field}; delete .* and rebuild"):
+        cache.load(_key(), CMD)
+
+
 def test_missing_engine_names_the_build_command(tmp_path):
     with pytest.raises(MissingEngineError, match="build it with: " + CMD):
         EngineCache(tmp_path).load(_key(stage="vae_decode"), CMD)

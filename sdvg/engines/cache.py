@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MANIFEST = "manifest.json"
+MANIFEST_FIELDS: tuple[str, ...] = ("key", "file", "size", "sha256")  # what `load` reads of every manifest
 MANIFEST_VERSION = 1
 DATA_FILE = "model.onnx.data"  # the external weights of an ONNX file past 2 GB
 ARTIFACT_FILES = {"tensorrt": "engine.plan", "onnx": "model.onnx", "torch-tensorrt": "program.ep"}  # kind -> file
@@ -170,13 +171,19 @@ class EngineCache:
         return dest
 
     def _read_manifest(self, d: Path) -> dict:
+        """The entry's manifest, refused (CorruptEngineError) when unreadable or when a field the load checks
+        is missing."""
         try:
             m = json.loads((d / MANIFEST).read_text())
             EngineKey.from_json(m["key"])
-            return m
         except Exception as exc:
             raise CorruptEngineError(f"engine manifest {d / MANIFEST} is unreadable ({exc}); delete {d} and "
                                      "rebuild") from exc
+        missing = [k for k in MANIFEST_FIELDS if k not in m]
+        if missing:  # e.g. written by hand or by another tool: never a KeyError later
+            raise CorruptEngineError(f"engine manifest {d / MANIFEST} lacks {', '.join(missing)}; delete {d} and "
+                                     "rebuild")
+        return m
 
     def check_trt_version(self, version: str, rebuild_command: str) -> None:
         """Refuse a folder holding TensorRT plans (or torch-tensorrt programs) built with another
