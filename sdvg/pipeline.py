@@ -319,7 +319,8 @@ class SpeculativeVideoPipeline:
         return {"sdvg_version": sdvg.__version__, "torch_version": torch.__version__,
                 "devices": {"drafter": device_name(c.drafter_device), "target": device_name(c.target_device),
                             "vae": device_name(c.vae.device)},
-                "preset_fingerprint": config_hash(self.preset), "checkpoints": dict(self.sources)}
+                "precision": self.preset.precision, "preset_fingerprint": config_hash(self.preset),
+                "checkpoints": dict(self.sources)}
 
     def resolve(self, options: GenerationOptions) -> GenerationOptions:
         """The options with this pipeline's defaults filled in (num_blocks from the preset, backend)."""
