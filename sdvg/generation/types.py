@@ -7,8 +7,6 @@ neither imports the other; the API, the CLI, the JSON statistics and the benchma
 """
 from __future__ import annotations
 
-import json
-import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,6 +15,7 @@ from typing import Any, Iterator
 import torch
 
 from sdvg._native import _C
+from sdvg.io.strict_json import nonfinite_paths, strict_json  # noqa: F401 (re-exported)
 from sdvg.options import GenerationOptions
 
 STAGE_NAMES: tuple[str, ...] = tuple(_C.STAGE_NAMES)  # draft, decode, score, target, drafter_commit, target_commit
@@ -186,30 +185,3 @@ class RunStats(Mapping):
 
     def __len__(self) -> int:
         return len(self.as_dict())
-
-
-def nonfinite_paths(obj, prefix: str = "") -> list[str]:
-    """Dotted paths of the non-finite floats in a JSON-like object (list items as [i])."""
-    if isinstance(obj, float):
-        return [] if math.isfinite(obj) else [prefix]
-    if isinstance(obj, dict):
-        return [p for k, v in obj.items() if k != "nonfinite_fields"
-                for p in nonfinite_paths(v, f"{prefix}.{k}" if prefix else str(k))]
-    if isinstance(obj, (list, tuple)):
-        return [p for i, v in enumerate(obj) for p in nonfinite_paths(v, f"{prefix}[{i}]")]
-    return []
-
-
-def _finite_or_none(obj):
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite_or_none(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite_or_none(v) for v in obj]
-    return obj
-
-
-def strict_json(obj, indent: int | None = None) -> str:
-    """JSON that strict parsers accept: non-finite floats become null (callers list them)."""
-    return json.dumps(_finite_or_none(obj), indent=indent, allow_nan=False)

@@ -198,7 +198,7 @@ def stored_option_matches(record: dict, key: str, value) -> bool:
     """Whether a stats record's `key` holds option value `value` as this run would write it: non-finite
     numbers compared through their null and their sign in `infinite_options` (older records without it
     match either sign), tuples as lists."""
-    from sdvg.generation.types import strict_json
+    from sdvg.io.strict_json import strict_json
     import json as _json
 
     stored = record.get(key)
