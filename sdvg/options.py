@@ -173,7 +173,7 @@ class MethodOptions:
             import os
 
             if not isinstance(self.exit_head, os.PathLike):  # a list or a number is never a path
-                from sdvg.io.bounded import quote
+                from sdvg.bounded import quote
 
                 raise OptionError(f"exit_head must be a file path, got {type(self.exit_head).__name__} "
                                   f"{quote(self.exit_head)}")
@@ -364,7 +364,7 @@ def backend_conflicts(opts, backend: str | None) -> list[str]:
 
 def _number(name: str, value, allow_inf: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        from sdvg.io.bounded import quote
+        from sdvg.bounded import quote
 
         raise OptionError(f"{name} must be a number, got {quote(value)}")
     if isinstance(value, int) and abs(value) > 2**1023:
@@ -378,7 +378,7 @@ def _number(name: str, value, allow_inf: bool = False) -> float:
 
 
 def _integer(name: str, value, low: int, high: int | None = None, cap: int | None = None) -> int:
-    from sdvg.io.bounded import quote
+    from sdvg.bounded import quote
 
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise OptionError(f"{name} must be an integer, got {quote(value)}")
@@ -484,7 +484,7 @@ DEFAULTS = GenerationOptions()
 
 
 def _quote(value) -> str:
-    from sdvg.io.bounded import quote
+    from sdvg.bounded import quote
 
     return quote(value)
 
@@ -508,7 +508,7 @@ def option_type(name: str):
     convert, what = _FROM_TEXT.get(name, (str, "a string"))
 
     def parse(text: str):
-        from sdvg.io.bounded import quote
+        from sdvg.bounded import quote
 
         try:
             value = convert(text)
@@ -555,7 +555,7 @@ def options_from_args(args: argparse.Namespace, **overrides) -> GenerationOption
 def _check_type(name: str, value, source: str) -> None:
     """The type a config value may have, per option (a list is never a path or a name; a mapping is never
     anything): the message quotes a bounded prefix of the value."""
-    from sdvg.io.bounded import quote
+    from sdvg.bounded import quote
 
     default = FIELDS[name].default
     ok = True
@@ -583,7 +583,7 @@ def load_options_file(path) -> dict:
     `tau: -inf` and `pattern: "0110"` work). Returns {name: value} for the keys present."""
     from pathlib import Path
 
-    from sdvg.io.bounded import BoundedInputError, decode_utf8, load_json_text, load_yaml_text, read_bounded
+    from sdvg.bounded import BoundedInputError, decode_utf8, load_json_text, load_yaml_text, read_bounded
 
     path = Path(path)
     try:  # bounded: size, depth, no YAML aliases or anchors, no duplicate keys, UTF-8 with the line named
@@ -597,7 +597,7 @@ def load_options_file(path) -> dict:
     if not isinstance(data, dict):
         raise OptionError(f"config file {path} must hold a mapping of option names to values, got "
                           f"{type(data).__name__}")
-    from sdvg.io.bounded import quote
+    from sdvg.bounded import quote
 
     unknown = sorted(k[:40] if isinstance(k, str) else quote(k, 40) for k in data if k not in OPTION_NAMES)
     if unknown:

@@ -389,7 +389,7 @@ def load_checkpoint(path, config: TrainConfig, dim: int | None = None) -> tuple[
     naming the value otherwise; nothing is written."""
     from dataclasses import asdict
 
-    from sdvg.io.bounded import quote
+    from sdvg.bounded import quote
     from sdvg.models.exit_head import MAX_DIM, read_metadata_json
 
     fix = "move it away (or pass another --out) to train afresh"
@@ -497,7 +497,7 @@ def load_records(path) -> tuple[Records, dict]:
     alike ([N, S] scores and gaps, [N] steps, blocks, videos, [N, S, dim] hidden), the grid three positive
     integers whose product is S, steps in [0, num_steps), gaps finite and >= 0, scores not NaN, hidden
     finite; metadata bounded JSON. ValueError naming the value otherwise (the caller records again)."""
-    from sdvg.io.bounded import quote
+    from sdvg.bounded import quote
     from sdvg.models.exit_head import MAX_DIM, read_metadata_json
 
     fix = "move it away (or run without --resume) to record again"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sdvg.io.bounded import BoundedInputError, decode_utf8, quote, read_bounded
+from sdvg.bounded import BoundedInputError, decode_utf8, quote, read_bounded
 
 MAX_PROMPTS_BYTES = 64 << 20  # a prompts file: MovieGenVideoBench's 1003 prompts take 250 KB
 MAX_PROMPT_CHARS = 100_000  # one prompt (the text encoder reads 512 tokens of it)

@@ -31,7 +31,7 @@ MAX_METADATA_BYTES = 1 << 20
 def check_head_config(raw, source: str) -> "ExitHeadConfig":
     """An ExitHeadConfig from untrusted metadata (a dict with dim, channels, pool): every entry an integer in
     its bounds, before any allocation; ValueError naming the value otherwise."""
-    from sdvg.io.bounded import quote
+    from sdvg.bounded import quote
 
     def integer(name, v, high):
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= high:
@@ -51,7 +51,7 @@ def check_head_config(raw, source: str) -> "ExitHeadConfig":
 
 def read_metadata_json(meta: dict, key: str, source: str, default=None):
     """`meta[key]` parsed as bounded JSON (size, depth, duplicate keys refused); `default` when absent."""
-    from sdvg.io.bounded import BoundedInputError, load_json_text
+    from sdvg.bounded import BoundedInputError, load_json_text
 
     if key not in meta:
         return default
@@ -153,7 +153,7 @@ class ExitHead(nn.Module):
             raise ValueError(f"exit head file {path} is not a readable safetensors file ({str(exc)[:200]}); train a "
                              "new one with `sdvg train-exit-head`") from None
         if meta.get("format") != HEAD_FORMAT:
-            from sdvg.io.bounded import quote
+            from sdvg.bounded import quote
 
             raise ValueError(f"{path} is not an sdvg exit head (metadata format {quote(meta.get('format'))}, expected "
                              f"{HEAD_FORMAT!r}); train one with `sdvg train-exit-head`")
