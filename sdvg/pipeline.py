@@ -269,8 +269,33 @@ class SpeculativeVideoPipeline:
         """The options with this pipeline's defaults filled in (num_blocks from the preset, backend)."""
         return options.resolved(self.preset, self.default_backend)
 
-    def run(self, prompt: str, options: GenerationOptions, threaded: bool = True) -> BlockStream:
-        """The blocks of one video for explicit options (what `stream` and `__call__` call)."""
+    def session(self, prompt: str, num_blocks: int | None = None, **options) -> "LiveSession":
+        """A live session (docs/live.md): iterate it for each `BlockRecord`; `session.update(prompt=...,
+        interp_blocks=..., seed=..., reset=..., tau=...)` from any thread takes effect at the block it
+        acknowledges; `session.close()` ends it. `num_blocks=None`: unbounded (a full-context role needs a
+        window or the recompute context). The other keywords are those of `stream`."""
+        from sdvg.live import LiveSession
+
+        unknown = sorted(set(options) - set(OPTION_NAMES))
+        if unknown:
+            raise TypeError(f"session() got unknown keywords {unknown}; use the options of stream()")
+        return LiveSession(self, prompt, GenerationOptions(**options), num_blocks)
+
+    def run(self, prompt: str | None, options: GenerationOptions, threaded: bool = True,
+            prompt_schedule=None) -> BlockStream:
+        """The blocks of one video for explicit options (what `stream` and `__call__` call). A
+        `prompt_schedule` (sdvg.live.parse_schedule's formats) replaces `prompt`: the video is a live
+        session fed those updates at those blocks (docs/live.md)."""
+        if prompt_schedule is not None:
+            from sdvg.live import LiveSession, parse_schedule
+
+            if prompt is not None:
+                raise ValueError("prompt_schedule replaces prompt: give one of them (the schedule's block-0 entry is "
+                                 "the first prompt)")
+            schedule = parse_schedule(prompt_schedule)
+            if not isinstance(options, GenerationOptions):
+                raise TypeError(f"options must be a sdvg.GenerationOptions, got {type(options).__name__}")
+            return LiveSession(self, schedule[0][1], options, self.resolve(options).num_blocks, schedule=schedule)
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
         if not isinstance(options, GenerationOptions):
@@ -291,7 +316,7 @@ class SpeculativeVideoPipeline:
                                      memory_budget_gib=self.memory_budget_gib)
         return BlockStream(blocks, RunStats(prompt, self.preset.name, opts, self.provenance()), report)
 
-    def stream(self, prompt: str, *, mode: str = D.mode, tau: float = D.tau, num_blocks: int | None = D.num_blocks,
+    def stream(self, prompt: str | None = None, *, mode: str = D.mode, tau: float = D.tau, num_blocks: int | None = D.num_blocks,
                seed: int = D.seed, router: str = D.router, accept_prob: float = D.accept_prob,
                pattern=D.pattern, aggregation: str = D.aggregation, force_first_reject: bool = D.force_first_reject,
                drafter_context: str = D.drafter_context,
@@ -300,7 +325,8 @@ class SpeculativeVideoPipeline:
                window_frames: int | None = D.window_frames, sink_frames: int | None = D.sink_frames,
                early_exit: str = D.early_exit, exit_verifier: str = D.exit_verifier,
                exit_eps: float = D.exit_eps, exit_thresholds=D.exit_thresholds, exit_head: str | None = D.exit_head,
-               exit_pattern_steps: float = D.exit_pattern_steps,
+               exit_pattern_steps: float = D.exit_pattern_steps, interp_blocks: int = D.interp_blocks,
+               force_reject_after_switch: bool = D.force_reject_after_switch, prompt_schedule=None,
                # the run options (RunOptions): how it runs, never what video it gives
                skip_first_draft: bool = D.skip_first_draft, lazy_target_commit: bool = D.lazy_target_commit,
                score_emitted: bool = D.score_emitted, scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead,
@@ -329,9 +355,9 @@ class SpeculativeVideoPipeline:
         within a tolerance of the plain decode). stage_timing: sync | events (no per-stage waits).
         backend: eager | compile | tensorrt | onnxruntime | torch-tensorrt (None: the pipeline's)."""
         options = _options(locals())
-        return self.run(prompt, options)
+        return self.run(prompt, options, prompt_schedule=prompt_schedule)
 
-    def __call__(self, prompt: str | list[str], *, mode: str = D.mode, tau: float = D.tau,
+    def __call__(self, prompt: str | list[str] | None = None, *, mode: str = D.mode, tau: float = D.tau,
                  num_blocks: int | None = D.num_blocks, seed: int = D.seed, router: str = D.router,
                  accept_prob: float = D.accept_prob, pattern=D.pattern, aggregation: str = D.aggregation,
                  force_first_reject: bool = D.force_first_reject, drafter_context: str = D.drafter_context,
@@ -341,7 +367,8 @@ class SpeculativeVideoPipeline:
                  sink_frames: int | None = D.sink_frames, early_exit: str = D.early_exit,
                  exit_verifier: str = D.exit_verifier, exit_eps: float = D.exit_eps, exit_thresholds=D.exit_thresholds,
                  exit_head: str | None = D.exit_head, exit_pattern_steps: float = D.exit_pattern_steps,
-                 skip_first_draft: bool = D.skip_first_draft, lazy_target_commit: bool = D.lazy_target_commit,
+                 interp_blocks: int = D.interp_blocks, force_reject_after_switch: bool = D.force_reject_after_switch,
+                 prompt_schedule=None, skip_first_draft: bool = D.skip_first_draft, lazy_target_commit: bool = D.lazy_target_commit,
                  score_emitted: bool = D.score_emitted, scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead,
                  run_ahead_blocks: int = D.run_ahead_blocks,
                  cuda_graphs: bool = D.cuda_graphs, fast_vae: bool = D.fast_vae, stage_timing: str = D.stage_timing,
@@ -359,14 +386,14 @@ class SpeculativeVideoPipeline:
         callback_on_block_end(pipe, block): called with every BlockRecord as soon as it is final."""
         if output_type not in OUTPUT_TYPES:
             raise ValueError(f"unknown output_type {output_type!r}; choose one of {', '.join(OUTPUT_TYPES)}")
-        prompts = _prompt_list(prompt)
+        prompts = [None] if prompt_schedule is not None and prompt is None else _prompt_list(prompt)
         if generator is not None:
             if not isinstance(generator, torch.Generator):
                 raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
             seed = int(torch.randint(0, SEED_MAX, (), generator=generator))
         options = _options(locals())
-        outs = [self.generate(p, options, output_type, callback_on_block_end) for p in prompts]
-        if isinstance(prompt, str):
+        outs = [self.generate(p, options, output_type, callback_on_block_end, prompt_schedule) for p in prompts]
+        if isinstance(prompt, str) or prompt is None:
             out = outs[0]
         else:
             out = PipelineOutput(frames=[o.frames for o in outs], latents=[o.latents for o in outs],
@@ -374,10 +401,10 @@ class SpeculativeVideoPipeline:
         return out if return_dict else (out.frames,)
 
     def generate(self, prompt: str, options: GenerationOptions, output_type: str = "uint8",
-                 callback_on_block_end: Callable | None = None) -> PipelineOutput:
+                 callback_on_block_end: Callable | None = None, prompt_schedule=None) -> PipelineOutput:
         """One whole video for explicit options (frames as uint8 [F, H, W, 3] unless `output_type` says
         otherwise). The scheduler runs on this thread (nothing to stream)."""
-        stream = self.run(prompt, options, threaded=False)
+        stream = self.run(prompt, options, threaded=False, prompt_schedule=prompt_schedule)
         blocks = []
         for block in stream:
             blocks.append(block)
