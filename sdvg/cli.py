@@ -242,6 +242,8 @@ def _exit_code(stats) -> int:
 def cmd_generate(args) -> int:
     from sdvg.io.outputs import OutputLock, check_output_paths
 
+    from sdvg.live.updates import cli_prompt
+    args.prompt = cli_prompt(args)  # --prompt-schedule FILE: the first prompt, carrying the schedule
     if (args.prompt is None) == (args.prompts_file is None):
         raise ValueError("give either --prompt TEXT or --prompts-file FILE")
     if args.prompt is not None and not args.prompt.strip():
@@ -850,6 +852,7 @@ def build_parser(config: dict | None = None) -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate videos (MP4 written as blocks arrive)")
     add_generation_args(g)
     g.add_argument("--prompt", help="one text prompt (or --prompts-file)")
+    g.add_argument("--prompt-schedule", metavar="FILE", help="a JSON/YAML list of {block, prompt, interp_blocks} (docs/live.md)")
     g.add_argument("--prompts-file", help="one prompt per line (e.g. sdvg/data/MovieGenVideoBench.txt)")
     g.add_argument("--offset", type=_count(0), default=0, help="skip the first N prompts of --prompts-file")
     g.add_argument("--limit", type=_count(0), default=0, help="at most N prompts (0 = all)")

@@ -33,6 +33,7 @@ from sdvg.options import OPTION_NAMES, SEED_MAX, GenerationOptions
 
 COMPONENT_ROLES = ("drafter", "target", "vae", "reward", "text_encoder")
 OUTPUT_TYPES = ("np", "pt", "pil", "uint8", "latent")
+SCHEDULE_KEYWORD = "prompt_schedule"  # __call__ and stream: replaces prompt (docs/live.md), not an option
 API_KEYWORDS = ("generator", "output_type", "return_dict", "callback_on_block_end")  # __call__ only, not options
 PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -286,6 +287,10 @@ class SpeculativeVideoPipeline:
         """The blocks of one video for explicit options (what `stream` and `__call__` call). A
         `prompt_schedule` (sdvg.live.parse_schedule's formats) replaces `prompt`: the video is a live
         session fed those updates at those blocks (docs/live.md)."""
+        from sdvg.live.updates import ScheduledPrompt
+
+        if prompt_schedule is None and isinstance(prompt, ScheduledPrompt):  # the CLI's --prompt-schedule
+            prompt, prompt_schedule = None, prompt.schedule
         if prompt_schedule is not None:
             from sdvg.live import LiveSession, parse_schedule
 
@@ -326,13 +331,13 @@ class SpeculativeVideoPipeline:
                early_exit: str = D.early_exit, exit_verifier: str = D.exit_verifier,
                exit_eps: float = D.exit_eps, exit_thresholds=D.exit_thresholds, exit_head: str | None = D.exit_head,
                exit_pattern_steps: float = D.exit_pattern_steps, interp_blocks: int = D.interp_blocks,
-               force_reject_after_switch: bool = D.force_reject_after_switch, prompt_schedule=None,
+               force_reject_after_switch: bool = D.force_reject_after_switch,
                # the run options (RunOptions): how it runs, never what video it gives
                skip_first_draft: bool = D.skip_first_draft, lazy_target_commit: bool = D.lazy_target_commit,
                score_emitted: bool = D.score_emitted, scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead,
                run_ahead_blocks: int = D.run_ahead_blocks, cuda_graphs: bool = D.cuda_graphs,
                fast_vae: bool = D.fast_vae, stage_timing: str = D.stage_timing,
-               backend: str | None = D.backend) -> BlockStream:
+               backend: str | None = D.backend, prompt_schedule=None) -> BlockStream:
         """Yield each block as soon as its frames are final; the returned stream's `.stats` is
         complete once it is exhausted. The keywords are the generation options
         (`sdvg.options.GenerationOptions`, whose field docs say what each does):
@@ -368,11 +373,11 @@ class SpeculativeVideoPipeline:
                  exit_verifier: str = D.exit_verifier, exit_eps: float = D.exit_eps, exit_thresholds=D.exit_thresholds,
                  exit_head: str | None = D.exit_head, exit_pattern_steps: float = D.exit_pattern_steps,
                  interp_blocks: int = D.interp_blocks, force_reject_after_switch: bool = D.force_reject_after_switch,
-                 prompt_schedule=None, skip_first_draft: bool = D.skip_first_draft, lazy_target_commit: bool = D.lazy_target_commit,
+                 skip_first_draft: bool = D.skip_first_draft, lazy_target_commit: bool = D.lazy_target_commit,
                  score_emitted: bool = D.score_emitted, scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead,
                  run_ahead_blocks: int = D.run_ahead_blocks,
                  cuda_graphs: bool = D.cuda_graphs, fast_vae: bool = D.fast_vae, stage_timing: str = D.stage_timing,
-                 backend: str | None = D.backend, generator: torch.Generator | None = None, output_type: str = "np",
+                 backend: str | None = D.backend, prompt_schedule=None, generator: torch.Generator | None = None, output_type: str = "np",
                  return_dict: bool = True,
                  callback_on_block_end: Callable[["SpeculativeVideoPipeline", BlockRecord], None] | None = None):
         """Whole videos at once. The generation keywords are those of `stream`; besides them:

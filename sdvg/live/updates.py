@@ -158,3 +158,27 @@ def _read_schedule_file(path: Path) -> list:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise UpdateError(f"prompt schedule file {path} is not valid YAML: {exc}") from None
+
+
+class ScheduledPrompt(str):
+    """The first prompt of a schedule, carrying the schedule (`.schedule`, parsed): what the CLI's
+    `--prompt-schedule FILE` passes where a prompt goes; `pipe.run` runs it as `prompt_schedule`."""
+
+    schedule: list
+
+    def __new__(cls, schedule) -> "ScheduledPrompt":
+        parsed = parse_schedule(schedule)
+        out = super().__new__(cls, parsed[0][1])
+        out.schedule = parsed
+        return out
+
+
+def cli_prompt(args):
+    """`sdvg generate`: the prompt to run: `--prompt`, or with `--prompt-schedule FILE` a `ScheduledPrompt`
+    (refused together with --prompt / --prompts-file)."""
+    path = getattr(args, "prompt_schedule", None)
+    if path is None:
+        return args.prompt
+    if args.prompt is not None or getattr(args, "prompts_file", None) is not None:
+        raise UpdateError("--prompt-schedule gives the prompts; drop --prompt / --prompts-file")
+    return ScheduledPrompt(path)
