@@ -107,6 +107,7 @@ def test_schedule_formats_round_trip(tmp_path):
     assert out[0] == (0, "a fox") and out[1] == (3, Update("an owl", 2))
     assert [u.as_entry(b) for b, u in out[1:]] == entries[1:]
     assert parse_schedule([(0, "a"), (2, "b")]) == [(0, "a"), (2, Update("b"))]
+    assert parse_schedule(out) == out  # parsed already
     (tmp_path / "s.json").write_text(json.dumps(entries))
     (tmp_path / "s.yaml").write_text("- {block: 0, prompt: a fox}\n- {block: 3, prompt: an owl, interp_blocks: 2}\n")
     assert parse_schedule(tmp_path / "s.json") == out

@@ -101,3 +101,46 @@ def test_close_from_another_thread_ends_after_the_block_in_progress(tiny_pipe):
     assert session.stats.as_dict()["blocks_started"] == 2
     with pytest.raises(RuntimeError, match="closed"):
         session.update(prompt="an owl")
+
+
+def test_every_stage_sees_its_blocks_own_conditioning(tiny_pipe, monkeypatch):
+    """For every drafter and target denoise, the text K/V it used equals the DiT's encoding of Krea's blend
+    for that block, computed here independently from the prompts' embeddings."""
+    from sdvg.generation.prepare import RoleModel
+
+    seen = []
+    denoise = RoleModel.denoise
+
+    def recording(self, noise, block, frame0, seed):
+        seen.append((self.role, block, self.text_kv))
+        return denoise(self, noise, block, frame0, seed)
+
+    monkeypatch.setattr(RoleModel, "denoise", recording)
+    session = tiny_pipe.session("a red fox", num_blocks=4, interp_blocks=3, **KW)
+    next(session)
+    session.update(prompt="an owl at night")  # blocks 1, 2, 3 at weights 0, 0.5, 1
+    list(session)
+    enc = tiny_pipe.components.text_encoder
+    fox, owl = enc.encode("a red fox"), enc.encode("an owl at night")
+    want = {0: fox, 1: fox, 2: torch.lerp(fox, owl, torch.tensor(0.5)), 3: owl}
+    assert {b for _, b, _ in seen} == {0, 1, 2, 3}
+    for role, block, kv in seen:
+        expected = getattr(tiny_pipe.components, role).encode_text(want[block])
+        for got, ref in ((kv.keys, expected.keys), (kv.values, expected.values)):
+            assert len(got) == len(ref) and all(torch.equal(g, r) for g, r in zip(got, ref)), (role, block)
+
+
+def test_cli_prompt_schedule_file(tmp_path):
+    import json
+
+    from sdvg import cli
+
+    (tmp_path / "s.yaml").write_text("- {block: 0, prompt: a red fox}\n- {block: 1, prompt: an owl, interp_blocks: 1}\n")
+    assert cli.main(["generate", "--prompt-schedule", str(tmp_path / "s.yaml"), "--num-blocks", "2",
+                     "--scheduler", "reference", "--quiet", "--out", str(tmp_path / "v.mp4"),
+                     "--stats", str(tmp_path / "s.json")]) == 0
+    stats = json.loads((tmp_path / "s.json").read_text())
+    assert stats["updates"] == [{"block": 1, "prompt": "an owl", "interp_blocks": 1}]
+    assert [b["live"]["prompt_index"] for b in stats["blocks"]] == [0, 1] and stats["prompt"] == "a red fox"
+    assert cli.main(["generate", "--prompt-schedule", str(tmp_path / "s.yaml"), "--prompt", "x", "--quiet",
+                     "--out", str(tmp_path / "w.mp4")]) == 2

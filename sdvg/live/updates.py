@@ -115,6 +115,8 @@ def parse_schedule(schedule) -> list[tuple[int, Update | str]]:
                 raise UpdateError(f"{where} has no 'block'; give the block index the entry takes effect at")
             fields = {k: v for k, v in item.items() if k != "block"}
             block = item["block"]
+        elif isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[1], Update):  # parsed already
+            block, fields = item[0], {k: v for k, v in item[1].as_entry(0).items() if k != "block"}
         elif isinstance(item, (list, tuple)) and len(item) == 2:
             block, fields = item[0], {"prompt": item[1]}
         else:
