@@ -152,3 +152,18 @@ def test_session_refusals_before_any_work(tiny_pipe):
     with pytest.raises(UpdateError, match="ends after block 1"):
         s._acknowledge(Update(prompt="b"), 2)
     s.close()
+
+
+def test_a_seed_sent_before_the_first_block_seeds_the_first_segment(tiny_pipe, monkeypatch):
+    import sdvg.generation.reference as reference
+
+    seeds = []
+    def one_block_started(comps, prompt, opts, *args, plan, **kw):
+        seeds.append(opts.seed)
+        plan.begin(0)
+        return iter(())
+
+    monkeypatch.setattr(reference, "generate_blocks", one_block_started)
+    s = tiny_pipe.session("a", num_blocks=2, scheduler="reference", seed=1)
+    assert s.update(seed=9).block == 0
+    assert list(s) == [] and seeds == [9]

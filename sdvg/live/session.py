@@ -168,12 +168,12 @@ class LiveSession:
         while True:
             with self._lock:
                 restart = [a for a in self._pending if a.block == self._started and a.update.restarts]
+                if self._started > 0 and not restart:
+                    break
+                for a in restart:  # (a restart due at block 0 only sets the seed of the first segment)
+                    if a.update.seed is not None:
+                        self._seed = a.update.seed
                 if self._started > 0:
-                    if not restart:
-                        break
-                    for a in restart:
-                        if a.update.seed is not None:
-                            self._seed = a.update.seed
                     self._segments += 1
                 self._segment_start = self._started
                 prompt = self.table._current.prompt if self._started else self.table.prompts[0]
