@@ -44,6 +44,7 @@ SEED_MAX = 2**63 - 1
 # Upper bounds of the size options, so no size derived from them can pass 2^63 (checked before loading).
 MAX_BLOCKS = 10**9  # far past any video; keeps every size derived from it well inside int64 (checked anyway)
 MAX_FRAMES = 1_000_000  # latent frames of a context, window or sink
+MAX_INTERP_BLOCKS = 1024  # a prompt blend longer than this is a mistake (Krea's demo uses 4)
 
 
 class OptionError(ValueError):
@@ -135,6 +136,12 @@ class MethodOptions:
                                          "Realtime Video's server: the current frame twice; other pixels from latent "
                                          "frame 3 on); default: the preset's (wan; docs/method.md)", VAE_DECODERS)
 
+    interp_blocks: int = _opt(4, "a prompt change (live update or --prompt-schedule) is blended over this many blocks, "
+                                 "Krea's rule: one lerp weight per block from linspace(0, 1, N), the first at 0 "
+                                 "(1: the new prompt at once; docs/live.md)", metavar="N")
+    force_reject_after_switch: bool = _opt(True, "the first block under a new prompt (its first blend weight > 0) "
+                                                 "comes from the target, as block 0 does (docs/live.md)")
+
     def __post_init__(self) -> None:
         _check_fields(self, MethodOptions)
         self._check_method(lambda name, value: object.__setattr__(self, name, value))
@@ -144,6 +151,7 @@ class MethodOptions:
         if self.num_blocks is not None:
             set_("num_blocks", _integer("num_blocks", self.num_blocks, low=1, cap=MAX_BLOCKS))
         set_("seed", _integer("seed", self.seed, low=0, high=SEED_MAX))
+        set_("interp_blocks", _integer("interp_blocks", self.interp_blocks, low=1, high=MAX_INTERP_BLOCKS))
         if self.kv_cache_frames is not None:
             set_("kv_cache_frames", _integer("kv_cache_frames", self.kv_cache_frames, low=1, cap=MAX_FRAMES))
         for name in ("window_frames", "sink_frames"):
@@ -498,6 +506,7 @@ _FROM_TEXT = {"tau": (float, "a number (e.g. -0.7, inf, -inf)"), "accept_prob": 
               "num_blocks": (int, "an integer"), "seed": (int, "an integer"), "pattern": (str, "a string"),
               "kv_cache_frames": (int, "an integer"), "window_frames": (int, "an integer"),
               "sink_frames": (int, "an integer"), "run_ahead_blocks": (int, "an integer"),
+              "interp_blocks": (int, "an integer"),
               "exit_eps": (float, "a number"), "exit_pattern_steps": (float, "a number"),
               "exit_thresholds": (str, "two numbers RED,STAB"), "exit_head": (str, "a path")}
 

@@ -36,6 +36,7 @@ from sdvg.options import OPTION_NAMES, SEED_MAX, GenerationOptions
 
 
 COMPONENT_ROLES = ("drafter", "target", "vae", "reward", "text_encoder")
+SCHEDULE_KEYWORD = "prompt_schedule"  # __call__ and stream: replaces prompt (docs/live.md), not an option
 API_KEYWORDS = ("num_videos_per_prompt", "generator", "output_type", "return_dict",
                 "callback_on_block_end")  # __call__ only, not options
 PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -326,8 +327,37 @@ class SpeculativeVideoPipeline:
         """The options with this pipeline's defaults filled in (num_blocks from the preset, backend)."""
         return options.resolved(self.preset, self.default_backend)
 
-    def run(self, prompt: str, options: GenerationOptions, threaded: bool = True) -> BlockStream:
-        """The blocks of one video for explicit options (what `stream` and `__call__` call)."""
+    def session(self, prompt: str, num_blocks: int | None = None, **options) -> "LiveSession":
+        """A live session (docs/live.md): iterate it for each `BlockRecord`; `session.update(prompt=...,
+        interp_blocks=..., seed=..., reset=..., tau=...)` from any thread takes effect at the block it
+        acknowledges; `session.close()` ends it. `num_blocks=None`: unbounded (a full-context role needs a
+        window or the recompute context). The other keywords are those of `stream`."""
+        from sdvg.live import LiveSession
+
+        unknown = sorted(set(options) - set(OPTION_NAMES))
+        if unknown:
+            raise TypeError(f"session() got unknown keywords {unknown}; use the options of stream()")
+        return LiveSession(self, prompt, GenerationOptions(**options), num_blocks)
+
+    def run(self, prompt: str | None, options: GenerationOptions, threaded: bool = True,
+            prompt_schedule=None) -> BlockStream:
+        """The blocks of one video for explicit options (what `stream` and `__call__` call). A
+        `prompt_schedule` (sdvg.live.parse_schedule's formats) replaces `prompt`: the video is a live
+        session fed those updates at those blocks (docs/live.md)."""
+        from sdvg.live.updates import ScheduledPrompt
+
+        if prompt_schedule is None and isinstance(prompt, ScheduledPrompt):  # the CLI's --prompt-schedule
+            prompt, prompt_schedule = None, prompt.schedule
+        if prompt_schedule is not None:
+            from sdvg.live import LiveSession, parse_schedule
+
+            if prompt is not None:
+                raise ValueError("prompt_schedule replaces prompt: give one of them (the schedule's block-0 entry is "
+                                 "the first prompt)")
+            schedule = parse_schedule(prompt_schedule)
+            if not isinstance(options, GenerationOptions):
+                raise TypeError(f"options must be a sdvg.GenerationOptions, got {type(options).__name__}")
+            return LiveSession(self, schedule[0][1], options, self.resolve(options).num_blocks, schedule=schedule)
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
         if not isinstance(options, GenerationOptions):
@@ -348,7 +378,7 @@ class SpeculativeVideoPipeline:
                                      memory_budget_gib=self.memory_budget_gib)
         return BlockStream(blocks, RunStats(prompt, self.preset.name, opts, self.provenance()), report)
 
-    def stream(self, prompt: str, *, mode: str = D.mode, tau: float = D.tau, num_blocks: int | None = D.num_blocks,
+    def stream(self, prompt: str | None = None, *, mode: str = D.mode, tau: float = D.tau, num_blocks: int | None = D.num_blocks,
                seed: int = D.seed, router: str = D.router, accept_prob: float = D.accept_prob,
                pattern=D.pattern, aggregation: str = D.aggregation, force_first_reject: bool = D.force_first_reject,
                drafter_context: str = D.drafter_context,
@@ -358,12 +388,13 @@ class SpeculativeVideoPipeline:
                early_exit: str = D.early_exit, exit_verifier: str = D.exit_verifier,
                exit_eps: float = D.exit_eps, exit_thresholds=D.exit_thresholds, exit_head: str | None = D.exit_head,
                exit_pattern_steps: float = D.exit_pattern_steps, vae_decoder: str | None = D.vae_decoder,
+               interp_blocks: int = D.interp_blocks, force_reject_after_switch: bool = D.force_reject_after_switch,
                # the run options (RunOptions): how it runs, never what video it gives
                skip_first_draft: bool = D.skip_first_draft, lazy_target_commit: bool = D.lazy_target_commit,
                score_emitted: bool = D.score_emitted, scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead,
                run_ahead_blocks: int = D.run_ahead_blocks, cuda_graphs: bool = D.cuda_graphs,
                fast_vae: bool = D.fast_vae, stage_timing: str = D.stage_timing,
-               backend: str | None = D.backend) -> BlockStream:
+               backend: str | None = D.backend, prompt_schedule=None) -> BlockStream:
         """Yield each block as soon as its frames are final; the returned stream's `.stats` is
         complete once it is exhausted. The keywords are the generation options
         (`sdvg.options.GenerationOptions`, whose field docs say what each does):
@@ -387,9 +418,9 @@ class SpeculativeVideoPipeline:
         (None: the preset's; docs/method.md). stage_timing: sync | events (no per-stage waits).
         backend: eager | compile | tensorrt | onnxruntime | torch-tensorrt (None: the pipeline's)."""
         options = _options(locals())
-        return self.run(prompt, options)
+        return self.run(prompt, options, prompt_schedule=prompt_schedule)
 
-    def __call__(self, prompt: str | list[str], *, mode: str = D.mode, tau: float = D.tau,
+    def __call__(self, prompt: str | list[str] | None = None, *, mode: str = D.mode, tau: float = D.tau,
                  num_blocks: int | None = D.num_blocks, seed: int = D.seed, router: str = D.router,
                  accept_prob: float = D.accept_prob, pattern=D.pattern, aggregation: str = D.aggregation,
                  force_first_reject: bool = D.force_first_reject, drafter_context: str = D.drafter_context,
@@ -399,12 +430,13 @@ class SpeculativeVideoPipeline:
                  sink_frames: int | None = D.sink_frames, early_exit: str = D.early_exit,
                  exit_verifier: str = D.exit_verifier, exit_eps: float = D.exit_eps, exit_thresholds=D.exit_thresholds,
                  exit_head: str | None = D.exit_head, exit_pattern_steps: float = D.exit_pattern_steps,
-                 vae_decoder: str | None = D.vae_decoder,
+                 vae_decoder: str | None = D.vae_decoder, interp_blocks: int = D.interp_blocks,
+                 force_reject_after_switch: bool = D.force_reject_after_switch,
                  skip_first_draft: bool = D.skip_first_draft, lazy_target_commit: bool = D.lazy_target_commit,
                  score_emitted: bool = D.score_emitted, scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead,
                  run_ahead_blocks: int = D.run_ahead_blocks,
                  cuda_graphs: bool = D.cuda_graphs, fast_vae: bool = D.fast_vae, stage_timing: str = D.stage_timing,
-                 backend: str | None = D.backend, num_videos_per_prompt: int | None = 1,
+                 backend: str | None = D.backend, prompt_schedule=None, num_videos_per_prompt: int | None = 1,
                  generator: torch.Generator | list[torch.Generator] | None = None, output_type: str = "np",
                  return_dict: bool = True,
                  callback_on_block_end: Callable[["SpeculativeVideoPipeline", BlockRecord], None] | None = None):
@@ -428,7 +460,7 @@ class SpeculativeVideoPipeline:
         refused naming the fix. A progress bar counts the blocks (`set_progress_bar_config`)."""
         if output_type not in OUTPUT_TYPES:
             raise ValueError(f"unknown output_type {output_type!r}; choose one of {', '.join(OUTPUT_TYPES)}")
-        prompts = _prompt_list(prompt)
+        prompts = [None] if prompt_schedule is not None and prompt is None else _prompt_list(prompt)
         options = self.resolve(_options(locals()))  # every option checked before the first video
         per_prompt = _videos_per_prompt(num_videos_per_prompt)
         batch = [p for p in prompts for _ in range(per_prompt)]
@@ -438,7 +470,8 @@ class SpeculativeVideoPipeline:
         videos, stats = [], []
         with self._progress_bar(len(batch) * options.num_blocks) as bar:
             for p, s in zip(batch, seeds):
-                blocks, run_stats = self._video(p, options.replace(seed=s), callback_on_block_end, bar)
+                blocks, run_stats = self._video(p, options.replace(seed=s), callback_on_block_end, bar,
+                                                prompt_schedule)
                 videos.append(blocks)
                 stats.append(run_stats)
                 if self._interrupt:
@@ -446,8 +479,8 @@ class SpeculativeVideoPipeline:
         out = batch_output(videos, stats, output_type)
         return out if return_dict else (out.frames,)
 
-    def generate(self, prompt: str, options: GenerationOptions, output_type: str = "uint8",
-                 callback_on_block_end: Callable | None = None) -> VideoOutput:
+    def generate(self, prompt: str | None, options: GenerationOptions, output_type: str = "uint8",
+                 callback_on_block_end: Callable | None = None, prompt_schedule=None) -> VideoOutput:
         """One whole video for explicit options, unbatched: frames uint8 [F, H, W, 3] (or `output_type`'s
         frames of one video), latents [1, z, T, h, w], its RunStats and BlockRecords. The scheduler runs
         on this thread (nothing to stream)."""
@@ -455,16 +488,18 @@ class SpeculativeVideoPipeline:
             raise ValueError(f"unknown output_type {output_type!r}; choose one of {', '.join(OUTPUT_TYPES)}")
         check_callback(callback_on_block_end)
         self._interrupt = False
-        blocks, stats = self._video(prompt, options, callback_on_block_end, None)
+        blocks, stats = self._video(prompt, options, callback_on_block_end, None, prompt_schedule)
         if not blocks:
             return VideoOutput(frames=None, latents=None, stats=stats, blocks=blocks)
         frames = torch.cat([b.frames for b in blocks])
         return VideoOutput(frames=convert_frames(frames, output_type),
                            latents=torch.cat([b.latents for b in blocks], dim=2), stats=stats, blocks=blocks)
 
-    def _video(self, prompt: str, options: GenerationOptions, callback, bar) -> tuple[list[BlockRecord], RunStats]:
-        """The blocks of one video on this thread; stops after a block when `interrupt` was set."""
-        stream = self.run(prompt, options, threaded=False)
+    def _video(self, prompt: str | None, options: GenerationOptions, callback, bar,
+               prompt_schedule=None) -> tuple[list[BlockRecord], RunStats]:
+        """The blocks of one video on this thread (`prompt_schedule`: see `run`); stops after a block when
+        `interrupt` was set."""
+        stream = self.run(prompt, options, threaded=False, prompt_schedule=prompt_schedule)
         blocks = []
         for block in stream:
             blocks.append(block)

@@ -17,16 +17,21 @@ def documented(section: str) -> dict[str, str]:
 
 TOP, BLOCK, TRACE = documented("Top-level fields"), documented("Block fields"), documented("Trace entries")
 CLI_ONLY = {k for k, v in TOP.items() if v.startswith("CLI only")}
+LIVE_ONLY = {k for k, v in TOP.items() if v.startswith("Live only")}
 
 
 def _check(stats: dict, cli: bool = False):
     json.loads(json.dumps(stats, allow_nan=True))
     want = set(TOP) if cli else set(TOP) - CLI_ONLY
+    if not stats.get("live"):
+        want -= LIVE_ONLY
     if cli and "prompt_index" not in stats:
         want.discard("prompt_index")
     assert set(stats) == want
     for b in stats["blocks"]:
         optional = {"emitted_scores"} if "emitted_scores" not in b else set()
+        if not stats.get("live"):
+            optional.add("live")
         if stats["early_exit"] == "none":
             optional |= {"mean_steps", "max_steps", "exit"}
         assert set(b) == set(BLOCK) - optional
@@ -39,7 +44,7 @@ def _check(stats: dict, cli: bool = False):
 def test_complete_run_matches_the_doc(tiny_pipe, scheduler):
     stats = tiny_pipe(PROMPT, num_blocks=2, scheduler=scheduler, score_emitted=True).stats.as_dict()
     _check(stats)
-    assert stats["schema_version"] == 2 and stats["checkpoints"]["target"].startswith("random:tiny")
+    assert stats["schema_version"] == 3 and stats["checkpoints"]["target"].startswith("random:tiny")
 
 
 @pytest.mark.parametrize("scheduler", ["cpp", "reference"])
@@ -75,3 +80,14 @@ def test_cli_file_is_strict_json_and_documented(tmp_path):
     stats = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
     _check(stats, cli=True)
     assert stats["tau"] is None and stats["nonfinite_fields"] == ["tau"]
+
+
+def test_live_session_matches_the_doc(tiny_pipe):
+    session = tiny_pipe.session(PROMPT, num_blocks=2, scheduler="reference")
+    next(session)
+    session.update(prompt="an owl", interp_blocks=1)
+    list(session)
+    stats = session.stats.as_dict()
+    _check(stats)
+    assert stats["updates"] == [{"block": 1, "prompt": "an owl", "interp_blocks": 1}]
+    assert set(stats["blocks"][1]["live"]) == {"block", "segment", "prompt_index", "blend_weight", "forced_by_update"}

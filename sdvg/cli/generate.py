@@ -22,6 +22,8 @@ def add_parser(sub, config: dict | None) -> None:
     g = sub.add_parser("generate", help="generate videos (MP4 written as blocks arrive)")
     add_generation_args(g)
     g.add_argument("--prompt", help="one text prompt (or --prompts-file)")
+    g.add_argument("--prompt-schedule", metavar="FILE",
+                   help="a JSON/YAML list of {block, prompt, interp_blocks} replacing --prompt (docs/live.md)")
     g.add_argument("--prompts-file", help="one prompt per line (e.g. sdvg/data/MovieGenVideoBench.txt)")
     g.add_argument("--offset", type=count(0), default=0, help="skip the first N prompts of --prompts-file")
     g.add_argument("--limit", type=count(0), default=0, help="at most N prompts (0 = all)")
@@ -43,6 +45,9 @@ def add_parser(sub, config: dict | None) -> None:
 
 
 def run(args, load_pipeline) -> int:
+    from sdvg.live.updates import cli_prompt
+
+    args.prompt = cli_prompt(args)  # --prompt-schedule FILE: the first prompt, carrying the schedule
     from sdvg.io.locks import lock_outputs
     from sdvg.io.outputs import check_output_paths, generate_outputs
 

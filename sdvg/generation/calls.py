@@ -55,6 +55,17 @@ class StageCalls(_C.StageCalls):
         self.times: dict[int, dict[str, float]] = {}  # record_trace: block -> seconds per stage
         self.block = 0  # record_trace: the block the loop is producing (its calls are charged to it)
         self.t_start = time.perf_counter()
+        # live sessions (sdvg/live): block -> (role -> its text K/V, the prompt a score is judged against);
+        # None: the video's one prompt (the text K/V `prepare` made)
+        self.conditioning = None
+
+    def _condition(self, model, block: int) -> None:
+        """Give `model` block `block`'s text conditioning (a live session's frozen table entry)."""
+        if self.conditioning is not None:
+            model.text_kv = self.conditioning.text_kv(block, model.role)
+
+    def _score_prompt(self, block: int) -> str:
+        return self.prompt if self.conditioning is None else self.conditioning.prompt(block)
 
     # ------------------------------------------------------------------ glue
     def begin_block(self, block: int) -> None:
@@ -96,6 +107,7 @@ class StageCalls(_C.StageCalls):
         """The drafter denoises noise_b -> x_hat (its K/V into the pending slot)."""
         def run():
             drafter = self.setup.drafter
+            self._condition(drafter, block)
             x = drafter.denoise(self._noise(drafter, block), block, block * self.frames_per_block, self.opts.seed)
             if self.setup.target is not None:
                 self.transfer.prefetch(x, self.target_dev)  # an accepted draft goes into the target's cache
@@ -106,6 +118,7 @@ class StageCalls(_C.StageCalls):
         """The target denoises the same noise_b -> x_b."""
         def run():
             target = self.setup.target
+            self._condition(target, block)
             x = target.denoise(self._noise(target, block), block, block * self.frames_per_block, self.opts.seed)
             self.transfer.prefetch(x, self.vae_dev)  # decoded, and committed into the drafter, over there
             return self.guard.target(x, block)
@@ -114,11 +127,13 @@ class StageCalls(_C.StageCalls):
     def drafter_commit(self, block: int, latents: torch.Tensor) -> None:
         """The drafter's t = 0 forward over the block (full) or its latents recorded (recompute)."""
         drafter = self.setup.drafter
+        self._condition(drafter, block)
         self._call("drafter_commit", self.drafter_dev, lambda: drafter.commit_forward(
             self.transfer.get(latents, self.drafter_dev), block * self.frames_per_block))
 
     def target_commit(self, block: int, latents: torch.Tensor) -> None:
         target = self.setup.target
+        self._condition(target, block)
         self._call("target_commit", self.target_dev, lambda: target.commit_forward(
             self.transfer.get(latents, self.target_dev), block * self.frames_per_block))
 
@@ -136,7 +151,7 @@ class StageCalls(_C.StageCalls):
 
         def run():
             def scores(pixels):
-                return self.setup.runners.score(self.prompt, to_unit_frames(pixels))
+                return self.setup.runners.score(self._score_prompt(block), to_unit_frames(pixels))
             return self.guard.score(scores, frames, self.setup.aggregator, producer, block)
         score, frame_scores = self._call("score", self.vae_dev, run)
         return _C.Scored(score, frame_scores)

@@ -18,6 +18,8 @@ Modes `target` and `draft` run steps 4 and 1 alone.
 """
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import time
 from typing import Iterator
 
@@ -33,9 +35,12 @@ from sdvg.options import GenerationOptions
 
 def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, report: LoopReport | None = None,
                     runners=None, memory_budget_gib: float | None = None,
-                    exit_verifiers: dict | None = None) -> Iterator[BlockRecord]:
+                    exit_verifiers: dict | None = None, plan=None) -> Iterator[BlockRecord]:
     """Yields each block as soon as its frames are final; `report` is filled at the end.
-    `opts` are resolved options (num_blocks set); `memory_budget_gib`, `exit_verifiers`: see `prepare`."""
+    `opts` are resolved options (num_blocks set); `memory_budget_gib`, `exit_verifiers`: see `prepare`.
+    `plan` (a live session, sdvg/live/session.py): `plan.attach(calls, setup)` gives the stage calls each
+    block's conditioning, and `plan.begin(b)` says before each block whether it is the last, forced, its
+    tau, or that the video stops here (then num_blocks only sizes the caches)."""
     counters = Counters()  # the models count their forwards here; this loop counts what it skips
     router = Router.from_options(opts)
     setup = prepare(comps, prompt, opts, counters, runners=runners, memory_budget_gib=memory_budget_gib,
@@ -43,6 +48,8 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
     calls = StageCalls(comps, prompt, opts, setup, record_trace=True)
     drafter, target = setup.drafter, setup.target
     pending: list[tuple[int, torch.Tensor]] = []  # target commits not made yet (lazy_target_commit)
+    if plan is not None:
+        plan.attach(calls, setup)
 
     def commit_target(upto: list) -> None:
         for block, x in upto:
@@ -55,9 +62,13 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
         commit_target(pending)
         return calls.target(b)
 
-    for b in range(opts.num_blocks):
+    for b in (range(opts.num_blocks) if plan is None else itertools.count()):
+        step = None if plan is None else plan.begin(b)
+        if step is not None and step.stop:
+            break
         calls.begin_block(b)
-        last = b == opts.num_blocks - 1
+        last = b == opts.num_blocks - 1 if step is None else step.last
+        block_router = router if step is None or step.tau == router.tau else dataclasses.replace(router, tau=step.tau)
         draft, score, frame_scores, emitted_scores = None, None, [], None
         accepted = False
 
@@ -70,7 +81,7 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
             pixels = calls.decode(x_b, "drafter", b)
             decision, accepted = "draft", True
         else:
-            forced = b == 0 and opts.force_first_reject
+            forced = (b == 0 and opts.force_first_reject) or (step is not None and step.forced)
             if forced and opts.skips_first_draft:
                 counters.skipped_drafter_forwards += drafter.schedule.num_steps
             else:
@@ -80,7 +91,7 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
                 scored = calls.score(pixels_hat, "drafter", b)
                 if scored is not None:
                     score, frame_scores = scored.score, list(scored.frame_scores)
-            accepted = not forced and router.accept(b, score, opts.seed)  # 3. route
+            accepted = not forced and block_router.accept(b, score, opts.seed)  # 3. route
             if accepted:
                 decision, x_b, pixels = "accepted", draft, pixels_hat
                 emitted_scores = frame_scores

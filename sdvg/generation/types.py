@@ -29,7 +29,9 @@ TOTAL_KEYS: tuple[str, ...] = ("draft", "decode", "score", "target", "commit")
 Counters = _C.Counters  # the native counters struct; the reference loop counts into the same type
 
 # The statistics file's schema (docs/stats.md). Bump on any change of a field's name or meaning.
-SCHEMA_VERSION = 2  # 2: early exit (the exit_* options, mean_steps, max_steps, exit_roles; block exit fields)
+SCHEMA_VERSION = 3  # 2: early exit (the exit_* options, mean_steps, max_steps, exit_roles; block exit fields)
+# 3: live sessions and prompt schedules (options interp_blocks, force_reject_after_switch; block `live`;
+#    top level `live`, `updates`, `prompts`, `segments`, `prompt_encodes`, `blocks_started` when live)
 
 
 def block_times(stage_seconds: Mapping[str, float]) -> dict[str, float]:
@@ -54,6 +56,8 @@ class BlockRecord:
     emitted_scores: list[float] | None = None  # the emitted frames' scores (score_emitted)
     exits: Any = None  # early exit: the block's BlockExits (sdvg/generation/early_exit/record.py)
     redrafts: int = 0  # run-ahead drafts of this block thrown away after a rejection (scheduler cpp)
+    live: dict | None = None  # live sessions / prompt schedules (docs/live.md): block (the session's), segment,
+    # prompt_index, blend_weight, forced_by_update
 
     def stats(self) -> dict:
         """The block's entry in the statistics (JSON-ready)."""
@@ -64,6 +68,8 @@ class BlockRecord:
             out["emitted_scores"] = list(self.emitted_scores)
         if self.exits is not None:
             out.update(self.exits.stats())
+        if self.live is not None:
+            out["live"] = dict(self.live)
         return out
 
 

@@ -1,0 +1,244 @@
+"""A live session: one video whose prompt, seed and router threshold change between blocks, unbounded
+when asked (docs/live.md).
+
+The session drives the reference loop (`sdvg/generation/reference.py`) with itself as the loop's plan:
+before each block the loop calls `begin(b)`, which, under the session's lock, applies the updates due
+at that block, freezes the block's conditioning (`ConditioningTable`) and counts the block as started.
+`update()` (any thread) acknowledges an update at the first block not yet started, so every update
+takes effect exactly at a block boundary and a live run replays offline from its recorded schedule
+(`stats["updates"]`, the `prompt_schedule` format). A restart (`seed=` / `reset=True`) ends the
+current segment and runs a fresh one (new caches, block 0 forced) on the same session; block indices
+of the session go on counting (`BlockRecord.live["block"]`), `BlockRecord.index` restarts at 0."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass
+
+from sdvg.generation.types import LoopReport, RunStats
+from sdvg.live.conditioning import ConditioningTable, PromptBank
+from sdvg.live.updates import Update, UpdateAck, UpdateError, check_prompt
+from sdvg.options import GenerationOptions, OptionError
+
+
+@dataclass(frozen=True)
+class BlockStep:
+    """What the loop is told before a block: stop here, or produce it (last? forced? under which tau)."""
+
+    stop: bool
+    last: bool = False
+    forced: bool = False
+    tau: float = 0.0
+
+
+_STOP = BlockStep(stop=True)
+
+
+class _SegmentConditioning:
+    """The stage calls' view of the table for one segment (segment block -> session block)."""
+
+    def __init__(self, table: ConditioningTable, start: int, setup):
+        self.table, self.start = table, start
+        self.dits = {m.role: m.dit for m in (setup.drafter, setup.target) if m is not None}
+
+    def text_kv(self, block: int, role: str):
+        return self.table.text_kv(self.start + block, role, self.dits[role])
+
+    def prompt(self, block: int) -> str:
+        return self.table.frozen[self.start + block].prompt
+
+
+def unbounded_horizon(pipe, opts: GenerationOptions) -> int:
+    """Blocks an unbounded session can reach: a full-context role places block b at absolute frame
+    b * frames_per_block, so the RoPE table bounds it; a recompute-only session has no bound (its
+    positions restart at the context length), the caches are sized for one table's length anyway."""
+    preset = pipe.preset
+    rope = min(getattr(pipe.components, r).config.rope_max_seq_len for r in opts.roles)
+    return max(rope // preset.video.frames_per_block - 1, 1)
+
+
+def check_unbounded(opts: GenerationOptions) -> None:
+    """An unbounded session needs bounded memory: every full-context role a window (or recompute)."""
+    for role in opts.roles:
+        if opts.context_mode(role) == "full" and not opts.window_frames:
+            flag = "target_context='recompute'" if role == "target" else "drafter_cache='recompute'"
+            raise OptionError(f"an unbounded session (num_blocks=None) cannot keep the {role}'s full history: its KV "
+                              f"cache would grow without end; give a window (window_frames=N, sink_frames=M), use the "
+                              f"recompute context ({flag}) or a finite num_blocks")
+
+
+class LiveSession:
+    """Iterate to get each `BlockRecord` as soon as it is final; `update(...)` from any thread;
+    `close()` ends it (its `stats` are then final). `num_blocks=None`: unbounded."""
+
+    def __init__(self, pipe, prompt: str, options: GenerationOptions, num_blocks: int | None = None,
+                 schedule: list | None = None):
+        check_prompt(prompt)
+        if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int)
+                                       or num_blocks < 1):
+            raise OptionError(f"num_blocks {num_blocks!r} must be a positive integer, or None for an unbounded session")
+        if options.scheduler != "reference":
+            raise OptionError("live sessions and prompt schedules run on the reference scheduler for now (the native "
+                              "scheduler's updates are not built yet, docs/live.md); pass scheduler='reference'")
+        self.pipe, self.limit = pipe, num_blocks
+        if num_blocks is None:
+            opts = pipe.resolve(options.replace(num_blocks=1))
+            check_unbounded(opts)
+            opts = pipe.resolve(options.replace(num_blocks=unbounded_horizon(pipe, opts)))
+            if any(opts.context_mode(r) == "full" for r in opts.roles):
+                self.limit = opts.num_blocks  # the RoPE table's end: the session stops there
+        else:
+            opts = pipe.resolve(options.replace(num_blocks=num_blocks))
+        self.opts = opts
+        self.runners = pipe.runners(opts.backend)
+        self.table = ConditioningTable(PromptBank(pipe.components.text_encoder), prompt)
+        self._lock = threading.Lock()
+        self._started = 0  # session blocks whose conditioning is frozen (drafting may have begun)
+        self._pending: list[UpdateAck] = []
+        self.updates: list[UpdateAck] = []
+        self._closed = False
+        self._running = False
+        self._seed, self._tau = opts.seed, opts.tau
+        self._segment_start, self._segments = 0, 0
+        self._reports: list[LoopReport] = []
+        self._records_live: dict[int, dict] = {}
+        self.stats = RunStats(prompt, pipe.preset.name, opts, pipe.provenance())
+        self.stats.extra.update(live=True, num_blocks=num_blocks, updates=[], prompts=self.table.prompts)
+        self.finished = False
+        for block, item in (schedule or [])[1:]:
+            self._acknowledge(item, block)
+        self._blocks = self._run()
+
+    # ------------------------------------------------------------------ updates
+    def update(self, prompt: str | None = None, interp_blocks: int | None = None, seed: int | None = None,
+               reset: bool = False, tau: float | None = None) -> UpdateAck:
+        """Change the session from the first block whose drafting has not started (`UpdateAck.block`).
+        A bad value raises `UpdateError` and changes nothing."""
+        return self._acknowledge(Update(prompt, interp_blocks, seed, reset, tau), None)
+
+    def _acknowledge(self, update: Update, block: int | None) -> UpdateAck:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the session is closed; start a new one with pipe.session(...)")
+            block = self._started if block is None else block
+            if self.limit is not None and block >= self.limit:
+                raise UpdateError(f"the update would take effect at block {block}, but the session ends after block "
+                                  f"{self.limit - 1}; nothing is left to change")
+            ack = UpdateAck(block, len(self.updates), update)
+            self.updates.append(ack)
+            self._pending.append(ack)
+            self.stats.extra["updates"].append(update.as_entry(block))
+            return ack
+
+    # ------------------------------------------------------------ the loop's plan
+    def attach(self, calls, setup) -> None:
+        calls.conditioning = _SegmentConditioning(self.table, self._segment_start, setup)
+
+    def begin(self, b: int) -> BlockStep:
+        """Before segment block b: apply the updates due, freeze its conditioning, count it started."""
+        with self._lock:
+            g = self._started
+            if self._closed or (self.limit is not None and g >= self.limit):
+                return _STOP
+            due = [a for a in self._pending if a.block == g]
+            if b > 0 and any(a.update.restarts for a in due):
+                return _STOP  # the segment ends; the next one starts at g with the new seed
+            restart = b == 0 and g > 0
+            forced_by_update = False
+            for a in due:
+                self._pending.remove(a)
+                u = a.update
+                if u.tau is not None:
+                    self._tau = u.tau
+                if u.prompt is not None:
+                    self.table.switch(g, u.prompt, 1 if restart else (u.interp_blocks or self.opts.interp_blocks))
+            cond = self.table.freeze(g)
+            if cond.first_new and self.opts.force_reject_after_switch and b > 0 and self.opts.mode == "sdvg":
+                forced_by_update = True
+            self._started += 1
+            self._records_live[b] = {"block": g, "segment": self._segments, "prompt_index": cond.prompt_index,
+                                     "blend_weight": cond.weight, "forced_by_update": forced_by_update}
+            last = self.limit is not None and g == self.limit - 1
+            return BlockStep(False, last, forced_by_update, self._tau)
+
+    # ------------------------------------------------------------------- blocks
+    def _run(self):
+        from sdvg.generation.reference import generate_blocks
+
+        while True:
+            with self._lock:
+                restart = [a for a in self._pending if a.block == self._started and a.update.restarts]
+                if self._started > 0 and not restart:
+                    break
+                for a in restart:  # (a restart due at block 0 only sets the seed of the first segment)
+                    if a.update.seed is not None:
+                        self._seed = a.update.seed
+                if self._started > 0:
+                    self._segments += 1
+                self._segment_start = self._started
+                prompt = self.table._current.prompt if self._started else self.table.prompts[0]
+            report = LoopReport()
+            self._reports.append(report)
+            self._records_live = {}
+            opts = self.opts.replace(seed=self._seed)
+            for record in generate_blocks(self.pipe.components, prompt, opts, report, runners=self.runners,
+                                          memory_budget_gib=self.pipe.memory_budget_gib, plan=self):
+                record.live = self._records_live.pop(record.index)
+                yield record
+            if self._closed or (self.limit is not None and self._started >= self.limit):
+                break
+
+    def __iter__(self) -> "LiveSession":
+        return self
+
+    def __next__(self):
+        if self.finished:
+            raise StopIteration
+        self._running = True
+        try:
+            block = next(self._blocks)
+        except StopIteration:
+            self._finish(interrupted=False)
+            raise
+        except BaseException:
+            self._running = False
+            self.close()
+            raise
+        finally:
+            self._running = False
+        self.stats.add(block)
+        return block
+
+    def close(self) -> RunStats:
+        """End the session (from any thread): no block starts after this; the stats are final once the
+        block being produced (if any) is done. Returns the stats."""
+        with self._lock:
+            self._closed = True
+        if not self._running and not self.finished:
+            self._blocks.close()
+            self._finish(interrupted=self.limit is not None and self._started < self.limit)
+        return self.stats
+
+    def _finish(self, interrupted: bool) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        with self._lock:
+            self._closed = True
+        done = [r for r in self._reports if r.counters is not None]
+        self.stats.finish(done[-1] if done else None, interrupted=interrupted)
+        if len(done) > 1:  # counters and trace of every segment
+            total = {}
+            for r in done:
+                for k, v in r.counters.as_dict().items():
+                    total[k] = total.get(k, 0) + v
+            self.stats.counters = total
+            self.stats.trace = [span for r in done for span in r.trace]
+        self.stats.extra.update(segments=self._segments + 1, prompt_encodes=self.table.bank.encodes,
+                                blocks_started=self._started)
+
+    def __enter__(self) -> "LiveSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,186 @@
+"""What a live session is told and what it answers: `Update` (validated on construction, each error
+naming the value and the fix), `UpdateAck` (the session block at which it takes effect), and the
+prompt schedule of a batch run (`parse_schedule`), which is the list of updates in one format."""
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from dataclasses import dataclass
+from pathlib import Path
+
+from sdvg.options import MAX_INTERP_BLOCKS, SEED_MAX
+
+
+class UpdateError(ValueError):
+    """An update has a value it cannot take; the session goes on unchanged."""
+
+
+def check_prompt(prompt, where: str = "prompt") -> str:
+    if not isinstance(prompt, str):
+        raise UpdateError(f"{where} must be a string, got {type(prompt).__name__}; give a text prompt")
+    if not prompt.strip():
+        raise UpdateError(f"{where} is empty; give a non-empty text prompt")
+    return prompt
+
+
+def _check_int(name: str, value, low: int, high: int, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise UpdateError(f"{name} must be an integer, got {value!r}; {fix}")
+    if not low <= int(value) <= high:
+        raise UpdateError(f"{name} {value} must lie in [{low}, {high}]; {fix}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Update:
+    """One change of a live session, taking effect at a block boundary (all fields optional, combinable;
+    at least one given). `prompt` is blended in over `interp_blocks` blocks (None: the session's
+    option); `seed` or `reset=True` restarts the video from its block 0 with fresh caches (the seed
+    kept when not given); `tau` is the reward router's threshold from then on."""
+
+    prompt: str | None = None
+    interp_blocks: int | None = None
+    seed: int | None = None
+    reset: bool = False
+    tau: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt is not None:
+            check_prompt(self.prompt)
+        if self.interp_blocks is not None:
+            if self.prompt is None:
+                raise UpdateError(f"interp_blocks {self.interp_blocks} given without a prompt; it sets how a new "
+                                  "prompt is blended in: pass prompt=... with it")
+            _check_int("interp_blocks", self.interp_blocks, 1, MAX_INTERP_BLOCKS,
+                       "1 switches at once, Krea's demo blends over 4")
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, SEED_MAX, f"give a seed in [0, {SEED_MAX}]")
+        if not isinstance(self.reset, bool):
+            raise UpdateError(f"reset must be True or False, got {self.reset!r}")
+        if self.tau is not None:
+            if isinstance(self.tau, bool) or not isinstance(self.tau, numbers.Real) or math.isnan(self.tau):
+                raise UpdateError(f"tau must be a number (inf / -inf allowed), got {self.tau!r}")
+            object.__setattr__(self, "tau", float(self.tau))
+        if self.prompt is None and self.seed is None and not self.reset and self.tau is None:
+            raise UpdateError("an update changes nothing; give prompt=, seed=, reset=True or tau=")
+
+    @property
+    def restarts(self) -> bool:
+        return self.reset or self.seed is not None
+
+    def as_entry(self, block: int) -> dict:
+        """The update in the prompt-schedule format (`parse_schedule` reads it back)."""
+        entry: dict = {"block": block}
+        for name in ("prompt", "interp_blocks", "seed", "tau"):
+            if getattr(self, name) is not None:
+                entry[name] = getattr(self, name)
+        if self.reset:
+            entry["reset"] = True
+        return entry
+
+
+@dataclass(frozen=True)
+class UpdateAck:
+    """An update accepted: it takes effect at session block `block` (the first block whose drafting had
+    not started when it arrived); `index` is its position in the session's update list."""
+
+    block: int
+    index: int
+    update: Update
+
+
+_ENTRY_KEYS = ("block", "prompt", "interp_blocks", "seed", "reset", "tau")
+
+
+def parse_schedule(schedule) -> list[tuple[int, Update | str]]:
+    """A prompt schedule -> [(block, first prompt)] + [(block, Update)], sorted by block (stable).
+
+    `schedule` is a list of `(block, prompt)` pairs or of mappings with the keys `block` and any of
+    `prompt`, `interp_blocks`, `seed`, `reset`, `tau` (a live session's `stats["updates"]`), or a path
+    to a JSON/YAML file holding such a list. The first entry must be at block 0 with a prompt."""
+    if isinstance(schedule, (str, Path)):
+        schedule = _read_schedule_file(Path(schedule))
+    if not isinstance(schedule, (list, tuple)) or not schedule:
+        raise UpdateError(f"prompt_schedule must be a non-empty list of (block, prompt) pairs or "
+                          f"{{block, prompt, interp_blocks}} entries, got {schedule!r:.80}")
+    entries = []
+    for i, item in enumerate(schedule):
+        where = f"prompt_schedule[{i}]"
+        if isinstance(item, dict):
+            unknown = sorted(set(map(str, item)) - set(_ENTRY_KEYS))
+            if unknown:
+                raise UpdateError(f"{where} has unknown keys {unknown}; use {', '.join(_ENTRY_KEYS)}")
+            if "block" not in item:
+                raise UpdateError(f"{where} has no 'block'; give the block index the entry takes effect at")
+            fields = {k: v for k, v in item.items() if k != "block"}
+            block = item["block"]
+        elif isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[1], Update):  # parsed already
+            block, fields = item[0], {k: v for k, v in item[1].as_entry(0).items() if k != "block"}
+        elif isinstance(item, (list, tuple)) and len(item) == 2:
+            block, fields = item[0], {"prompt": item[1]}
+        else:
+            raise UpdateError(f"{where} is {item!r:.60}; give (block, prompt) or {{block: N, prompt: ...}}")
+        block = _check_int(f"{where} block", block, 0, 2**62, "blocks count from 0")
+        if "prompt" in fields:
+            check_prompt(fields["prompt"], f"{where} prompt")
+        entries.append((block, fields, where))
+    entries.sort(key=lambda e: e[0])
+    block0, first, where = entries[0]
+    if block0 != 0 or "prompt" not in first:
+        raise UpdateError(f"the schedule must start with a prompt at block 0 (its first entry is at block {block0}"
+                          f"{'' if 'prompt' in first else ' without a prompt'}); add (0, 'your first prompt')")
+    out: list = [(0, first["prompt"])]
+    rest = {k: v for k, v in first.items() if k != "prompt"}
+    if rest:
+        raise UpdateError(f"{where}: the first entry sets the starting prompt only, got {sorted(rest)}; pass those "
+                          "as options (seed=..., tau=...)")
+    for block, fields, where in entries[1:]:
+        try:
+            out.append((block, Update(**fields)))
+        except UpdateError as exc:
+            raise UpdateError(f"{where}: {exc}") from None
+    return out
+
+
+def _read_schedule_file(path: Path) -> list:
+    """A JSON or YAML list of entries (never unpickled, never executed)."""
+    if not path.is_file():
+        raise UpdateError(f"prompt schedule file {path} does not exist; give a JSON or YAML list of "
+                          "{block, prompt, interp_blocks} entries")
+    text = path.read_text()
+    if path.suffix.lower() == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UpdateError(f"prompt schedule file {path} is not valid JSON: {exc}") from None
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise UpdateError(f"prompt schedule file {path} is not valid YAML: {exc}") from None
+
+
+class ScheduledPrompt(str):
+    """The first prompt of a schedule, carrying the schedule (`.schedule`, parsed): what the CLI's
+    `--prompt-schedule FILE` passes where a prompt goes; `pipe.run` runs it as `prompt_schedule`."""
+
+    schedule: list
+
+    def __new__(cls, schedule) -> "ScheduledPrompt":
+        parsed = parse_schedule(schedule)
+        out = super().__new__(cls, parsed[0][1])
+        out.schedule = parsed
+        return out
+
+
+def cli_prompt(args):
+    """`sdvg generate`: the prompt to run: `--prompt`, or with `--prompt-schedule FILE` a `ScheduledPrompt`
+    (refused together with --prompt / --prompts-file)."""
+    path = getattr(args, "prompt_schedule", None)
+    if path is None:
+        return args.prompt
+    if args.prompt is not None or getattr(args, "prompts_file", None) is not None:
+        raise UpdateError("--prompt-schedule gives the prompts; drop --prompt / --prompts-file")
+    return ScheduledPrompt(path)

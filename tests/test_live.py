@@ -1,0 +1,169 @@
+"""Live sessions, the fast parts: Krea's blend weights and the per-block conditioning table, update and
+schedule validation, the refusals made before any work (docs/live.md)."""
+import json
+
+import pytest
+import torch
+
+from sdvg.live import ConditioningTable, PromptBank, Update, blend_weights, parse_schedule
+from sdvg.live.updates import UpdateError
+from sdvg.options import OptionError
+
+
+class FakeEncoder:
+    """prompt -> a fixed random [1, 5, 8] embedding; counts its calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def encode(self, prompt):
+        self.calls.append(prompt)
+        g = torch.Generator().manual_seed(sum(map(ord, prompt)))
+        return torch.randn(1, 5, 8, generator=g)
+
+
+def test_blend_weights_follow_krea_linspace_first_at_zero():
+    assert blend_weights(4) == torch.linspace(0, 1, 4).tolist()
+    assert blend_weights(4)[0] == 0.0 and blend_weights(4)[-1] == 1.0
+    assert blend_weights(2) == [0.0, 1.0]
+    assert blend_weights(1) == [1.0]  # departure: Krea's linspace(0, 1, 1) = [0] never switches
+
+
+def test_table_blends_as_krea_lerp_bitwise_and_encodes_each_prompt_once():
+    enc = FakeEncoder()
+    table = ConditioningTable(PromptBank(enc), "a fox")
+    fox, owl = enc.encode("a fox"), enc.encode("an owl")
+    enc.calls.clear()
+    table.freeze(0), table.freeze(1)
+    table.switch(2, "an owl", 4)
+    conds = [table.freeze(b) for b in range(2, 8)]
+    # Krea: torch.lerp(old, new, linspace(0, 1, n)) over a batch, one chunk per block
+    krea = torch.lerp(fox, owl, torch.linspace(0, 1, steps=4).unsqueeze(1).unsqueeze(2)).chunk(4, dim=0)
+    for c, want in zip(conds[:4], krea):
+        assert torch.equal(c.emb, want)
+    assert [c.weight for c in conds] == blend_weights(4) + [1.0, 1.0]
+    assert [c.first_new for c in conds] == [False, True, False, False, False, False]
+    assert torch.equal(conds[0].emb, fox) and torch.equal(conds[-1].emb, owl)
+    assert all(c.prompt_index == 1 for c in conds)
+    table.switch(8, "a fox", 2)  # back: encoded already
+    assert torch.equal(table.freeze(8).emb, owl) and torch.equal(table.freeze(9).emb, fox)
+    assert enc.calls == ["an owl"] and table.bank.encodes == 2
+
+
+def test_a_switch_mid_blend_starts_from_the_current_blend_and_interp_1_switches_at_once():
+    enc = FakeEncoder()
+    table = ConditioningTable(PromptBank(enc), "a")
+    table.freeze(0)
+    table.switch(1, "b", 3)
+    mid = [table.freeze(1), table.freeze(2)][-1]  # weight 0.5 of b
+    table.switch(3, "c", 1)
+    now = table.freeze(3)
+    assert now.weight == 1.0 and now.first_new and torch.equal(now.emb, enc.encode("c"))
+    table.switch(4, "a", 2)
+    assert torch.equal(table.freeze(4).emb, now.emb)
+    with pytest.raises(RuntimeError, match="frozen"):
+        table.switch(4, "b", 2)
+    assert mid.weight == 0.5
+
+
+def test_text_kv_is_rebuilt_only_when_the_conditioning_changes():
+    enc = FakeEncoder()
+    table = ConditioningTable(PromptBank(enc), "a")
+
+    class Dit:
+        calls = 0
+
+        def encode_text(self, emb):
+            Dit.calls += 1
+            return emb * 2
+
+    dit = Dit()
+    table.freeze(0), table.freeze(1)
+    assert table.text_kv(0, "drafter", dit) is table.text_kv(1, "drafter", dit)
+    table.switch(2, "b", 2)
+    table.freeze(2), table.freeze(3)
+    assert table.text_kv(2, "drafter", dit) is table.text_kv(1, "drafter", dit)  # weight 0: the old one
+    assert torch.equal(table.text_kv(3, "target", dit), enc.encode("b") * 2)
+    assert Dit.calls == 2
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(prompt=""), "prompt is empty"), (dict(prompt=3), "prompt must be a string"),
+    (dict(prompt="x", interp_blocks=0), "interp_blocks 0 must lie in"),
+    (dict(prompt="x", interp_blocks=10**6), "interp_blocks 1000000 must lie in"),
+    (dict(prompt="x", interp_blocks=True), "interp_blocks must be an integer"),
+    (dict(interp_blocks=2), "without a prompt"), (dict(), "changes nothing"),
+    (dict(seed=-1), "seed -1"), (dict(tau=float("nan")), "tau must be a number"), (dict(reset=1), "reset must be"),
+])
+def test_bad_updates_are_refused_by_name(kwargs, match):
+    with pytest.raises(UpdateError, match=match):
+        Update(**kwargs)
+
+
+def test_schedule_formats_round_trip(tmp_path):
+    entries = [{"block": 0, "prompt": "a fox"}, {"block": 3, "prompt": "an owl", "interp_blocks": 2},
+               {"block": 5, "seed": 4, "reset": True}, {"block": 6, "tau": -1.0}]
+    out = parse_schedule(entries)
+    assert out[0] == (0, "a fox") and out[1] == (3, Update("an owl", 2))
+    assert [u.as_entry(b) for b, u in out[1:]] == entries[1:]
+    assert parse_schedule([(0, "a"), (2, "b")]) == [(0, "a"), (2, Update("b"))]
+    assert parse_schedule(out) == out  # parsed already
+    (tmp_path / "s.json").write_text(json.dumps(entries))
+    (tmp_path / "s.yaml").write_text("- {block: 0, prompt: a fox}\n- {block: 3, prompt: an owl, interp_blocks: 2}\n")
+    assert parse_schedule(tmp_path / "s.json") == out
+    assert parse_schedule(str(tmp_path / "s.yaml")) == out[:2]
+
+
+@pytest.mark.parametrize("schedule, match", [
+    ([], "non-empty list"), ([(1, "a")], "start with a prompt at block 0"), ([(0, "")], r"\[0\] prompt is empty"),
+    ([(0, "a"), {"block": 2, "promt": "b"}], "unknown keys"), ([(0, "a"), (2, "b", 3)], r"prompt_schedule\[1\]"),
+    ([(0, "a"), {"block": 2, "prompt": "b", "interp_blocks": 0}], r"prompt_schedule\[1\]: interp_blocks 0"),
+    ([(-1, "a")], "block -1"), ("/nonexistent/s.json", "does not exist"),
+])
+def test_bad_schedules_are_refused_by_name(schedule, match):
+    with pytest.raises(UpdateError, match=match):
+        parse_schedule(schedule)
+
+
+def test_unbounded_full_history_is_refused_naming_the_fix(tiny_pipe):
+    with pytest.raises(OptionError, match="window_frames=N, sink_frames=M.*drafter_cache='recompute'"):
+        tiny_pipe.session("a fox", scheduler="reference")  # the tiny drafter keeps its full history
+    s = tiny_pipe.session("a fox", scheduler="reference", window_frames=6, sink_frames=3)
+    assert s.limit is not None and s.opts.num_blocks == s.limit  # the RoPE table's end
+    s.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        s.update(prompt="an owl")
+
+
+def test_session_refusals_before_any_work(tiny_pipe):
+    with pytest.raises(UpdateError, match="prompt is empty"):
+        tiny_pipe.session("  ", num_blocks=2, scheduler="reference")
+    with pytest.raises(OptionError, match="num_blocks 0"):
+        tiny_pipe.session("a", num_blocks=0, scheduler="reference")
+    with pytest.raises(OptionError, match="scheduler='reference'"):
+        tiny_pipe.session("a", num_blocks=2)
+    with pytest.raises(OptionError, match="interp_blocks 0"):
+        tiny_pipe.session("a", num_blocks=2, scheduler="reference", interp_blocks=0)
+    with pytest.raises(TypeError, match="unknown keywords"):
+        tiny_pipe.session("a", num_blocks=2, scheduler="reference", temperature=1)
+    with pytest.raises(ValueError, match="replaces prompt"):
+        tiny_pipe("a", prompt_schedule=[(0, "b")], scheduler="reference")
+    s = tiny_pipe.session("a", num_blocks=2, scheduler="reference")
+    with pytest.raises(UpdateError, match="ends after block 1"):
+        s._acknowledge(Update(prompt="b"), 2)
+    s.close()
+
+
+def test_a_seed_sent_before_the_first_block_seeds_the_first_segment(tiny_pipe, monkeypatch):
+    import sdvg.generation.reference as reference
+
+    seeds = []
+    def one_block_started(comps, prompt, opts, *args, plan, **kw):
+        seeds.append(opts.seed)
+        plan.begin(0)
+        return iter(())
+
+    monkeypatch.setattr(reference, "generate_blocks", one_block_started)
+    s = tiny_pipe.session("a", num_blocks=2, scheduler="reference", seed=1)
+    assert s.update(seed=9).block == 0
+    assert list(s) == [] and seeds == [9]

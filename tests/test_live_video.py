@@ -1,0 +1,146 @@
+"""Live sessions over whole (tiny) videos: no update equals pipe(...), a session updated from another
+thread equals the batch run of its recorded schedule, bitwise; a bad update loses nothing (docs/live.md)."""
+import threading
+
+import pytest
+import torch
+
+from sdvg.live.updates import UpdateError
+
+pytestmark = pytest.mark.slow
+KW = dict(scheduler="reference", seed=5, tau=-0.7)
+
+
+def _video(blocks):
+    return torch.cat([b.latents for b in blocks], dim=2), torch.cat([b.frames for b in blocks])
+
+
+def test_a_session_without_updates_equals_pipe_bitwise(tiny_pipe):
+    out = tiny_pipe("a red fox", num_blocks=3, output_type="uint8", **KW)
+    session = tiny_pipe.session("a red fox", num_blocks=3, **KW)
+    blocks = list(session)
+    latents, frames = _video(blocks)
+    assert torch.equal(latents, out.latents) and torch.equal(frames, out.frames)
+    assert [b.decision for b in blocks] == [b.decision for b in out.blocks]
+    stats = session.stats.as_dict()
+    assert stats["updates"] == [] and stats["segments"] == 1 and stats["prompt_encodes"] == 1
+    assert [b["live"]["block"] for b in stats["blocks"]] == [0, 1, 2] and not stats["interrupted"]
+
+
+def test_updates_from_another_thread_replay_bitwise_from_the_recorded_schedule(tiny_pipe):
+    session = tiny_pipe.session("a red fox", num_blocks=6, interp_blocks=2, **KW)
+    emitted = [threading.Event() for _ in range(6)]
+    acks, errors = [], []
+
+    def send():  # each update once block k is out: it takes effect at block k + 1
+        try:
+            emitted[0].wait(60)
+            acks.append(session.update(prompt="an owl at night"))  # blended over 2 blocks
+            emitted[2].wait(60)
+            acks.append(session.update(seed=11, prompt="a cat"))  # restart: new seed, block 0 forced again
+            emitted[3].wait(60)
+            acks.append(session.update(tau=float("-inf")))
+            acks.append(session.update(prompt="a red fox", interp_blocks=1))  # at once
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    blocks = []
+    for b in session:
+        blocks.append(b)
+        emitted[b.live["block"]].set()
+        if b.live["block"] in (0, 2, 3):
+            sender.join(0.0)
+            while (len(acks) < {0: 1, 2: 2, 3: 4}[b.live["block"]]) and not errors:
+                sender.join(0.05)  # the consumer waits for the update before asking for the next block
+    sender.join()
+    assert not errors
+    assert [a.block for a in acks] == [1, 3, 4, 4]
+    stats = session.stats.as_dict()
+    assert stats["updates"] == [{"block": 1, "prompt": "an owl at night"}, {"block": 3, "prompt": "a cat", "seed": 11},
+                                {"block": 4, "tau": float("-inf")}, {"block": 4, "prompt": "a red fox", "interp_blocks": 1}]
+    live = [b.live for b in blocks]
+    assert [x["blend_weight"] for x in live] == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    assert [x["prompt_index"] for x in live] == [0, 1, 1, 2, 0, 0]
+    assert [x["segment"] for x in live] == [0, 0, 0, 1, 1, 1] and [b.index for b in blocks] == [0, 1, 2, 0, 1, 2]
+    assert [b.decision for b in blocks][2:4] == ["forced", "forced"] and live[2]["forced_by_update"]
+    assert live[4]["forced_by_update"] and blocks[5].decision == "accepted"  # tau = -inf from block 4 on
+    assert stats["prompt_encodes"] == 3 and stats["segments"] == 2
+
+    replay = tiny_pipe(prompt_schedule=[(0, "a red fox")] + stats["updates"], num_blocks=6, interp_blocks=2,
+                       output_type="uint8", **KW)
+    latents, frames = _video(blocks)
+    assert torch.equal(latents, replay.latents) and torch.equal(frames, replay.frames)
+    assert [b.live for b in replay.blocks] == live
+    assert replay.stats.as_dict()["updates"] == stats["updates"]
+
+
+def test_a_bad_update_mid_session_loses_no_block(tiny_pipe):
+    out = tiny_pipe("a red fox", num_blocks=3, output_type="uint8", **KW)
+    session = tiny_pipe.session("a red fox", num_blocks=3, **KW)
+    blocks = [next(session)]
+    for bad in (dict(prompt=""), dict(prompt="x", interp_blocks=0), dict(seed="7")):
+        with pytest.raises(UpdateError):
+            session.update(**bad)
+    blocks += list(session)
+    latents, frames = _video(blocks)
+    assert torch.equal(latents, out.latents) and torch.equal(frames, out.frames)
+    assert session.stats.as_dict()["updates"] == []
+
+
+def test_close_from_another_thread_ends_after_the_block_in_progress(tiny_pipe):
+    session = tiny_pipe.session("a red fox", num_blocks=None, window_frames=6, sink_frames=3, **KW)
+    blocks = []
+    for b in session:
+        blocks.append(b)
+        if len(blocks) == 2:
+            threading.Thread(target=session.close).start()
+            threading.Event().wait(0.2)
+    assert len(blocks) == 2 and session.finished
+    assert session.stats.as_dict()["blocks_started"] == 2
+    with pytest.raises(RuntimeError, match="closed"):
+        session.update(prompt="an owl")
+
+
+def test_every_stage_sees_its_blocks_own_conditioning(tiny_pipe, monkeypatch):
+    """For every drafter and target denoise, the text K/V it used equals the DiT's encoding of Krea's blend
+    for that block, computed here independently from the prompts' embeddings."""
+    from sdvg.generation.prepare import RoleModel
+
+    seen = []
+    denoise = RoleModel.denoise
+
+    def recording(self, noise, block, frame0, seed):
+        seen.append((self.role, block, self.text_kv))
+        return denoise(self, noise, block, frame0, seed)
+
+    monkeypatch.setattr(RoleModel, "denoise", recording)
+    session = tiny_pipe.session("a red fox", num_blocks=4, interp_blocks=3, **KW)
+    next(session)
+    session.update(prompt="an owl at night")  # blocks 1, 2, 3 at weights 0, 0.5, 1
+    list(session)
+    enc = tiny_pipe.components.text_encoder
+    fox, owl = enc.encode("a red fox"), enc.encode("an owl at night")
+    want = {0: fox, 1: fox, 2: torch.lerp(fox, owl, torch.tensor(0.5)), 3: owl}
+    assert {b for _, b, _ in seen} == {0, 1, 2, 3}
+    for role, block, kv in seen:
+        expected = getattr(tiny_pipe.components, role).encode_text(want[block])
+        for got, ref in ((kv.keys, expected.keys), (kv.values, expected.values)):
+            assert len(got) == len(ref) and all(torch.equal(g, r) for g, r in zip(got, ref)), (role, block)
+
+
+def test_cli_prompt_schedule_file(tmp_path):
+    import json
+
+    from sdvg import cli
+
+    (tmp_path / "s.yaml").write_text("- {block: 0, prompt: a red fox}\n- {block: 1, prompt: an owl, interp_blocks: 1}\n")
+    assert cli.main(["generate", "--prompt-schedule", str(tmp_path / "s.yaml"), "--num-blocks", "2",
+                     "--scheduler", "reference", "--quiet", "--out", str(tmp_path / "v.mp4"),
+                     "--stats", str(tmp_path / "s.json")]) == 0
+    stats = json.loads((tmp_path / "s.json").read_text())
+    assert stats["updates"] == [{"block": 1, "prompt": "an owl", "interp_blocks": 1}]
+    assert [b["live"]["prompt_index"] for b in stats["blocks"]] == [0, 1] and stats["prompt"] == "a red fox"
+    assert cli.main(["generate", "--prompt-schedule", str(tmp_path / "s.yaml"), "--prompt", "x", "--quiet",
+                     "--out", str(tmp_path / "w.mp4")]) == 2
