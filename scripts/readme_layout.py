@@ -17,7 +17,7 @@ LAYERS = (
     ("sdvg/models/, sdvg/io/", "models and output files"),
     ("sdvg/engines/", "the engine runtime"),
     ("sdvg/generation/", "one video, block by block"),
-    ("sdvg/evaluation/", "sweeps, calibration, evaluators, plots"),
+    ("sdvg/evaluation/, sdvg/live/", "sweeps, calibration, evaluators, plots; live sessions"),
     ("sdvg/pipeline.py", "the API"),
     ("sdvg/cli/, sdvg/serve/", "the command line (one module per command, parsing and dispatch only) and the realtime server (`sdvg serve`)"),
 )

@@ -20,7 +20,7 @@ RANKS = {
     "sdvg.models": 1, "sdvg.io": 1,
     "sdvg.engines": 2,
     "sdvg.generation": 3,
-    "sdvg.evaluation": 4,
+    "sdvg.evaluation": 4, "sdvg.live": 4,
     "sdvg.pipeline": 5,
     "sdvg.cli": 6, "sdvg.serve": 6,
 }

@@ -14,6 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 DISTRIBUTION = {"yaml": "pyyaml", "PIL": "pillow", "imageio_ffmpeg": "imageio-ffmpeg"}
 # imported only behind an optional-import gate with an install hint (extras, evaluators, a psutil fallback)
 OPTIONAL = {"tensorrt", "torch_tensorrt", "cuda", "onnx", "onnxruntime", "onnxscript", "pyiqa", "vbench", "psutil"}
+# the serve and serve-ray extras (setup.py): imported by sdvg/serve/ only, behind `sdvg serve`
+SERVE_EXTRA = {"fastapi", "uvicorn", "websockets", "msgpack", "pydantic", "prometheus_client", "starlette", "ray",
+               "multipart"}
+OPTIONAL |= SERVE_EXTRA
 DEV_AND_BUILD = {"pytest", "pytest-timeout", "setuptools", "pybind11", "ninja", "wheel", "onnx", "onnxruntime",
                  "onnxscript", "torchvision", "triton"}
 
