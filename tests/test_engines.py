@@ -181,3 +181,36 @@ def test_tensorrt_engines_match_eager(tmp_path):
     trt = pipe("a red fox", backend="tensorrt", **kw)
     assert (eager.latents - trt.latents).abs().max() < 1e-3
     assert [b["decision"] for b in eager.stats["blocks"]] == [b["decision"] for b in trt.stats["blocks"]]
+
+
+def test_an_engines_file_is_refused_before_loading(tmp_path, capsys):
+    """`--engines` naming a file: exit 2 at parse time (nothing loads), naming the fix; the API says the same."""
+    from sdvg.cli import main
+    from sdvg.generation.backends import StageRunners
+
+    plan = tmp_path / "engine.plan"
+    plan.write_bytes(b"x")
+
+    def fail(args):
+        raise AssertionError("a model was loaded")
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--preset", "tiny", "--prompt", "x", "--backend", "onnxruntime", "--engines", str(plan),
+              "--out", str(tmp_path / "v.mp4")], load_pipeline=fail)
+    assert exit_.value.code == 2 and "is a file, not an engine folder" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="is a file, not an engine folder"):
+        StageRunners(SimpleComponents(), "onnxruntime", engines=plan)
+
+
+class SimpleComponents:
+    """Just what StageRunners reads before it opens an engine folder."""
+
+    class _Video:
+        frames_per_block = 3
+
+        @staticmethod
+        def tokens_per_frame(vae, cfg):
+            return 1
+
+    preset = type("P", (), {"video": _Video, "vae": None})()
+    drafter = target = None

@@ -11,6 +11,18 @@ from sdvg.io.exit_status import device_type
 from sdvg.options import PROTOCOLS, add_option_flags, option_type
 
 
+def engines_folder(text: str) -> str:
+    """`--engines DIR`: a folder `python -m build_engines --out DIR` wrote (refused at parse time, before any
+    model loads, when the path names something that is not a folder)."""
+    from pathlib import Path
+
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text[:200]!r} is a file, not an engine folder; give the folder that "
+                                         "`python -m build_engines --out DIR` wrote (it holds one subfolder per stage)")
+    return text
+
+
 def count(low: int, high: int | None = None):
     """argparse type: an integer >= low (and <= high)."""
     def parse(text: str) -> int:
@@ -89,7 +101,8 @@ def add_model_args(p: argparse.ArgumentParser, engines: bool = True) -> None:
     p.add_argument("--reward-tokenizer", help="bert-base-uncased tokenizer folder" + where)
     p.add_argument("--text-encoder", help="umT5 encoder folder or a diffusers Wan folder" + where)
     if engines:
-        p.add_argument("--engines", help="engine folder built by `python -m build_engines` from the same preset and "
+        p.add_argument("--engines", type=engines_folder,
+                       help="engine folder built by `python -m build_engines` from the same preset and "
                                          "checkpoint flags (backend tensorrt; onnxruntime with --format onnx; "
                                          "torch-tensorrt with --format torch-tensorrt)")
         from sdvg.options import TRT_RUNTIMES

@@ -129,6 +129,9 @@ class StageRunners:
             if engines is None:
                 raise ValueError(f"backend {backend!r} needs engines=<folder built by python -m build_engines "
                                  f"--format {build_format(backend)}> (CLI: --engines DIR)")
+            if Path(engines).exists() and not Path(engines).is_dir():
+                raise ValueError(f"engines={str(engines)!r} is a file, not an engine folder; give the folder that "
+                                 f"`python -m build_engines --format {build_format(backend)} --out DIR` wrote")
             self.stages_of.libraries()
             from sdvg.engines.cache import EngineCache
 
