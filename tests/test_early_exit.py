@@ -196,7 +196,8 @@ def test_frozen_tokens_keep_their_step_output_and_kv(tiny_pipe):
     setup = prepare(tiny_pipe.components, PROMPT, opts, Counters())
     target = setup.target
     x0 = target.denoise(torch.randn(setup.block_shape), 0, 0, opts.seed)
-    target.commit(x0, 0)
+    target.commit_forward(x0, 0)
+    target.cache.commit()  # the loop moves the write pointer (RoleModel only runs the forward)
     spy = _Spy(target)
     out = target.denoise(torch.randn(setup.block_shape, generator=torch.Generator().manual_seed(9)), 1, FPB,
                          opts.seed)
@@ -343,7 +344,8 @@ def test_stability_history_is_what_the_window_sees(tiny_pipe):
     for b in range(6):
         x = target.denoise(torch.randn(setup.block_shape, generator=torch.Generator().manual_seed(b)), b, b * FPB,
                            opts.seed)
-        target.commit(x, b * FPB)
+        target.commit_forward(x, b * FPB)
+        target.cache.commit()
         committed.append(x)
     frames = target.history_frames()
     video = torch.cat(committed, dim=2)  # [1, C, 18, h, w]
