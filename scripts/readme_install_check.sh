@@ -7,8 +7,8 @@
 # version (and every other package that was there) is unchanged afterwards, and that the installed
 # sdvg imports its own sdvg._C, built against that torch, from outside the checkout. Then it removes
 # what it added (sdvg and any new package), so the venv is left as it was.
-# SDVG_CUDA: passed to the build; default as compat_check.sh builds (1 when nvcc is found, else 0), so the
-# in-tree build reuses the objects gpu_check.sh compiled there (build/temp.*) when they are current.
+# SDVG_CUDA: passed to the build; unset by default, as a user runs the README (auto: the CUDA build only
+# where a GPU is visible, so here the CPU build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:-.compat/bin/python}
@@ -27,8 +27,7 @@ if grep -E "^Would install" "$work/dry-run.txt" | grep -qiE "(^| )(torch|torchvi
 fi
 
 quiet_pip "$PY" -m pip install -q -r requirements.txt
-cuda=0; [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ] && cuda=1
-SDVG_CUDA=${SDVG_CUDA:-$cuda} quiet_pip "$PY" -m pip install -q --no-build-isolation .
+quiet_pip "$PY" -m pip install -q --no-build-isolation .
 "$PY" -m pip freeze --all > "$work/after.txt"
 
 # from outside the checkout, so that the installed package is the one imported
