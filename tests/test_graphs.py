@@ -87,10 +87,12 @@ def test_graphs_key_on_cache_state_and_skip_masks(dit):
 
 
 def test_cuda_graphs_need_the_eager_backend(tiny_pipe):
-    from sdvg.generation.backends import StageRunners
+    from sdvg.options import GenerationOptions
 
-    with pytest.raises(ValueError, match="cuda_graphs needs backend 'eager'"):
-        StageRunners(tiny_pipe.components, "compile").use_graphs(True)
+    with pytest.raises(ValueError, match="cuda_graphs needs backend 'eager'"):  # at construction, before loading
+        GenerationOptions(cuda_graphs=True, backend="compile")
+    with pytest.raises(ValueError, match="cuda_graphs needs backend 'eager'"):  # a pipeline's default backend
+        GenerationOptions(cuda_graphs=True).resolved(tiny_pipe.preset, "compile")
 
 
 def test_copy_ahead_hands_out_the_same_draws():
