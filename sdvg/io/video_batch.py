@@ -43,6 +43,11 @@ class PerVideo(list):
             return self._only(repr(index))[index]
         return super().__getitem__(index)
 
+    def __contains__(self, key) -> bool:
+        if isinstance(key, str):  # `"seed" in out.stats`: a key of the only entry, as `out.stats["seed"]` reads
+            return key in self._only(repr(key))
+        return super().__contains__(key)
+
     def __getattr__(self, attr: str):
         if attr.startswith("_") or attr == "name":
             raise AttributeError(attr)
