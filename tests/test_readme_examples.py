@@ -40,7 +40,7 @@ def command_lines() -> list[tuple[str, list[str]]]:
 
 
 def test_the_docs_have_examples_to_check():
-    assert [w for w, _, _ in blocks("python")] == ["README.md"]
+    assert [w for w, _, _ in blocks("python")] == ["README.md", "README.md", "docs/live.md"]  # the API, live sessions
     commands = command_lines()
     assert len(commands) >= 15 and any(argv[:1] == ["sweep"] for _, argv in commands)
 
