@@ -202,6 +202,8 @@ class CausalWanDiT(nn.Module):
         (sdvg/models/device_constants.py), so a forward makes no host copy. Treat them as read-only."""
         p = self.config.patch_size
         gh, gw = height // p[1], width // p[2]
+        if self._angles.is_meta or torch.device(device).type == "meta":  # shapes only (memory plans, signatures)
+            return rope_cos_sin(self._angles, self.config.head_dim, frame_offset, frames, gh, gw, device)
         key = ("rope", self.config.head_dim, self.config.rope_max_seq_len, int(frame_offset), frames, gh, gw)
         return device_constant(key, device, lambda: rope_cos_sin(self._angles, self.config.head_dim, frame_offset,
                                                                  frames, gh, gw, "cpu"))
