@@ -444,6 +444,7 @@ class LivePipe:
 def test_live_updates_go_to_the_session_and_are_acked(tiny_pipe, tmp_path):
     live = LivePipe(tiny_pipe)
     with running_server(live, tmp_path) as (url, app):
+        app.state.engine.live_updates = True  # the dispatch path, with a stand-in session (sdvg/serve/engine.py)
         assert app.state.engine.live
 
         async def go():
