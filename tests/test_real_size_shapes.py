@@ -65,20 +65,14 @@ REAL_STAGES = {  # name: (largest tensor at the profiles' upper bounds, its name
 
 def test_real_size_stage_signatures_on_meta():
     """Every engine stage of the real-size preset (both context modes, the preset's 9 blocks), from the
-    configs on the meta device in well under a second: no tensor reaches 2^31 elements, the cache goes
-    in one layer at a time and is read over the visible tokens only."""
-    import time
-
-    from diffusers import AutoencoderKLWan  # noqa: F401  (imported before the clock: an import is no derivation)
-
+    configs on the meta device (no weights, no real tensor: how long it takes is measured nowhere here, as
+    no test times anything): no tensor reaches 2^31 elements, the cache goes in one layer at a time and is
+    read over the visible tokens only."""
     from sdvg.engines.signatures import (CACHE_TOKENS, MAX_ELEMENTS, VISIBLE_TOKENS, preset_signatures,
                                          vae_cache_structure)
 
     vae_cache_structure.cache_clear()
-    t0 = time.perf_counter()
     sigs = preset_signatures(PRESET)
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 1.0, elapsed
     by_name = {s.name: s for s in sigs}
     assert list(by_name) == list(REAL_STAGES)
     table = []

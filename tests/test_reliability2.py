@@ -21,8 +21,12 @@ PROMPT = "a paper boat on a rainy street"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# What `_main` loads a pipeline with: None is the CLI's own loader; fixtures swap in a stand-in.
+LOAD_PIPELINE = None
+
+
 def _main(*argv) -> int:
-    return cli.main(list(argv))
+    return cli.main(list(argv), load_pipeline=LOAD_PIPELINE)
 
 
 @pytest.fixture
@@ -30,7 +34,7 @@ def no_model_load(monkeypatch):
     def boom(args):
         raise AssertionError("a model was loaded before the inputs were checked")
 
-    monkeypatch.setattr(cli, "build_pipeline", boom)
+    monkeypatch.setattr(sys.modules[__name__], "LOAD_PIPELINE", boom)
 
 
 # ------------------------------------------------------------------ 1. planted symlinks
@@ -379,7 +383,7 @@ def test_an_unwritable_folder_is_found_by_trying_before_loading(no_model_load, c
 
 def test_infinite_tau_round_trips_through_resume_and_the_protocol_is_recorded(tmp_path, tiny_pipe, monkeypatch,
                                                                                capsys):
-    monkeypatch.setattr(cli, "build_pipeline", lambda args: tiny_pipe)
+    monkeypatch.setattr(sys.modules[__name__], "LOAD_PIPELINE", lambda args: tiny_pipe)
     pf = tmp_path / "p.txt"
     pf.write_text("a fox\n")
     stats = tmp_path / "s.jsonl"
@@ -407,7 +411,7 @@ def test_engine_folder_refusals_and_odd_devices_exit_2(tmp_path, monkeypatch, ca
     def stale(args):
         raise StaleEngineError(f"engine {tmp_path} does not match; rebuild")
 
-    monkeypatch.setattr(cli, "build_pipeline", stale)
+    monkeypatch.setattr(sys.modules[__name__], "LOAD_PIPELINE", stale)
     assert _main("generate", "--prompt", PROMPT, "--out", str(tmp_path / "v.mp4")) == 2
     assert "does not match" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
