@@ -195,32 +195,69 @@ def test_hostile_messages_get_errors_and_the_server_carries_on(server):
     assert got == 9
 
 
-def test_live_updates_without_live_sessions_are_refused_by_field(server):
+def test_updates_sdvg_cannot_take_are_refused_by_field_and_krea_rules_hold(server):
     url, app = server
-    assert not app.state.engine.live  # issue 24 not merged: the dispatch answers with a named error
+    assert app.state.engine.live
 
     async def go():
         async with websockets.connect(f"ws://{url}/session/upd1?sdvg=1") as ws:
             await recv_json(ws, 30)
             await ws.send(msgpack.packb(params(num_blocks=1)))
             replies = []
-            for update in ({"prompt": "a cat", "interp_steps": 4}, {"image": b"\xff\xd8\xff" + b"0" * 10},
-                           {"tau": 0.5}, {"seed": 11}, {"action": "ping", "request_id": "p"},
-                           {"prompt": PROMPT}, {"interp_steps": 3}, {"action": "jump"}):
+            for update in ({"image": b"\xff\xd8\xff" + b"0" * 10}, {"seed": 11},
+                           {"action": "ping", "request_id": "p"}, {"prompt": PROMPT}, {"interp_steps": 3},
+                           {"action": "jump"}):
                 await ws.send(msgpack.packb(update))
-            while len(replies) < 7:  # the unchanged prompt gets no reply (Krea: nothing changes)
+            while len(replies) < 5:  # the unchanged prompt gets no reply (Krea: nothing changes)
                 m = await asyncio.wait_for(ws.recv(), TIMEOUT)
                 if isinstance(m, str) and json.loads(m)["status"] in ("error", "ack", "pong"):
                     replies.append(json.loads(m))
             return replies
 
     r = asyncio.run(go())
-    assert [x.get("field") for x in r[:3]] == ["prompt", "image", "tau"]
-    assert "live sessions" in r[0]["error"] and r[0]["status"] == "error"
-    assert r[3] == {"status": "ack", "field": "seed", "block": None, "request_id": None, "effective": "next reset"}
-    assert r[4]["status"] == "pong" and r[4]["request_id"] == "p"
-    assert r[5]["status"] == "error" and r[5]["field"] == "interp_steps"  # a blend without a new prompt
-    assert r[6]["status"] == "error" and r[6]["field"] == "action"
+    assert r[0]["status"] == "error" and r[0]["field"] == "image" and "video input" in r[0]["error"]
+    assert r[1] == {"status": "ack", "field": "seed", "block": None, "request_id": None, "effective": "next reset"}
+    assert r[2]["status"] == "pong" and r[2]["request_id"] == "p"
+    assert r[3]["status"] == "error" and r[3]["field"] == "interp_steps"  # a blend without a new prompt
+    assert r[4]["status"] == "error" and r[4]["field"] == "action"
+
+
+def test_live_prompt_and_tau_updates_are_acked_blended_and_replay_bitwise(server, tiny_pipe):
+    """A prompt change (blended over 2 blocks) and a tau change sent mid-stream are acked at a block;
+    the stream equals, bitwise, `pipe.session` fed the same updates at the acked blocks."""
+    url, _ = server
+    n_blocks = 5
+
+    async def on_frame(ws, count):
+        if count == 1:  # block 0's first frame: both updates go in while the session runs
+            await ws.send(msgpack.packb({"prompt": "a cat on a piano", "interp_steps": 2, "request_id": "u1"}))
+            await ws.send(msgpack.packb({"tau": 0.25, "request_id": "u2"}))
+
+    out = asyncio.run(run_session(url, params(num_blocks=n_blocks), fmt="raw", superset=True, session_id="live1",
+                                  on_frame=on_frame))
+    acks = {m["field"]: m for m in out["texts"] if m["status"] == "ack"}
+    assert set(acks) == {"prompt", "tau"} and acks["prompt"]["request_id"] == "u1"
+    assert 1 <= acks["prompt"]["block"] <= acks["tau"]["block"] < n_blocks
+    stats = [m for m in out["texts"] if m["status"] == "stats"]
+    assert [m["block"] for m in stats] == list(range(n_blocks))
+
+    session = tiny_pipe.session(PROMPT, num_blocks=n_blocks, seed=5, kv_cache_frames=3, keep_first_frame=False,
+                                scheduler="reference")
+    due = {acks["prompt"]["block"]: [{"prompt": "a cat on a piano", "interp_blocks": 2}]}
+    due.setdefault(acks["tau"]["block"], []).append({"tau": 0.25})
+    blocks = []
+    while len(blocks) < n_blocks:
+        for changes in due.pop(len(blocks), []):
+            assert session.update(**changes).block == len(blocks)
+        blocks.append(next(session))
+    session.close()
+    assert np.array_equal(np.stack(out["frames"]), np.concatenate([b.frames.numpy() for b in blocks]))
+    assert [m["decision"] for m in stats] == [b.decision for b in blocks]
+    got = [(m["prompt_index"], m["blend_weight"], m["forced_by_update"]) for m in stats]
+    assert got == [(b.live["prompt_index"], b.live["blend_weight"], b.live["forced_by_update"]) for b in blocks]
+    switch = acks["prompt"]["block"]
+    assert [w for _, w, _ in got[switch:switch + 2]] == [0.0, 1.0][:n_blocks - switch]  # Krea's blend, 2 blocks
+    assert all(i == 0 for i, _, _ in got[:switch]) and all(i == 1 for i, _, _ in got[switch:])
 
 
 def test_handshake_refusals_oversize_message_and_update_flood(server):
@@ -399,77 +436,6 @@ def test_max_sessions_2_queues_the_third_and_refuses_beyond_the_queue(tiny_pipe,
     assert third == {"status": "queued", "position": 1, "session_id": "q2"}
     assert fourth["status"] == "error" and fourth["error"].startswith("busy") and code == 1013
     assert frames == 9
-
-
-class LivePipe:
-    """The tiny pipeline with a stand-in for issue 24's live sessions (`pipe.session`), to check the
-    server's dispatch: updates go to `session.update(...)` and its `UpdateAck.block` comes back."""
-
-    def __init__(self, pipe):
-        self.pipe, self.preset, self.updates = pipe, pipe.preset, []
-
-    def resolve(self, options):
-        return self.pipe.resolve(options)
-
-    def session(self, prompt, **options):
-        from types import SimpleNamespace
-
-        from sdvg.options import GenerationOptions
-
-        stream = self.pipe.run(prompt, GenerationOptions(**options))
-        outer = self
-
-        class Live:
-            emitted = 0
-
-            def __iter__(self):
-                return self
-
-            def __next__(self):
-                block = next(stream)
-                Live.emitted += 1
-                return block
-
-            def update(self, **changes):
-                outer.updates.append(changes)
-                return SimpleNamespace(block=Live.emitted)
-
-            def close(self):
-                stream.close()
-                return stream.stats
-
-        return Live()
-
-
-def test_live_updates_go_to_the_session_and_are_acked(tiny_pipe, tmp_path):
-    live = LivePipe(tiny_pipe)
-    with running_server(live, tmp_path) as (url, app):
-        app.state.engine.live_updates = True  # the dispatch path, with a stand-in session (sdvg/serve/engine.py)
-        assert app.state.engine.live
-
-        async def go():
-            async with websockets.connect(f"ws://{url}/session/live1?sdvg=1") as ws:
-                await recv_json(ws, 30)
-                await ws.send(msgpack.packb(params(num_blocks=2)))
-                acks = []
-                while True:
-                    m = await asyncio.wait_for(ws.recv(), TIMEOUT)
-                    if isinstance(m, bytes):
-                        if not acks:
-                            acks.append(None)
-                            await ws.send(msgpack.packb({"prompt": "a cat", "interp_steps": 3, "request_id": "u1"}))
-                            await ws.send(msgpack.packb({"tau": 0.25}))
-                        continue
-                    msg = json.loads(m)
-                    if msg["status"] == "ack":
-                        acks.append(msg)
-                    elif msg["status"] == "completed":
-                        return acks[1:]
-
-        acks = asyncio.run(go())
-    assert live.updates == [{"prompt": "a cat", "interp_blocks": 3}, {"tau": 0.25}]
-    assert [(a["field"], a["request_id"]) for a in acks] == [("prompt", "u1"), ("tau", None)]
-    assert all(a["block"] >= 1 for a in acks)
 
 
 def test_pause_holds_the_session_and_resume_finishes_it(server, refs):

@@ -86,22 +86,25 @@ async def drive(debugger_url: str, tmp_path: Path) -> Path:
         dt = DevTools(ws)
         await dt.until("document.readyState === 'complete' && !!document.getElementById('start')", 60)
         await dt.js("window.$status = () => document.getElementById('status').textContent; true")
-        await dt.js("document.getElementById('numBlocks').value = '3';"
+        await dt.js("document.getElementById('numBlocks').value = '5';"
                     "document.getElementById('prompt').value = 'a lighthouse at dusk';"
                     "document.getElementById('start').click(); true")
         await dt.until("Number(document.body.dataset.framesDrawn || 0) >= 9")  # block 0 drawn
         await dt.until("document.querySelectorAll('#blocks div').length >= 1")
-        # change the prompt mid-stream: without live sessions the server names the field and goes on
+        # change the prompt mid-stream, blended over 2 blocks: acked at a block, which the block list then shows
         await dt.js("document.getElementById('prompt').value = 'a lighthouse in a storm';"
-                    "document.getElementById('blend').value = '6';"
+                    "document.getElementById('blend').value = '2';"
                     "document.getElementById('apply').click(); true")
-        error = await dt.until("document.body.dataset.lastError || ''", 60)
-        assert error.startswith("prompt:") and "live sessions" in error
+        ack = await dt.until("document.body.dataset.lastAck || document.body.dataset.lastError || ''", 60)
+        field, _, block = ack.partition(":")
+        assert field == "prompt" and 1 <= int(block) < 5, ack
         await dt.until("document.getElementById('status').textContent === 'completed'")
         frames = await dt.js("Number(document.body.dataset.framesDrawn)")
         decisions = await dt.js("[...document.querySelectorAll('#blocks div')].map(d => d.dataset.decision)")
-        assert frames == 9 + 12 * 2, frames
-        assert decisions[0] == "forced" and len(decisions) == 3
+        prompts = await dt.js("[...document.querySelectorAll('#blocks div')].map(d => d.dataset.promptIndex)")
+        assert frames == 9 + 12 * 4, frames
+        assert decisions[0] == "forced" and len(decisions) == 5
+        assert prompts == ["0"] * int(block) + ["1"] * (5 - int(block)), (prompts, block)
         assert set(decisions) <= {"forced", "accepted", "rejected"}
         assert await dt.js("!document.getElementById('download').disabled")
         # the canvas holds the last frame (not black)

@@ -18,7 +18,7 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTex
 from sdvg.generation.types import strict_json
 from sdvg.serve.config import ServeConfig
 from sdvg.serve.encode import FORMATS
-from sdvg.serve.engine import LIVE_ONLY, Engine
+from sdvg.serve.engine import VIDEO_INPUT, Engine
 from sdvg.serve.metrics import ServeMetrics
 from sdvg.serve.protocol import ProtocolError, parse_params, parse_update
 from sdvg.serve.security import RateLimit, token_matches, token_of, valid_session_id
@@ -307,17 +307,15 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
         if u.image is not None:
             if len(u.image) > cfg.max_image_bytes:
                 raise ProtocolError("image", f"{len(u.image)} bytes; at most {cfg.max_image_bytes}")
-            live["image"] = ("image", {"input_frames": [u.image]}
-                             | ({"strength": u.strength} if u.strength is not None else {}))
+            raise ProtocolError("image", f"webcam frames: video input {VIDEO_INPUT}")
         elif u.strength is not None:
             raise ProtocolError("strength", "applies to webcam `image` frames; send it with one")
         if u.tau is not None:
             live["tau"] = ("tau", {"tau": u.tau})
         for field, changes in live.values():
             if not engine.live:
-                what = "live prompt blending" if field == "prompt" else \
-                       "video input" if field == "image" else "a live tau"
-                raise ProtocolError(field, f"{what} {LIVE_ONLY}")
+                raise ProtocolError(field, "this server's pipeline has no live sessions (pipe.session); "
+                                    "a live update needs one")
             manager.command(session, "update", changes, field, u.request_id)
         if u.prompt is not None and "prompt" in live:
             session.spec = type(session.spec)(u.prompt, session.spec.options, session.spec.request_id)

@@ -1,14 +1,14 @@
 """The adapter between the server and the pipeline: the options of one session from its parameters
 (refusing what sdvg cannot honour, by field), the block iterator of one generation, and updates.
 
-Today a generation is `pipe.run(prompt, options)` with scheduler "reference" (bitwise the native
-scheduler's video): it runs on the caller's thread and yields each block as soon as it is final,
-so the one generation worker decides which session's next block runs (round-robin) and no two
-videos' stages ever run at once. (The native scheduler cannot serve here: threaded, its thread
-would run stages concurrently with other sessions'; unthreaded, it yields a video's blocks only
-when the whole video is done.) When the pipeline has live
-sessions (`pipe.session(prompt, **options)`, with `session.update(...) -> UpdateAck`), a
-generation is a live session and mid-stream prompt / tau / image updates go to it."""
+A generation is a live session (`pipe.session(prompt, **options)`, sdvg/live/session.py) on the
+reference scheduler (bitwise the native scheduler's video): it runs on the caller's thread and yields
+each block as soon as it is final, so the one generation worker decides which session's next block
+runs (round-robin) and no two videos' stages ever run at once. (The native scheduler cannot serve
+here: threaded, its thread would run stages concurrently with other sessions'; unthreaded, it yields a
+video's blocks only when the whole video is done.) Mid-stream prompt and tau updates go to
+`session.update(...)`, which acknowledges the block they take effect at; a pipeline without
+`session` (a stand-in) runs `pipe.run` and refuses live updates by field."""
 from __future__ import annotations
 
 import random
@@ -18,7 +18,8 @@ from typing import Any, Iterator
 from sdvg.options import GenerationOptions, OptionError
 from sdvg.serve.protocol import KreaParams, ProtocolError, UPLOAD_ID, option_fields
 
-LIVE_ONLY = "arrives with live sessions (pipe.session, issue 24); this sdvg has none yet"
+VIDEO_INPUT = ("is not built in sdvg yet (live sessions take prompt, seed, reset and tau updates; video-to-video "
+               "is planned, docs/live.md); send text-only sessions")
 
 
 @dataclass(frozen=True)
@@ -39,13 +40,10 @@ class Engine:
         self.defaults = defaults or GenerationOptions()
         self.preset = pipe.preset
 
-    # Live updates over the socket (prompt blend, tau) go to `pipe.session` only once that path is tested end to
-    # end through the server (issue #25's remaining checks); until then they are refused by field, as documented.
-    live_updates = False
-
     @property
     def live(self) -> bool:
-        return self.live_updates and hasattr(self.pipe, "session")
+        """Whether generations are live sessions that take mid-stream updates."""
+        return hasattr(self.pipe, "session")
 
     @property
     def size(self) -> tuple[int, int]:  # height, width
@@ -73,7 +71,8 @@ class Engine:
         if params.resume_latents is not None:
             raise ProtocolError("resume_latents", "resuming from client latents is not supported")
         if params.interp_blocks != -1:
-            raise ProtocolError("interp_blocks", f"prompt interpolation {LIVE_ONLY}")
+            raise ProtocolError("interp_blocks", "only -1: each prompt change sets its own blend (the update's "
+                                "`interp_steps`, default 4)")
         for name in ("input_video", "start_frame"):
             value = getattr(params, name)
             if value is None:
@@ -84,11 +83,11 @@ class Engine:
                                     + "; the server never opens a path or URL a client names")
             if not upload_known(value):
                 raise ProtocolError(name, f"{value}: no such upload (expired, used, or never made)")
-            raise ProtocolError(name, f"video input {LIVE_ONLY}")
+            raise ProtocolError(name, f"video input {VIDEO_INPUT}")
         if params.webcam_mode:
-            raise ProtocolError("webcam_mode", f"webcam input {LIVE_ONLY}")
+            raise ProtocolError("webcam_mode", f"webcam input {VIDEO_INPUT}")
         if params.strength != 1.0:
-            raise ProtocolError("strength", f"{params.strength}: strength applies to video input, which {LIVE_ONLY}")
+            raise ProtocolError("strength", f"{params.strength}: strength applies to video input, which {VIDEO_INPUT}")
         seed = params.seed if params.seed is not None else random.randint(0, 2**24 - 1)  # Krea's rule
         values = {**option_fields(params), "seed": seed, "num_blocks": params.num_blocks,
                   "kv_cache_frames": params.kv_cache_num_frames, "keep_first_frame": params.keep_first_frame,
@@ -112,13 +111,14 @@ class Engine:
     def start(self, spec: SessionSpec) -> Iterator:
         """The blocks of one generation (run on the generation worker's thread only)."""
         if self.live:
-            return self.pipe.session(spec.prompt, **_keywords(spec.options))
+            keywords = _keywords(spec.options)
+            return self.pipe.session(spec.prompt, num_blocks=keywords.pop("num_blocks"), **keywords)
         return self.pipe.run(spec.prompt, spec.options)
 
     @staticmethod
     def update(generation, **changes) -> int:
-        """A live update (prompt=, interp_blocks=, tau=, input_frames=, strength=): the block it takes
-        effect at (`UpdateAck.block`). Only with live sessions."""
+        """A live update (prompt=, interp_blocks=, tau=): the block it takes effect at (`UpdateAck.block`).
+        Only with live sessions."""
         return generation.update(**changes).block
 
     @staticmethod

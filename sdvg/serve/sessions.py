@@ -333,6 +333,10 @@ class SessionManager:
                      "producer": PRODUCER.get(block.decision, block.decision), "frames": int(frames.shape[0]),
                      "first_frame": first, "times": {k: round(v, 6) for k, v in block.times.items()},
                      "acceptance": s.accepted / s.later if s.later else None, "latency_s": time.perf_counter() - t0}
+            live = getattr(block, "live", None)  # a live session's block: the prompt it was made under
+            if live:
+                stats.update(prompt_index=live["prompt_index"], blend_weight=live["blend_weight"],
+                             forced_by_update=live["forced_by_update"])
         s.post(self._deliver, s, s.gen_run, block.index, first, frames, stats)
 
     def _end(self, s: Session, reason: str) -> None:

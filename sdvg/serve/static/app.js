@@ -69,10 +69,17 @@
       line.className = m.decision; line.dataset.decision = m.decision;
       line.textContent = "block " + m.block + ": " + m.decision + " score " +
         (m.score === null ? "-" : m.score.toFixed(3)) + " (" + m.producer + ")";
+      if (m.prompt_index !== undefined) {  // a live session's block: the prompt it was made under, blend weight
+        line.dataset.promptIndex = m.prompt_index; line.dataset.blendWeight = m.blend_weight;
+        line.textContent += " prompt " + m.prompt_index + (m.blend_weight < 1 ? " (blend " + m.blend_weight.toFixed(2) + ")" : "");
+      }
       $("blocks").appendChild(line);
       $("latency").textContent = (m.latency_s * 1000).toFixed(0);
       $("acceptance").textContent = m.acceptance === null ? "-" : m.acceptance.toFixed(2);
-    } else if (m.status === "ack") setStatus("update " + m.field + " takes effect at block " + m.block);
+    } else if (m.status === "ack") {
+      setStatus("update " + m.field + " takes effect at block " + m.block);
+      document.body.dataset.lastAck = m.field + ":" + m.block;
+    }
     else if (m.status === "error") { setStatus("error: " + m.error); document.body.dataset.lastError = m.error; }
     else if (m.status === "completed") { setStatus("completed"); $("download").disabled = false; running(false); }
   }
