@@ -9,6 +9,7 @@ PROMPT = "a red fox running through fresh snow"
 KW = dict(num_blocks=2, tau=-0.1, seed=3)
 
 
+@pytest.mark.slow
 def test_prompt_list_gives_each_prompt_its_own_video(tiny_pipe):
     prompts = [PROMPT, "a blue whale"]
     out = tiny_pipe(prompts, output_type="uint8", **KW)
@@ -21,6 +22,7 @@ def test_prompt_list_gives_each_prompt_its_own_video(tiny_pipe):
     assert not torch.equal(out.frames[0], out.frames[1])
 
 
+@pytest.mark.slow
 def test_videos_per_prompt_are_distinct_and_prompt_major(tiny_pipe):
     out = tiny_pipe(["a cat", "a dog"], num_videos_per_prompt=2, output_type="latent", num_blocks=1, seed=7)
     assert out.frames.shape[0] == 4 and out.frames is out.latents
@@ -153,6 +155,7 @@ def _dtypes(pipe) -> dict:
             "fp32 parts": pipe.target.model.blocks[0].scale_shift_table.dtype}
 
 
+@pytest.mark.slow
 def test_to_dtype_casts_as_torch_dtype_builds_and_components_are_attributes():
     from sdvg import SpeculativeVideoPipeline
 
@@ -176,6 +179,7 @@ def test_to_dtype_casts_as_torch_dtype_builds_and_components_are_attributes():
         pipe.to(torch.float16, torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_progress_bar_counts_blocks_and_can_be_disabled(tiny_pipe, capsys):
     tiny_pipe.set_progress_bar_config(disable=False, desc="fox", ascii=True)
     tiny_pipe(PROMPT, num_videos_per_prompt=2, num_blocks=2, output_type="latent")

@@ -118,6 +118,7 @@ class _Attend(torch.nn.Module):
         return torch.nn.functional.scaled_dot_product_attention(o, k, v)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("opset,attention_nodes", [(23, 2), (18, 0)])
 def test_attention_exports_as_one_node_at_opset_23_and_decomposed_at_18(tmp_path, opset, attention_nodes):
     """Both opsets run in onnxruntime and equal eager (the block-causal bool mask included)."""

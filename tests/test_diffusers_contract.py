@@ -40,7 +40,7 @@ def _structure(frames):
     return (type(frames).__name__, frames.ndim, tuple(frames.shape), str(frames.dtype).replace("torch.", ""))
 
 
-@pytest.mark.parametrize("output_type", ["np", "pt", "pil", "latent"])
+@pytest.mark.parametrize("output_type", ["np", *(pytest.param(t, marks=pytest.mark.slow) for t in ("pt", "pil", "latent"))])
 def test_outputs_have_wan_pipelines_structure(wan_pipe, tiny_pipe, output_type):
     ours = tiny_pipe(PROMPT, num_videos_per_prompt=BATCH, num_blocks=2, output_type=output_type)
     theirs = wan_pipe(PROMPT, num_videos_per_prompt=BATCH, num_frames=FRAMES, height=64, width=64,
@@ -62,6 +62,7 @@ def test_outputs_have_wan_pipelines_structure(wan_pipe, tiny_pipe, output_type):
         assert 0.0 <= float(ours.frames.min()) <= float(ours.frames.max()) <= 1.0
 
 
+@pytest.mark.slow
 def test_export_to_video_of_both_pipelines_reads_back_alike(wan_pipe, tiny_pipe, tmp_path):
     from diffusers.utils import export_to_video
 

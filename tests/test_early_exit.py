@@ -246,6 +246,7 @@ def test_stability_verifier_exits_on_redundant_tokens(tiny_pipe):
     assert blocks[1]["exit"]["target"]["exit_fractions"][0] == 1.0  # redundant with the history
 
 
+@pytest.mark.slow
 def test_sdvg_at_tau_inf_equals_target_only_with_early_exit(tiny_pipe):
     kw = dict(num_blocks=2, seed=6, early_exit="both", exit_verifier="pattern")
     sdvg = _latents(tiny_pipe, mode="sdvg", tau=math.inf, **kw)

@@ -156,7 +156,7 @@ def test_graphs_hold_every_tensor_they_read(dit):
     assert graphs.captured == 1 and graphs.replays == 2
 
 
-@pytest.mark.parametrize("scheduler", ["reference", "cpp"])
+@pytest.mark.parametrize("scheduler", [pytest.param("reference", marks=pytest.mark.slow), "cpp"])
 def test_recompute_drafter_graphs_captured_up_front(tiny_pipe, scheduler):
     """A recompute drafter's graphs (its one-group context forwards, which now take no mask, and its
     steps after the context) are all captured before the scheduler starts, and replay the eager video."""

@@ -57,6 +57,7 @@ def test_the_recompute_context_makes_the_same_length_fit(tiny_pipe):
     assert setup.target.cache.buffer.numel() * 4 == items["target KV cache"].nbytes
 
 
+@pytest.mark.slow
 def test_a_budget_that_fits_runs_and_one_that_does_not_is_refused(tiny_pipe, tiny_preset):
     pipe = SpeculativeVideoPipeline(tiny_pipe.components, memory_budget_gib=0.5)
     out = pipe(PROMPT, num_blocks=2, seed=1, tau=0.0)

@@ -251,6 +251,7 @@ def test_every_emitted_field_reaches_python():
     assert set(stages.emitted[1].times) == set(_C.STAGE_NAMES)
 
 
+@pytest.mark.slow
 def test_redrafts_per_block_in_the_stats(tiny_pipe):
     out = tiny_pipe("a red fox", num_blocks=4, router="pattern", pattern="0100", drafter_context="committed",
                     run_ahead=True)

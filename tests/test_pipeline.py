@@ -129,6 +129,7 @@ def test_acceptance_pattern_exact():
     assert acceptance_pattern(9, 0.5) == acceptance_pattern(9, 0.5)
 
 
+@pytest.mark.slow
 def test_same_seed_same_video_different_seed_differs(tiny_pipe):
     a = tiny_pipe(PROMPT, tau=-0.1, num_blocks=2, seed=9)
     b = tiny_pipe(PROMPT, tau=-0.1, num_blocks=2, seed=9)
@@ -281,6 +282,7 @@ def test_interrupt_leaves_playable_mp4_and_marked_stats(tmp_path, tiny_pipe, mon
     assert read_mp4_frames(tmp_path / "i.mp4").shape[0] == 9 + 12
 
 
+@pytest.mark.slow
 def test_memory_command_budget():
     """The 14B target fits a 48 GB card (44.7 GiB) under Krea's recompute context and not under full."""
     r = _cli("memory", "--preset", "wan2.1", "--budget-gib", "44.7")
@@ -300,6 +302,7 @@ def test_memory_command_budget():
         assert _cli("memory", "--budget-gib", bad).returncode == 2
 
 
+@pytest.mark.slow
 def test_bf16_pipeline_runs_and_keeps_fp32_parts():
     from sdvg import SpeculativeVideoPipeline
 

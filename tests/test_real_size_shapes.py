@@ -14,6 +14,7 @@ PRESET = get_preset("real-size")
 LATENT_HW = (PRESET.video.height // 8, PRESET.video.width // 8)  # (60, 104)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("role,params_b", [("drafter", 1.42), ("target", 14.29)])
 def test_real_size_dit_blocks_with_kv_cache_on_meta(role, params_b):
     cfg = getattr(PRESET, role)

@@ -162,6 +162,7 @@ def _prompts_file(tmp_path, lines):
     return pf
 
 
+@pytest.mark.slow
 def test_resume_repairs_a_torn_record_and_redoes_that_prompt_once(tmp_path, tiny_pipe, capsys):
     pf = _prompts_file(tmp_path, ["a fox", "a cat", "a dog"])
     stats = tmp_path / "s.jsonl"

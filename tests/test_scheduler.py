@@ -57,9 +57,9 @@ def _mixed_tau(pipe):
     return (scores[0] + scores[1]) / 2  # rejects the lowest-scoring draft, accepts the rest
 
 
-# The fast tier keeps the oracle on both decisions and both drafter contexts, with and without run-ahead;
-# the other cases run in the whole suite.
-FAST_CASES = {("pattern", "committed"), ("tau=mixed", "own")}
+# The fast tier keeps the oracle on both decisions and both drafter contexts, one without run-ahead and
+# one with it; the other cases run in the whole suite.
+FAST_CASES = {(False, "pattern", "committed"), (True, "tau=mixed", "own")}
 
 
 def _oracle_cases():
@@ -67,7 +67,7 @@ def _oracle_cases():
         for case in CASES:
             for policy in ("committed", "own"):
                 yield pytest.param(case, policy, run_ahead, id=f"{run_ahead}-{case}-{policy}",
-                                   marks=() if (case, policy) in FAST_CASES else pytest.mark.slow)
+                                   marks=() if (run_ahead, case, policy) in FAST_CASES else pytest.mark.slow)
 
 
 @pytest.mark.parametrize("case,policy,run_ahead", list(_oracle_cases()))
@@ -102,6 +102,7 @@ def test_eager_target_commits_cost_more_target_forwards(tiny_pipe):
     assert eager.counters.skipped_target_commits <= lazy.skipped_target_commits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["target", "draft"])
 @pytest.mark.parametrize("run_ahead", [False, True])
 def test_single_model_modes(tiny_pipe, mode, run_ahead):

@@ -117,6 +117,7 @@ def test_download_has_every_frame(server, refs, tmp_path):
     assert http(url, "/download_video/..%2F..%2Fetc%2Fpasswd")[0] in (400, 404)
 
 
+@pytest.mark.slow
 def test_reset_restarts_at_block_0(server, refs):
     url, _ = server
 
@@ -222,6 +223,7 @@ def test_updates_sdvg_cannot_take_are_refused_by_field_and_krea_rules_hold(serve
     assert r[4]["status"] == "error" and r[4]["field"] == "action"
 
 
+@pytest.mark.slow
 def test_live_prompt_and_tau_updates_are_acked_blended_and_replay_bitwise(server, tiny_pipe):
     """A prompt change (blended over 2 blocks) and a tau change sent mid-stream are acked at a block;
     the stream equals, bitwise, `pipe.session` fed the same updates at the acked blocks."""
@@ -438,6 +440,7 @@ def test_max_sessions_2_queues_the_third_and_refuses_beyond_the_queue(tiny_pipe,
     assert frames == 9
 
 
+@pytest.mark.slow
 def test_pause_holds_the_session_and_resume_finishes_it(server, refs):
     url, _ = server
 

@@ -11,7 +11,8 @@ PROMPT = "a red fox"
 KW = dict(router="pattern", pattern="0110", num_blocks=3, seed=3)
 
 
-@pytest.mark.parametrize("scheduler,run_ahead", [("cpp", False), ("cpp", True), ("reference", False)])
+@pytest.mark.parametrize("scheduler,run_ahead", [pytest.param("cpp", False, marks=pytest.mark.slow),
+                                               pytest.param("cpp", True, marks=pytest.mark.slow), ("reference", False)])
 def test_events_give_the_same_video(tiny_pipe, scheduler, run_ahead):
     kw = dict(KW, scheduler=scheduler, run_ahead=run_ahead)
     synced = tiny_pipe(PROMPT, **kw)

@@ -374,6 +374,7 @@ def test_cuda_python_executor_errors(fake_trt, tmp_path):
 
 
 # --------------------------------------------------------------------------- torch-tensorrt route
+@pytest.mark.slow
 def test_torch_tensorrt_export_step(tiny_pipe):
     """The DiT stage through torch.export with the dynamic dimensions torch-tensorrt gets: the program's
     inputs are the signature's, its ranges the signature's bounds, its outputs eager's at two lengths."""
