@@ -55,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
 
     ap = argparse.ArgumentParser(prog="python -m build_engines", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(ap, engines=False)
+    add_model_args(ap, engines=False, loading=False)
     ap.add_argument("--weights-seed", type=int, default=0,
                     help="seed of a random-weight preset's weights (the API's from_preset(seed=...); default 0)")
     ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,

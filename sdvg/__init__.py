@@ -4,9 +4,17 @@ The public names are imported lazily, so `import sdvg` (and `sdvg --help`) does 
 
     from sdvg import SpeculativeVideoPipeline, GenerationOptions
 """
+import logging
 import os
 
+from sdvg.runtime import claim_wait_policy
+
+# The library logs to the `sdvg` logger (and its children, one per module) and never prints; an
+# application chooses where records go (`sdvg --log-level` on the command line).
+logging.getLogger("sdvg").addHandler(logging.NullHandler())
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+claim_wait_policy()  # before torch loads OpenMP: waiting threads sleep (sdvg/runtime.py says why)
 
 __version__ = "0.1.0"
 

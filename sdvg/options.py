@@ -586,9 +586,11 @@ def _check_type(name: str, value, source: str) -> None:
 
 
 
-def load_options_file(path) -> dict:
+def load_options_file(path, extra: dict | None = None) -> dict:
     """The generation options of a YAML or JSON file (`--config`): a mapping whose every key is an
-    option name. Values are checked by `GenerationOptions` (strings go through the CLI parsers, so
+    option name, or a key of `extra` ({key: check}, the command line's model and placement keys: each
+    value goes through its check, which raises ValueError / ArgumentTypeError naming the problem).
+    Option values are checked by `GenerationOptions` (strings go through the CLI parsers, so
     `tau: -inf` and `pattern: "0110"` work). Returns {name: value} for the keys present."""
     from pathlib import Path
 
@@ -608,11 +610,20 @@ def load_options_file(path) -> dict:
                           f"{type(data).__name__}")
     from sdvg.bounded import quote
 
-    unknown = sorted(k[:40] if isinstance(k, str) else quote(k, 40) for k in data if k not in OPTION_NAMES)
+    extra = extra or {}
+    unknown = sorted(k[:40] if isinstance(k, str) else quote(k, 40) for k in data
+                     if k not in OPTION_NAMES and k not in extra)
     if unknown:
-        raise OptionError(f"config file {path}: unknown option(s) {', '.join(unknown[:10])}; the options are "
-                          f"{', '.join(OPTION_NAMES)}")
+        raise OptionError(f"config file {path}: unknown key(s) {', '.join(unknown[:10])}; the keys are the options "
+                          f"{', '.join(OPTION_NAMES)}" + (f" and {', '.join(extra)}" if extra else ""))
     values = {}
+    for name, check in extra.items():
+        if name in data:
+            try:
+                values[name] = check(data.pop(name))
+            except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+                raise OptionError(f"config file {path}: {name}: {exc}") from None
+    options = {}
     for name, value in data.items():
         _check_type(name, value, f"config file {path}")
         if isinstance(value, str) and FIELDS[name].metadata["choices"] is None:
@@ -620,9 +631,9 @@ def load_options_file(path) -> dict:
                 value = option_type(name)(value)
             except argparse.ArgumentTypeError as exc:
                 raise OptionError(f"config file {path}: {exc}") from None
-        values[name] = value
+        options[name] = value
     try:
-        GenerationOptions(**values)  # every rule, with the file named in the error
+        GenerationOptions(**options)  # every rule, with the file named in the error
     except OptionError as exc:
         raise OptionError(f"config file {path}: {exc}") from None
-    return values
+    return {**values, **options}

@@ -174,7 +174,7 @@ class SpeculativeVideoPipeline:
     def from_pretrained(cls, preset: str | Preset = "wan2.1", *, drafter=None, target=None, vae=None, reward=None,
                         text_encoder=None, reward_tokenizer=None, drafter_device="cuda:0", target_device=None,
                         backend: str = "eager", engines=None, torch_dtype=None,
-                        memory_budget_gib: float | None = None) -> "SpeculativeVideoPipeline":
+                        memory_budget_gib: float | None = None, progress: bool = True) -> "SpeculativeVideoPipeline":
         """Real weights. Each component is a local path (see docs/checkpoints.md for the formats), a
         hub repo `org/name[@revision][/path/in/repo]`, or None: the file the preset publishes for it
         (`Preset.sources`; `from_pretrained("wan2.1")` finds everything in the HF cache). `preset` may also be
@@ -183,7 +183,8 @@ class SpeculativeVideoPipeline:
         holds; a repo no preset loads is refused with the list of those that are. Missing files
         are reported together, with the command that fetches them. torch_dtype overrides the preset's
         precision. `reward=None` on a random-weight preset builds no reward model. memory_budget_gib: see
-        the class."""
+        the class. `progress`: a bar over the components as they load (each is logged at INFO on the `sdvg`
+        logger either way)."""
         from sdvg.models.memory import check_budget_gib
 
         check_budget_gib(memory_budget_gib)  # before any weights are read
@@ -205,7 +206,8 @@ class SpeculativeVideoPipeline:
         sources = {role: file_fingerprint(path) for role, path in paths.items()
                    if path is not None and role != "reward_tokenizer"}
         pipe = cls(load_pretrained(preset, paths["drafter"], paths["target"], paths["vae"], paths["reward"],
-                                   paths["text_encoder"], paths["reward_tokenizer"], drafter_device, target_device),
+                                   paths["text_encoder"], paths["reward_tokenizer"], drafter_device, target_device,
+                                   progress=progress),
                    backend, engines, sources, memory_budget_gib)
         pipe.build_flags = [a for role, path in paths.items() if path is not None
                             for a in (f"--{role.replace('_', '-')}", str(path))]

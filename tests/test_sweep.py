@@ -2,6 +2,7 @@ import csv
 import json
 import math
 import statistics
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -201,6 +202,13 @@ def test_calibrate_quality_drop(tmp_path, monkeypatch, capsys):
     assert res["tau"] == -1.0 and res["retention_kind"] == "difference" and res["least_retention"] == -0.15
     assert res["achieved"]["retention"] == pytest.approx(-0.1) and res["achieved"]["speedup"] == pytest.approx(1.6)
     assert not any(r["mode"] == "draft" for r in read_records(tmp_path / "cal"))
+    # the calibrated run as a file --config accepts: the model flags, the options given, the tau found
+    from sdvg.cli.args import config_values
+
+    cfg = config_values(["generate", "--config", str(tmp_path / "cal" / "config.json")])
+    assert cfg["preset"] == "tiny" and cfg["tau"] == -1.0 and cfg["num_blocks"] == 2 and cfg["device"] == "cpu"
+    args = cli.build_parser(cfg).parse_args(["generate", "--prompt", "a cat"])
+    assert (args.tau, args.num_blocks, args.preset) == (-1.0, 2, "tiny")
     assert _run(*base, "--retention=-0.25", load=lambda args: pipe) == 0  # the same folder: resumed, nothing rerun
     assert json.loads((tmp_path / "cal" / "calibration.json").read_text())["tau"] == -2.0
     assert _run(*base, "--quality-drop", "0.05", load=lambda args: pipe) == 2
@@ -256,15 +264,25 @@ def test_calibrate_for_acceptance_rederives_tau_over_rounds():
         blocks = [{"score": None}] + [{"score": x} for x in scores]
         return SimpleNamespace(stats=SimpleNamespace(blocks=blocks, acceptance_rate=acc))
 
-    lines = []
+    lines, bars = [], []
+
+    @contextmanager
+    def phase(desc, total, unit, initial=0):  # a progress bar per round, over its videos
+        bars.append([desc, total, 0])
+        yield SimpleNamespace(update=lambda n=1: bars[-1].__setitem__(2, bars[-1][2] + n))
+
     res = calibrate_for_acceptance(SimpleNamespace(generate=generate), [(0, "a cat"), (1, "a dog")],
-                                   GenerationOptions(mode="sdvg", drafter_context="committed"), 0.5, say=lines.append)
+                                   GenerationOptions(mode="sdvg", drafter_context="committed"), 0.5, say=lines.append,
+                                   phase=phase)
     assert [r["tau"] for r in res["rounds"]] == [0.2, 0.3] and [r["achieved_acceptance"] for r in res["rounds"]] == [
         1.0, 0.5]
     assert res["tau"] == 0.3 and res["options"]["tau"] == 0.3 and res["prompts"] == 2
     assert res["drafts_independent_of_tau"] is False and "committed" in res["note"]
     assert res["draft_scores"] == 4  # the scores tau 0.3 was derived from: round 1's two prompts x two drafts
-    assert lines[0] == "calibrate: every draft scored, all accepted on prompt 1/2" and len(lines) == 6
+    assert bars == [["calibrate: every draft scored, all accepted", 2, 2], ["calibrate: check tau=0.2000", 2, 2],
+                    ["calibrate: check tau=0.3000", 2, 2]]
+    assert lines == ["calibrate: tau=0.2000 gives acceptance 100.0% (goal 50.0%)",
+                     "calibrate: tau=0.3000 gives acceptance 50.0% (goal 50.0%)"]
 
 
 def test_calibrate_for_quality_names_the_goal_and_the_retention_kind():

@@ -86,9 +86,10 @@ def add_generation_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = (
     add_option_flags(p, exclude=exclude)
 
 
-def add_model_args(p: argparse.ArgumentParser, engines: bool = True) -> None:
+def add_model_args(p: argparse.ArgumentParser, engines: bool = True, loading: bool = True) -> None:
     """The preset, checkpoint and device flags (`python -m build_engines` takes the same ones, so an
-    engine folder is built from the weights `generate` loads)."""
+    engine folder is built from the weights `generate` loads); `loading`: also how the pipeline is held
+    (--dtype, --offload-text-encoder), for the commands that build one."""
     random = sorted(k for k, v in PRESETS.items() if v.random_weights)
     real_weights = sorted(k for k, v in PRESETS.items() if not v.random_weights)
     p.add_argument("--preset", default="tiny", help=f"random weights: {', '.join(random)}; real weights (from the "
@@ -115,13 +116,61 @@ def add_model_args(p: argparse.ArgumentParser, engines: bool = True) -> None:
     p.add_argument("--device", "--drafter-device", dest="device", default="cpu", type=device_type,
                    help="drafter, VAE and reward device")
     p.add_argument("--target-device", default=None, type=device_type, help="target device (default: --device)")
+    if not loading:
+        return
+    p.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="the models' precision instead of the preset's (the API's torch_dtype)")
+    p.add_argument("--offload-text-encoder", action="store_true",
+                   help="keep umT5 on the CPU; it visits --device only to encode a prompt it has not cached "
+                        "(TextEncoder.enable_offload)")
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _config_text(value) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{value!r} is not a path or hub repo; give a string")
+    return value
+
+
+def _config_preset(value) -> str:
+    check_preset(_config_text(value))
+    return value
+
+
+def _config_flag(value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{value!r} must be true or false")
+    return value
+
+
+def _config_choice(choices):
+    def check(value):
+        if value not in choices:
+            raise ValueError(f"{value!r}; choose one of {', '.join(choices)}")
+        return value
+    return check
+
+
+# The keys a --config file may hold besides the generation options: the model and placement flags, by
+# their argparse names, each checked as its flag is (a file written by `sdvg calibrate` holds them too).
+MODEL_CONFIG_KEYS = {
+    "preset": _config_preset, **{k: _config_text for k in ("drafter", "target", "vae", "reward", "reward_tokenizer",
+                                                          "text_encoder")},
+    "device": lambda v: device_type(_config_text(v)), "target_device": lambda v: device_type(_config_text(v)),
+    "engines": lambda v: engines_folder(_config_text(v)), "dtype": _config_choice(DTYPES),
+    "offload_text_encoder": _config_flag,
+}
 
 
 def add_config(p: argparse.ArgumentParser, config: dict | None) -> None:
     """--config FILE and --protocol NAME; `config` (their values, read before the full parse) becomes the
     parser's defaults, so flags given on the command line still win."""
-    p.add_argument("--config", help="YAML or JSON file of generation options (keys: the option names); "
-                                    "flags given here override it")
+    p.add_argument("--config", help="YAML or JSON file of generation options (keys: the option names) and model "
+                                    "flags (preset, drafter, target, vae, reward, reward_tokenizer, text_encoder, "
+                                    "device, target_device, engines, dtype, offload_text_encoder); flags given "
+                                    "here override it")
     p.add_argument("--protocol", choices=sorted(PROTOCOLS),
                    help="a named protocol: paper = the SDVG paper's loop (drafter on its own drafts, block 0 from "
                         "the target, worst-frame score, 9 blocks, seed 42); a --config file and flags override it")
@@ -142,7 +191,7 @@ def config_values(argv: list[str]) -> dict:
     from sdvg.options import OptionError, load_options_file
 
     try:
-        return {**values, **load_options_file(known.config)}
+        return {**values, **load_options_file(known.config, extra=MODEL_CONFIG_KEYS)}
     except OptionError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

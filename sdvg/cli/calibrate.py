@@ -2,6 +2,7 @@
 (--quality-drop / --retention, over a sweep); the algorithms are `sdvg.evaluation.calibration`'s."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -9,6 +10,7 @@ from sdvg.io.outputs import write_text_atomic
 from sdvg.options import options_from_args
 
 from sdvg.cli import sweep
+from sdvg.cli.exit_args import bar_phase
 from sdvg.cli.args import real, say
 from sdvg.cli.pipelines import place_for_torchrun
 from sdvg.cli.prompts import sweep_prompts
@@ -25,6 +27,31 @@ def add_parser(sub, config: dict | None) -> None:
                          "(e.g. --retention=-0.01) or, for a positive evaluator, a ratio (e.g. 0.98)")
     sp.set_defaults(func=run)
     sweep.add_sweep_config(sp, config)
+
+
+CONFIG_FILE = "config.json"  # beside calibration.json: a file `--config` accepts
+
+
+def calibrated_config(args, opts, tau: float) -> dict:
+    """The calibrated run as a `--config` file: the model flags given (preset always), then every
+    generation option that differs from its default, and tau (non-finite values as the strings the
+    flags take: "inf", "-inf")."""
+    import math
+
+    from sdvg.cli.args import MODEL_CONFIG_KEYS
+    from sdvg.options import GenerationOptions
+
+    config = {"preset": args.preset}
+    for key in MODEL_CONFIG_KEYS:
+        value = getattr(args, key, None)
+        if key != "preset" and value not in (None, False):
+            config[key] = value
+    defaults = GenerationOptions().as_dict()
+    chosen = opts.replace(tau=tau).as_dict()
+    for name, value in chosen.items():
+        if name == "tau" or value != defaults[name]:
+            config[name] = value if not (isinstance(value, float) and not math.isfinite(value)) else str(value)
+    return config
 
 
 def run(args, load_pipeline) -> int:
@@ -44,13 +71,17 @@ def run(args, load_pipeline) -> int:
         out.mkdir(parents=True, exist_ok=True)
         place_for_torchrun(args)
         result = calibrate_for_acceptance(load_pipeline(args), prompts, opts, args.acceptance,
-                                          say=lambda line: say(args, line))
+                                          say=lambda line: say(args, line), phase=bar_phase(args))
     else:
         prompts, opts = sweep.setup(args, options_from_args(args, mode="sdvg"))
         sweep.run_missing(args, load_pipeline, prompts, opts, args.taus, draft=False, label="calibrate: ")
         result = calibrate_for_quality(summarise(read_records(out)), retention=args.retention,
                                        quality_drop=args.quality_drop, unpublished_taus=sweep.unpublished(args.taus))
     write_text_atomic(out / "calibration.json", strict_json(result, indent=2))
+    config = calibrated_config(args, opts, result["tau"])
+    write_text_atomic(out / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
+    say(args, f"{out / CONFIG_FILE}: the calibrated tau with this run's model flags and options; "
+              f"`sdvg generate --config {out / CONFIG_FILE} --prompt ...` runs with them")
     print(strict_json(result, indent=2))
     if not args.quiet and "note" in result:
         print(result["note"], file=sys.stderr)

@@ -12,7 +12,7 @@ from sdvg.io.text_input import check_prompt
 from sdvg.options import options_from_args
 
 from sdvg.cli import generate_outputs as outputs
-from sdvg.cli.args import add_config, add_generation_args, count
+from sdvg.cli.args import add_config, add_generation_args, bar, count
 from sdvg.cli.pipelines import announce_protocol
 from sdvg.cli.prompts import read_prompts
 from sdvg.cli.video import exit_code, run_one, video_path
@@ -104,27 +104,40 @@ def _generate_many(args, load_pipeline, prompts: list[str], first: int, out: Pat
                   file=sys.stderr)
     elif stats_path.exists():
         stats_path.unlink()
-    pipe = load_pipeline(args)
-    announce_protocol(args, pipe.preset, opts)
-    resolved = pipe.resolve(opts).as_dict()
+    from sdvg.config import get_preset
+
+    resolved = opts.resolved(get_preset(args.preset)).as_dict()  # from the preset alone: no model loaded yet
     resolved.pop("backend", None)  # how stages ran does not change the video
     done = outputs.done_prompts(stats_path, by_index, resolved) if args.resume else set()
+    if done and len(done) == len(by_index):  # nothing to do: said before any model loads
+        print(f"every prompt ({len(done)}) is in {stats_path} already; nothing to resume", file=sys.stderr)
+        return 0
+    pipe = load_pipeline(args)
+    announce_protocol(args, pipe.preset, opts)
     stats_path.parent.mkdir(parents=True, exist_ok=True)
-    for i, prompt in by_index.items():  # i: the prompt's line in the file (0-based)
-        if i in done:
-            continue
-        maps: list = []
-        stats = run_one(pipe, prompt, opts, video_path(out, i, True), progress=not args.quiet, fps=args.fps,
-                        crf=args.crf, on_block=outputs.exit_map_collector(args, maps))
-        stats.extra["prompt_index"] = i
-        stats.extra.update(record_fields(args.protocol, resolved))
-        stats.extra["prompt_sha256"] = prompt_sha256(prompt)
-        append_jsonl(stats_path, stats.to_json())
-        outputs.timeline(args, stats, i, many=True)
-        outputs.exit_map(args, stats, maps, i, many=True)
-        if stats.interrupted:
-            print(f"interrupted at prompt {i}; rerun with --resume to continue", file=sys.stderr)
-            return exit_code(stats)
+    videos = bar(args, len(by_index), "prompts", "video", initial=len(done))  # the outer bar, with its ETA
+    try:
+        for i, prompt in by_index.items():  # i: the prompt's line in the file (0-based)
+            if i in done:
+                continue
+            maps: list = []
+            stats = run_one(pipe, prompt, opts, video_path(out, i, True), progress=not args.quiet, fps=args.fps,
+                            crf=args.crf, on_block=outputs.exit_map_collector(args, maps), nested=True)
+            stats.extra["prompt_index"] = i
+            stats.extra.update(record_fields(args.protocol, resolved))
+            stats.extra["prompt_sha256"] = prompt_sha256(prompt)
+            append_jsonl(stats_path, stats.to_json())
+            outputs.timeline(args, stats, i, many=True)
+            outputs.exit_map(args, stats, maps, i, many=True)
+            if stats.interrupted:
+                videos.close()
+                print(f"interrupted ({stats.extra.get('interrupted_by') or 'stopped'}) at prompt {i} after "
+                      f"{len(stats.blocks)} of {stats.options.num_blocks} blocks; its partial video and stats are "
+                      f"written; rerun with --resume to continue", file=sys.stderr)
+                return exit_code(stats)
+            videos.update(1)
+    finally:
+        videos.close()
     written = sum(i not in done for i in by_index)
     print(f"wrote {written} video(s); stats in {stats_path}", file=sys.stderr)
     return 0

@@ -98,8 +98,13 @@ def exit_map(args, stats, maps: list, index: int, many: bool) -> None:
 
 
 def summary(stats, path: Path) -> None:
-    """The one line a single video ends with."""
+    """The one line a single video ends with; an interrupted run says so, by which signal and where."""
     acc = stats.get("acceptance_rate")
     acc_s = "n/a" if acc is None else f"{acc:.1%}"
-    print(f"{stats['video']}: {stats['frames']} frames, acceptance {acc_s}, "
-          f"wall {stats.get('wall_s', float('nan')):.2f} s; stats in {path}", file=sys.stderr)
+    video = stats["video"] or "no video (no block was emitted)"
+    line = (f"{video}: {stats['frames']} frames, acceptance {acc_s}, wall {stats.get('wall_s', float('nan')):.2f} s; "
+            f"stats in {path}")
+    if stats["interrupted"]:
+        line = (f"interrupted ({stats.get('interrupted_by') or 'stopped'}) after {stats['blocks_done']} of "
+                f"{stats['num_blocks']} blocks: " + line)
+    print(line, file=sys.stderr)

@@ -22,10 +22,33 @@ def build_parser(config: dict | None = None) -> argparse.ArgumentParser:
     """The command line; `config` (from --protocol / --config) sets the generation options' defaults, so
     flags given on the command line still win."""
     parser = argparse.ArgumentParser(prog="sdvg", description="speculative decoding for video diffusion")
+    parser.add_argument(*LOG_LEVEL_FLAG, **LOG_LEVEL_ARGS, default="warning")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add_parser(sub, config)
+    for command_parser in sub.choices.values():  # also after the command: `sdvg generate --log-level info`
+        command_parser.add_argument(*LOG_LEVEL_FLAG, **LOG_LEVEL_ARGS, default=argparse.SUPPRESS)
     return parser
+
+
+LOG_LEVEL_FLAG = ("--log-level",)
+LOG_LEVEL_ARGS = dict(choices=("debug", "info", "warning", "error", "critical"), type=str.lower,
+                      help="records of the `sdvg` logger shown on stderr from this level (default: warning; "
+                           "info: each component's load and the engine cache's decisions; `serve`: uvicorn's too)")
+
+
+def configure_logging(level: str) -> None:
+    """The `sdvg` logger's records on stderr from `level` (the command line's choice; a library user
+    configures logging as they like)."""
+    import logging
+
+    logger = logging.getLogger("sdvg")
+    logger.setLevel(level.upper())
+    if not any(getattr(h, "sdvg_cli", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        handler.sdvg_cli = True
+        logger.addHandler(handler)
 
 
 def main(argv=None, load_pipeline: Loader | None = None) -> int:
@@ -39,6 +62,7 @@ def main(argv=None, load_pipeline: Loader | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(config_values(argv)).parse_args(argv)
+    configure_logging(args.log_level)
     try:
         # before the first block too (loading): exit 128 + signal, no traceback; every output locked before loading
         with signals_interrupt(), lock_command_outputs(args):

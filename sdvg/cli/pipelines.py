@@ -33,6 +33,8 @@ def build_pipeline(args):
 def pipeline_from_flags(args):
     """Random weights for a random-weight preset without checkpoint flags; real weights otherwise (the
     preset's published files, each replaced by its flag when given)."""
+    import torch
+
     from sdvg.config import get_preset
     from sdvg.pipeline import SpeculativeVideoPipeline
 
@@ -42,12 +44,20 @@ def pipeline_from_flags(args):
                  reward=args.reward, reward_tokenizer=args.reward_tokenizer)
     backend = args.backend or BACKENDS[0]
     budget = getattr(args, "memory_budget_gib", None)
+    dtype = getattr(torch, args.dtype) if getattr(args, "dtype", None) else None
     if preset.random_weights and not any(paths.values()):
-        return SpeculativeVideoPipeline.from_preset(preset, device=args.device, target_device=args.target_device,
-                                                    backend=backend, engines=args.engines, memory_budget_gib=budget)
-    return SpeculativeVideoPipeline.from_pretrained(preset, **paths, drafter_device=args.device,
-                                                    target_device=args.target_device, backend=backend,
-                                                    engines=args.engines, memory_budget_gib=budget)
+        pipe = SpeculativeVideoPipeline.from_preset(preset, device=args.device, target_device=args.target_device,
+                                                    backend=backend, engines=args.engines, torch_dtype=dtype,
+                                                    memory_budget_gib=budget)
+    else:
+        pipe = SpeculativeVideoPipeline.from_pretrained(preset, **paths, drafter_device=args.device,
+                                                        target_device=args.target_device, backend=backend,
+                                                        engines=args.engines, torch_dtype=dtype,
+                                                        memory_budget_gib=budget,
+                                                        progress=not getattr(args, "quiet", False))
+    if getattr(args, "offload_text_encoder", False):
+        pipe.text_encoder.enable_offload(args.device)
+    return pipe
 
 
 def place_for_torchrun(args) -> tuple[int, int]:

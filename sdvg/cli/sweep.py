@@ -8,7 +8,7 @@ from pathlib import Path
 
 from sdvg.options import BACKENDS, options_from_args
 
-from sdvg.cli.args import add_config, add_generation_args, check_preset, count, say, taus
+from sdvg.cli.args import add_config, add_generation_args, bar, check_preset, count, say, taus
 from sdvg.cli.pipelines import announce_protocol, place_for_torchrun
 from sdvg.cli.prompts import DEFAULT_PROMPTS, sweep_prompts
 
@@ -91,13 +91,22 @@ def run_missing(args, load_pipeline, prompts, opts, tau_values, draft: bool, lab
     check_checkpoints(out, pipe.provenance())
     evaluator = load_evaluator(args.evaluator, pipe)
 
-    def progress(r):
-        acc = "n/a" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.1%}"
-        say(args, f"{label}[{r['prompt_index']}] {r['mode']}" + (f" tau={r['tau']:g}" if r["mode"] == "sdvg" else "")
-            + f": acceptance {acc}, {r['wall_s']:.2f} s (min {r['wall_s_min']:.2f}), quality {r['quality']:.4f}")
+    pending = missing_pairs(out, prompts, tau_values, rank, world, draft)
+    videos = bar(args, sum(len(variants) for _, _, variants in pending), f"{label}sweep".strip(), "video")
 
-    run_sweep(pipe, prompts, tau_values, out, evaluator, opts, rank=rank, world=world, progress=progress,
-              repeats=args.repeats, warmup=args.warmup, draft=draft, evaluator_name=args.evaluator)
+    def progress(r):  # one line per (prompt, method) above the bar, which counts them with an ETA
+        acc = "n/a" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.1%}"
+        line = (f"{label}[{r['prompt_index']}] {r['mode']}" + (f" tau={r['tau']:g}" if r["mode"] == "sdvg" else "")
+                + f": acceptance {acc}, {r['wall_s']:.2f} s (min {r['wall_s_min']:.2f}), quality {r['quality']:.4f}")
+        if not args.quiet:
+            videos.write(line, file=sys.stderr)
+        videos.update(1)
+
+    try:
+        run_sweep(pipe, prompts, tau_values, out, evaluator, opts, rank=rank, world=world, progress=progress,
+                  repeats=args.repeats, warmup=args.warmup, draft=draft, evaluator_name=args.evaluator)
+    finally:
+        videos.close()
     return rank, world
 
 

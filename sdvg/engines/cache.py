@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ DATA_FILE = "model.onnx.data"  # the external weights of an ONNX file past 2 GB
 ARTIFACT_FILES = {"tensorrt": "engine.plan", "onnx": "model.onnx", "torch-tensorrt": "program.ep"}  # kind -> file
 _LATER_FIELDS = ("torch_version", "torch_trt_version")  # written only when set: older keys keep their digests
 
+
+log = logging.getLogger(__name__)
 
 class EngineCacheError(RuntimeError):
     """Base class: an engine cannot be used."""
@@ -168,6 +171,7 @@ class EngineCache:
         tmp = d / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps(manifest, indent=2))
         os.replace(tmp, d / MANIFEST)
+        log.info("stored the %s engine of stage %r in %s", key.artifact, key.stage, d)
         return dest
 
     def _read_manifest(self, d: Path) -> dict:
@@ -234,6 +238,7 @@ class EngineCache:
                                          f"be {DATA_FILE} inside its own entry; delete {d} and rebuild with: "
                                          f"{rebuild_command}")
             self._check_file(d, d / DATA_FILE, data, rebuild_command)
+        log.info("using the %s engine of stage %r from %s (built %s)", key.artifact, key.stage, d, m.get("created"))
         return path
 
     full_checks = 0  # files hashed in full by `load` (the cheap check did not suffice): for tests

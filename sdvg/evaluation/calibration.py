@@ -36,21 +36,23 @@ def _quiet(line: str) -> None:
 
 # ------------------------------------------------------------------------------- tau for an acceptance rate
 def calibrate_for_acceptance(pipe, prompts: list[tuple[int, str]], opts, acceptance: float,
-                             say: Callable[[str], None] = _quiet) -> dict:
+                             say: Callable[[str], None] = _quiet, phase=silent_phase) -> dict:
     """tau whose drafts are accepted at rate `acceptance` (blocks 1..B-1). Round 0 scores every draft
     (tau = -inf, all accepted); each round takes the (1 - a) quantile of the last round's scores as tau
     and generates again under it (a draft can depend on earlier decisions, a score on the VAE's causal
-    cache); the round whose achieved acceptance is nearest the goal wins. `prompts`: (index, text)."""
+    cache); the round whose achieved acceptance is nearest the goal wins. `prompts`: (index, text).
+    `phase`: a progress bar per round over its videos (the module docstring)."""
     own = opts.drafter_context == "own"
 
     def run_all(tau: float, what: str) -> tuple[list[float], float | None]:
         """Every prompt at tau: the draft scores of blocks 1..B-1 and the mean acceptance."""
         scores, rates = [], []
-        for n, (_, prompt) in enumerate(prompts):
-            say(f"calibrate: {what} on prompt {n + 1}/{len(prompts)}")
-            stats = pipe.generate(prompt, opts.replace(tau=tau)).stats
-            scores += [b["score"] for b in stats.blocks[1:] if b["score"] is not None]
-            rates += [] if stats.acceptance_rate is None else [stats.acceptance_rate]
+        with phase(f"calibrate: {what}", len(prompts), "video") as bar:
+            for _, prompt in prompts:
+                stats = pipe.generate(prompt, opts.replace(tau=tau)).stats
+                scores += [b["score"] for b in stats.blocks[1:] if b["score"] is not None]
+                rates += [] if stats.acceptance_rate is None else [stats.acceptance_rate]
+                bar.update(1)
         return scores, (sum(rates) / len(rates) if rates else None)
 
     scores, _ = run_all(-math.inf, "every draft scored, all accepted")
@@ -62,6 +64,8 @@ def calibrate_for_acceptance(pipe, prompts: list[tuple[int, str]], opts, accepta
         n_scores = len(scores)
         scores, achieved = run_all(tau, f"check tau={tau:.4f}")
         rounds.append({"tau": tau, "draft_scores": n_scores, "achieved_acceptance": achieved})
+        say(f"calibrate: tau={tau:.4f} gives acceptance " + ("n/a" if achieved is None else f"{achieved:.1%}")
+            + f" (goal {acceptance:.1%})")
         if achieved is not None and abs(achieved - acceptance) < 1e-9:
             break
     best = min(rounds, key=lambda r: math.inf if r["achieved_acceptance"] is None

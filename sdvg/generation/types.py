@@ -17,6 +17,7 @@ import torch
 from sdvg._native import _C
 from sdvg.io.strict_json import nonfinite_paths, strict_json  # noqa: F401 (re-exported)
 from sdvg.options import GenerationOptions
+from sdvg.runtime import host_state
 
 STAGE_NAMES: tuple[str, ...] = tuple(_C.STAGE_NAMES)  # draft, decode, score, target, drafter_commit, target_commit
 COUNTER_NAMES: tuple[str, ...] = tuple(_C.COUNTER_NAMES)
@@ -29,9 +30,10 @@ TOTAL_KEYS: tuple[str, ...] = ("draft", "decode", "score", "target", "commit")
 Counters = _C.Counters  # the native counters struct; the reference loop counts into the same type
 
 # The statistics file's schema (docs/stats.md). Bump on any change of a field's name or meaning.
-SCHEMA_VERSION = 3  # 2: early exit (the exit_* options, mean_steps, max_steps, exit_roles; block exit fields)
+SCHEMA_VERSION = 4  # 2: early exit (the exit_* options, mean_steps, max_steps, exit_roles; block exit fields)
 # 3: live sessions and prompt schedules (options interp_blocks, force_reject_after_switch; block `live`;
 #    top level `live`, `updates`, `prompts`, `segments`, `prompt_encodes`, `blocks_started` when live)
+# 4: `host` (thread settings, OpenMP wait policy, load average of the run's machine)
 
 
 def block_times(stage_seconds: Mapping[str, float]) -> dict[str, float]:
@@ -102,6 +104,7 @@ class RunStats(Mapping):
     wall_s: float | None = None
     stage_device_s: dict[str, float] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # set by the caller (video path, prompt index)
+    host: dict[str, Any] = field(default_factory=host_state)  # threads, wait policy, load (sdvg/runtime.py)
     _t0: float = field(default_factory=time.perf_counter, repr=False)
 
     def add(self, block: BlockRecord) -> None:
@@ -171,7 +174,7 @@ class RunStats(Mapping):
                  blocks_done=len(self.blocks))
         d.update({k: self.counters.get(k, 0) for k in COUNTER_NAMES})
         d.update(trace=self.trace, wall_s=self.wall_s, stage_totals=self.stage_totals(),
-                 stage_device_s=self.stage_device_s)
+                 stage_device_s=self.stage_device_s, host=self.host)
         d.update(self.exit_summary())
         d.update(self.extra)
         d["nonfinite_fields"] = nonfinite_paths(d)

@@ -1,6 +1,10 @@
 """The components of a speculative pipeline and how they are built or loaded."""
 from __future__ import annotations
 
+import logging
+import sys
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,10 +74,36 @@ def _device(d) -> torch.device:
     return d
 
 
+log = logging.getLogger(__name__)
+
+
+class LoadProgress:
+    """Each component's load: an INFO record on the `sdvg` logger with its source and seconds, and one
+    step of a progress bar on stderr when `show` (as diffusers' "Loading pipeline components")."""
+
+    def __init__(self, names: list[str], show: bool):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=len(names), desc="loading components", unit="component", disable=not show,
+                        file=sys.stderr)
+
+    @contextmanager
+    def step(self, name: str, source):
+        self.bar.set_postfix_str(name)
+        t0 = time.perf_counter()
+        yield
+        log.info("loaded %s from %s in %.1f s", name, source, time.perf_counter() - t0)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def build_random(preset: Preset, seed: int = 0, drafter_device="cpu", target_device=None,
                  need_drafter: bool = True, need_target: bool = True, need_reward: bool = True) -> Components:
     """All components of `preset` with random weights (seeded), placed and cast."""
     preset.validate()
+    t0 = time.perf_counter()
     dd = _device(drafter_device)
     td = _device(target_device or drafter_device)
     dtype = torch_dtype(preset.precision)
@@ -97,13 +127,16 @@ def build_random(preset: Preset, seed: int = 0, drafter_device="cpu", target_dev
         scorer = RewardScorer(model, preset.reward).to(dd, dtype if dd.type == "cuda" else torch.float32)
     comps = Components(preset, drafter, target, text, vae, scorer, dd, td)
     comps.check_compatible()
+    log.info("built preset %r with random weights (seed %d) on %s / %s in %.2f s", preset.name, seed, dd, td,
+             time.perf_counter() - t0)
     return comps
 
 
 def load_pretrained(preset: Preset, drafter: str | Path, target: str | Path, vae: str | Path,
                     reward: str | Path | None, text_encoder: str | Path, reward_tokenizer_folder=None,
-                    drafter_device="cuda:0", target_device=None) -> Components:
-    """Real weights from local paths (files or diffusers / HF-cache folders)."""
+                    drafter_device="cuda:0", target_device=None, progress: bool = True) -> Components:
+    """Real weights from local paths (files or diffusers / HF-cache folders). `progress`: a bar over the
+    components on stderr (each load is logged at INFO either way)."""
     from sdvg.models.checkpoints import check_dit_checkpoint, load_dit
 
     preset.validate()
@@ -113,24 +146,34 @@ def load_pretrained(preset: Preset, drafter: str | Path, target: str | Path, vae
     dd = _device(drafter_device)
     td = _device(target_device or drafter_device)
     dtype = torch_dtype(preset.precision)
-    text = TextEncoder.from_pretrained(text_encoder, config=preset.text_encoder).to(dd, preset.precision)
+    steps = LoadProgress(["text_encoder", "drafter", "target", "vae"] + (["reward"] if reward is not None else []),
+                         progress)
 
     def dit(role, cfg, path, dev):
         m = _construct(cfg, dev, dtype)  # on its device in its precision: no fp32 copy of a 14B model in RAM
         load_dit(m, path, checked.pop(role))
         return m.set_precision(preset.precision).eval()
 
-    d = dit("drafter", preset.drafter, drafter, dd)
-    t = dit("target", preset.target, target, td)
-    v = build_vae(preset.vae)
-    load_vae_weights(v, vae)
-    scorer = None
-    if reward is not None:
-        tok = reward_tokenizer(preset.reward, folder=reward_tokenizer_folder)
-        med = Path(reward).with_name(MED_CONFIG)  # ImageReward's own med_config.json, when it lies beside the weights
-        model = build_image_reward(preset.reward, tok, med_config=med if med.is_file() else None)
-        load_image_reward_weights(model, reward)
-        scorer = RewardScorer(model, preset.reward).to(dd, dtype)
+    try:
+        with steps.step("text_encoder", text_encoder):
+            text = TextEncoder.from_pretrained(text_encoder, config=preset.text_encoder).to(dd, preset.precision)
+        with steps.step("drafter", drafter):
+            d = dit("drafter", preset.drafter, drafter, dd)
+        with steps.step("target", target):
+            t = dit("target", preset.target, target, td)
+        with steps.step("vae", vae):
+            v = build_vae(preset.vae)
+            load_vae_weights(v, vae)
+        scorer = None
+        if reward is not None:
+            with steps.step("reward", reward):
+                tok = reward_tokenizer(preset.reward, folder=reward_tokenizer_folder)
+                med = Path(reward).with_name(MED_CONFIG)  # ImageReward's own med_config.json, beside the weights
+                model = build_image_reward(preset.reward, tok, med_config=med if med.is_file() else None)
+                load_image_reward_weights(model, reward)
+                scorer = RewardScorer(model, preset.reward).to(dd, dtype)
+    finally:
+        steps.close()
     comps = Components(preset, d, t, text, StreamingVAEDecoder(torch.nn.Module.to(v, dd, dtype)), scorer, dd, td)
     comps.check_compatible()
     return comps

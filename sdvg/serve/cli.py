@@ -44,7 +44,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "the serve-ray extra; 0: no Ray, the default)")
     p.add_argument("--ray-gpus-per-replica", type=float, default=0.0,
                    help="GPUs Ray reserves per replica (2 for a drafter/target pair; default 0: CPU)")
-    p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    # --log-level (every command's, sdvg/cli/main.py) also sets uvicorn's
     p.add_argument("--quiet", action="store_true", help="no loading messages")
     p.set_defaults(func=run_serve)
     return p

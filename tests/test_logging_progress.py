@@ -1,0 +1,102 @@
+"""Logging and progress: the library logs to the `sdvg` logger and never prints, `--log-level` shows its
+records on stderr (before or after the command), loads are logged per component, a prompts file has an
+outer bar with an ETA, and an interrupted run's summary says so."""
+from __future__ import annotations
+
+import ast
+import logging
+from pathlib import Path
+
+import pytest
+
+from sdvg import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+# Where printing is the job: the command line and one script run as its own process.
+MAY_PRINT = ("sdvg/cli/", "sdvg/serve/cli.py", "sdvg/evaluation/vbench_job.py")
+
+
+def test_library_code_never_prints():
+    offenders = []
+    for path in sorted((ROOT / "sdvg").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith(MAY_PRINT):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
+                offenders.append(f"{rel}:{node.lineno}")
+    assert not offenders, f"library code prints (log to the `sdvg` logger instead): {offenders}"
+
+
+def test_the_sdvg_logger_has_a_null_handler_and_no_level_of_its_own():
+    import sdvg  # noqa: F401
+
+    logger = logging.getLogger("sdvg")
+    assert any(isinstance(h, logging.NullHandler) for h in logger.handlers)
+
+
+@pytest.mark.parametrize("argv", [["--log-level", "INFO", "config", "--tau", "-1"],
+                                  ["config", "--tau", "-1", "--log-level", "info"]])
+def test_log_level_before_or_after_the_command(argv, capsys):
+    logger = logging.getLogger("sdvg")
+    level = logger.level
+    try:
+        assert cli.main(argv) == 0
+        assert logger.level == logging.INFO
+        logging.getLogger("sdvg.test").info("a record")
+        assert "INFO sdvg.test: a record" in capsys.readouterr().err
+    finally:
+        logger.setLevel(level)
+        logger.handlers[:] = [h for h in logger.handlers if not getattr(h, "sdvg_cli", False)]
+
+
+def test_a_bad_log_level_is_refused_by_argparse(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--log-level", "loud", "config"])
+    assert exc.value.code == 2 and "--log-level" in capsys.readouterr().err
+
+
+def test_building_a_pipeline_is_logged(caplog):
+    from sdvg.config import get_preset
+    from sdvg.models.components import build_random
+
+    with caplog.at_level(logging.INFO, logger="sdvg"):
+        build_random(get_preset("tiny"), need_drafter=False, need_reward=False)
+    assert any(r.name == "sdvg.models.components" and "random weights" in r.getMessage() for r in caplog.records)
+
+
+def test_load_progress_logs_each_component_and_counts_it(caplog):
+    from sdvg.models.components import LoadProgress
+
+    with caplog.at_level(logging.INFO, logger="sdvg"):
+        steps = LoadProgress(["a", "b"], show=True)
+        with steps.step("a", "/x/a.safetensors"):
+            pass
+        with pytest.raises(RuntimeError):
+            with steps.step("b", "/x/b.pth"):  # a failed load is not counted as loaded
+                raise RuntimeError("bad file")
+        steps.close()
+    assert [r.getMessage().split(" in ")[0] for r in caplog.records] == ["loaded a from /x/a.safetensors"]
+    assert steps.bar.n == 1
+
+
+def test_an_interrupted_summary_says_so(capsys, tmp_path):
+    from sdvg.cli.generate_outputs import summary
+
+    stats = {"video": str(tmp_path / "v.mp4"), "frames": 21, "acceptance_rate": None, "wall_s": 1.5,
+             "interrupted": True, "interrupted_by": "SIGINT", "blocks_done": 2, "num_blocks": 5}
+    summary(stats, tmp_path / "v.json")
+    line = capsys.readouterr().err
+    assert line.startswith("interrupted (SIGINT) after 2 of 5 blocks: ") and "21 frames" in line
+    summary({**stats, "interrupted": False, "video": None, "frames": 0}, tmp_path / "v.json")
+    assert capsys.readouterr().err.startswith("no video (no block was emitted): 0 frames")
+
+
+@pytest.mark.slow
+def test_a_prompts_file_has_an_outer_bar(tmp_path, tiny_pipe, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a fox\na cat\n")
+    assert cli.main(["generate", "--prompts-file", str(prompts), "--num-blocks", "1", "--out",
+                          str(tmp_path / "v.mp4")], load_pipeline=lambda args: tiny_pipe) == 0
+    err = capsys.readouterr().err
+    assert "prompts: 100%" in err and "2/2" in err and "s/video" in err
