@@ -94,6 +94,8 @@ def test_text_kv_is_rebuilt_only_when_the_conditioning_changes():
     (dict(prompt="x", interp_blocks=True), "interp_blocks must be an integer"),
     (dict(interp_blocks=2), "without a prompt"), (dict(), "changes nothing"),
     (dict(seed=-1), "seed -1"), (dict(tau=float("nan")), "tau must be a number"), (dict(reset=1), "reset must be"),
+    (dict(router="greedy"), "router 'greedy' is not one of reward, random, pattern"),
+    (dict(accept_prob=2.0), "accept_prob 2.0 must lie in"), (dict(pattern="012"), "only 0 and 1"),
 ])
 def test_bad_updates_are_refused_by_name(kwargs, match):
     with pytest.raises(UpdateError, match=match):
@@ -102,7 +104,8 @@ def test_bad_updates_are_refused_by_name(kwargs, match):
 
 def test_schedule_formats_round_trip(tmp_path):
     entries = [{"block": 0, "prompt": "a fox"}, {"block": 3, "prompt": "an owl", "interp_blocks": 2},
-               {"block": 5, "seed": 4, "reset": True}, {"block": 6, "tau": -1.0}]
+               {"block": 5, "seed": 4, "reset": True}, {"block": 6, "tau": -1.0},
+               {"block": 7, "router": "pattern", "pattern": "0110"}, {"block": 8, "router": "random", "accept_prob": 0.5}]
     out = parse_schedule(entries)
     assert out[0] == (0, "a fox") and out[1] == (3, Update("an owl", 2))
     assert [u.as_entry(b) for b, u in out[1:]] == entries[1:]
@@ -112,6 +115,20 @@ def test_schedule_formats_round_trip(tmp_path):
     (tmp_path / "s.yaml").write_text("- {block: 0, prompt: a fox}\n- {block: 3, prompt: an owl, interp_blocks: 2}\n")
     assert parse_schedule(tmp_path / "s.json") == out
     assert parse_schedule(str(tmp_path / "s.yaml")) == out[:2]
+    assert out[4][1].router_changes == {"router": "pattern", "pattern": (False, True, True, False)}
+
+
+def test_router_updates_are_checked_against_the_sessions_router_and_take_effect_at_their_block(tiny_pipe):
+    s = tiny_pipe.session("a fox", num_blocks=2, scheduler="reference")  # the reward router
+    Update(router="pattern")  # fine alone; the session has no pattern to go with it:
+    with pytest.raises(UpdateError, match="'pattern' with router 'pattern' needs a decision pattern"):
+        s.update(router="pattern")
+    assert s.updates == [] and s.stats.extra["updates"] == []  # a refused update changes nothing
+    s.close()
+    s = tiny_pipe.session("a fox", num_blocks=4, scheduler="reference", router="pattern", pattern="0111")
+    ack = s.update(pattern="0000")  # from block 0 (nothing started yet): every block goes to the target
+    assert ack.block == 0 and s.stats.extra["updates"] == [{"block": 0, "pattern": "0000"}]
+    assert [b.decision for b in s] == ["forced", "rejected", "rejected", "rejected"]
 
 
 @pytest.mark.parametrize("schedule, match", [

@@ -144,3 +144,21 @@ def test_cli_prompt_schedule_file(tmp_path):
     assert [b["live"]["prompt_index"] for b in stats["blocks"]] == [0, 1] and stats["prompt"] == "a red fox"
     assert cli.main(["generate", "--prompt-schedule", str(tmp_path / "s.yaml"), "--prompt", "x", "--quiet",
                      "--out", str(tmp_path / "w.mp4")]) == 2
+
+
+def test_router_updates_replay_bitwise_from_the_recorded_schedule(tiny_pipe):
+    """tau and the router options change at their acknowledged blocks; the batch run of the schedule the
+    stats record gives the same video."""
+    s = tiny_pipe.session("a red fox", num_blocks=4, **KW)
+    blocks = [next(s)]
+    s.update(router="pattern", pattern="10")  # from block 1: pattern[b % 2], so block 1 is rejected
+    blocks.append(next(s))
+    s.update(router="random", accept_prob=1.0, tau=0.5)  # from block 2: every draft accepted
+    blocks += list(s)
+    assert [b.decision for b in blocks] == ["forced", "rejected", "accepted", "accepted"]
+    schedule = [{"block": 0, "prompt": "a red fox"}] + s.stats.extra["updates"]
+    assert schedule[1:] == [{"block": 1, "router": "pattern", "pattern": "10"},
+                            {"block": 2, "tau": 0.5, "router": "random", "accept_prob": 1.0}]
+    replay = tiny_pipe(prompt_schedule=schedule, num_blocks=4, output_type="uint8", **KW)
+    latents, frames = _video(blocks)
+    assert torch.equal(latents, replay.latents) and torch.equal(frames, replay.frames[0])

@@ -18,7 +18,6 @@ Modes `target` and `draft` run steps 4 and 1 alone.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from typing import Iterator
@@ -68,7 +67,7 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
             break
         calls.begin_block(b)
         last = b == opts.num_blocks - 1 if step is None else step.last
-        block_router = router if step is None or step.tau == router.tau else dataclasses.replace(router, tau=step.tau)
+        block_router = router if step is None or step.router is None else step.router
         draft, score, frame_scores, emitted_scores = None, None, [], None
         accepted = False
 

@@ -15,6 +15,7 @@ import dataclasses
 import threading
 from dataclasses import dataclass
 
+from sdvg.generation.routers import Router
 from sdvg.generation.types import LoopReport, RunStats
 from sdvg.live.conditioning import ConditioningTable, PromptBank
 from sdvg.live.updates import Update, UpdateAck, UpdateError, check_prompt
@@ -23,12 +24,12 @@ from sdvg.options import GenerationOptions, OptionError
 
 @dataclass(frozen=True)
 class BlockStep:
-    """What the loop is told before a block: stop here, or produce it (last? forced? under which tau)."""
+    """What the loop is told before a block: stop here, or produce it (last? forced? under which router)."""
 
     stop: bool
     last: bool = False
     forced: bool = False
-    tau: float = 0.0
+    router: Router | None = None
 
 
 _STOP = BlockStep(stop=True)
@@ -67,6 +68,18 @@ def check_unbounded(opts: GenerationOptions) -> None:
                               f"recompute context ({flag}) or a finite num_blocks")
 
 
+def _next_router(router: Router, update: Update) -> Router:
+    """`router` with the update's router options, checked together as the options are (UpdateError)."""
+    from sdvg.options import GenerationOptions
+
+    values = {"router": router.kind, "tau": router.tau, "accept_prob": router.accept_prob, "pattern": router.pattern}
+    values.update(update.router_changes)
+    try:
+        return Router.from_options(GenerationOptions(**values))
+    except (OptionError, TypeError, ValueError) as exc:
+        raise UpdateError(f"the router options would be {values['router']!r} with {exc}") from None
+
+
 class LiveSession:
     """Iterate to get each `BlockRecord` as soon as it is final; `update(...)` from any thread;
     `close()` ends it (its `stats` are then final). `num_blocks=None`: unbounded."""
@@ -98,7 +111,9 @@ class LiveSession:
         self.updates: list[UpdateAck] = []
         self._closed = False
         self._running = False
-        self._seed, self._tau = opts.seed, opts.tau
+        self._seed = opts.seed
+        self._router = Router.from_options(opts)  # the router of the blocks being started
+        self._router_acked = self._router  # ... and after every acknowledged update (checked against it)
         self._segment_start, self._segments = 0, 0
         self._reports: list[LoopReport] = []
         self._records_live: dict[int, dict] = {}
@@ -111,10 +126,12 @@ class LiveSession:
 
     # ------------------------------------------------------------------ updates
     def update(self, prompt: str | None = None, interp_blocks: int | None = None, seed: int | None = None,
-               reset: bool = False, tau: float | None = None) -> UpdateAck:
+               reset: bool = False, tau: float | None = None, router: str | None = None,
+               accept_prob: float | None = None, pattern=None) -> UpdateAck:
         """Change the session from the first block whose drafting has not started (`UpdateAck.block`).
-        A bad value raises `UpdateError` and changes nothing."""
-        return self._acknowledge(Update(prompt, interp_blocks, seed, reset, tau), None)
+        `tau`, `router`, `accept_prob`, `pattern`: the router's options from then on. A bad value raises
+        `UpdateError` and changes nothing."""
+        return self._acknowledge(Update(prompt, interp_blocks, seed, reset, tau, router, accept_prob, pattern), None)
 
     def _acknowledge(self, update: Update, block: int | None) -> UpdateAck:
         with self._lock:
@@ -124,6 +141,8 @@ class LiveSession:
             if self.limit is not None and block >= self.limit:
                 raise UpdateError(f"the update would take effect at block {block}, but the session ends after block "
                                   f"{self.limit - 1}; nothing is left to change")
+            if update.router_changes:
+                self._router_acked = _next_router(self._router_acked, update)
             ack = UpdateAck(block, len(self.updates), update)
             self.updates.append(ack)
             self._pending.append(ack)
@@ -148,8 +167,8 @@ class LiveSession:
             for a in due:
                 self._pending.remove(a)
                 u = a.update
-                if u.tau is not None:
-                    self._tau = u.tau
+                if u.router_changes:
+                    self._router = _next_router(self._router, u)
                 if u.prompt is not None:
                     self.table.switch(g, u.prompt, 1 if restart else (u.interp_blocks or self.opts.interp_blocks))
             cond = self.table.freeze(g)
@@ -159,7 +178,7 @@ class LiveSession:
             self._records_live[b] = {"block": g, "segment": self._segments, "prompt_index": cond.prompt_index,
                                      "blend_weight": cond.weight, "forced_by_update": forced_by_update}
             last = self.limit is not None and g == self.limit - 1
-            return BlockStep(False, last, forced_by_update, self._tau)
+            return BlockStep(False, last, forced_by_update, self._router)
 
     # ------------------------------------------------------------------- blocks
     def _run(self):

@@ -9,7 +9,10 @@ import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
-from sdvg.options import MAX_INTERP_BLOCKS, SEED_MAX
+from sdvg.options import MAX_INTERP_BLOCKS, ROUTERS, SEED_MAX
+
+# The router's options a live update may change (from the acknowledged block on), tau first.
+ROUTER_FIELDS = ("tau", "router", "accept_prob", "pattern")
 
 
 class UpdateError(ValueError):
@@ -44,6 +47,9 @@ class Update:
     seed: int | None = None
     reset: bool = False
     tau: float | None = None
+    router: str | None = None
+    accept_prob: float | None = None
+    pattern: tuple | str | None = None
 
     def __post_init__(self) -> None:
         if self.prompt is not None:
@@ -62,8 +68,28 @@ class Update:
             if isinstance(self.tau, bool) or not isinstance(self.tau, numbers.Real) or math.isnan(self.tau):
                 raise UpdateError(f"tau must be a number (inf / -inf allowed), got {self.tau!r}")
             object.__setattr__(self, "tau", float(self.tau))
-        if self.prompt is None and self.seed is None and not self.reset and self.tau is None:
-            raise UpdateError("an update changes nothing; give prompt=, seed=, reset=True or tau=")
+        if self.router is not None and self.router not in ROUTERS:
+            raise UpdateError(f"router {self.router!r} is not one of {', '.join(ROUTERS)}")
+        for name in ("accept_prob", "pattern"):  # each checked (and normalised) as the option is
+            value = getattr(self, name)
+            if value is None:
+                continue
+            from sdvg.options import GenerationOptions, OptionError
+
+            try:
+                object.__setattr__(self, name, getattr(GenerationOptions(**{name: value}), name))
+            except (OptionError, TypeError, ValueError) as exc:
+                raise UpdateError(str(exc)) from None
+        # (whether the router options fit together, e.g. router 'pattern' with a pattern, the session checks
+        # against its own: sdvg/live/session.py)
+        if self.prompt is None and self.seed is None and not self.reset and not self.router_changes:
+            raise UpdateError("an update changes nothing; give prompt=, seed=, reset=True, tau= or a router option "
+                              "(router=, accept_prob=, pattern=)")
+
+    @property
+    def router_changes(self) -> dict:
+        """The router options this update sets (tau and the others), by option name."""
+        return {name: getattr(self, name) for name in ROUTER_FIELDS if getattr(self, name) is not None}
 
     @property
     def restarts(self) -> bool:
@@ -72,9 +98,10 @@ class Update:
     def as_entry(self, block: int) -> dict:
         """The update in the prompt-schedule format (`parse_schedule` reads it back)."""
         entry: dict = {"block": block}
-        for name in ("prompt", "interp_blocks", "seed", "tau"):
-            if getattr(self, name) is not None:
-                entry[name] = getattr(self, name)
+        for name in ("prompt", "interp_blocks", "seed", *ROUTER_FIELDS):
+            value = getattr(self, name)
+            if value is not None:
+                entry[name] = "".join("1" if x else "0" for x in value) if name == "pattern" else value
         if self.reset:
             entry["reset"] = True
         return entry
@@ -90,14 +117,15 @@ class UpdateAck:
     update: Update
 
 
-_ENTRY_KEYS = ("block", "prompt", "interp_blocks", "seed", "reset", "tau")
+_ENTRY_KEYS = ("block", "prompt", "interp_blocks", "seed", "reset", "tau", "router", "accept_prob", "pattern")
 
 
 def parse_schedule(schedule) -> list[tuple[int, Update | str]]:
     """A prompt schedule -> [(block, first prompt)] + [(block, Update)], sorted by block (stable).
 
     `schedule` is a list of `(block, prompt)` pairs or of mappings with the keys `block` and any of
-    `prompt`, `interp_blocks`, `seed`, `reset`, `tau` (a live session's `stats["updates"]`), or a path
+    `prompt`, `interp_blocks`, `seed`, `reset`, `tau`, `router`, `accept_prob`, `pattern` (a live
+    session's `stats["updates"]`), or a path
     to a JSON/YAML file holding such a list. The first entry must be at block 0 with a prompt."""
     if isinstance(schedule, (str, Path)):
         schedule = _read_schedule_file(Path(schedule))
