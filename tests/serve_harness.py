@@ -60,9 +60,10 @@ async def recv_json(ws, timeout: float = TIMEOUT) -> dict:
 
 
 async def run_session(url: str, params: dict, fmt: str = "jpeg", superset: bool = False, session_id: str = "s1",
-                      token: str | None = None, on_frame=None) -> dict:
+                      token: str | None = None, on_frame=None, stop_on_field_error: bool = True) -> dict:
     """One session to `completed`: {'ready', 'frames' (decoded uint8 [H, W, 3] in order), 'texts', 'blocks'
-    (msgpack/raw block indices per frame)}."""
+    (msgpack/raw block indices per frame)}. An error naming a field ends it (refused parameters) unless
+    `stop_on_field_error` is False (a refused mid-stream update: the session goes on)."""
     import websockets
 
     q = f"?fmt={fmt}" + ("&sdvg=1" if superset else "") + (f"&token={token}" if token else "")
@@ -77,7 +78,7 @@ async def run_session(url: str, params: dict, fmt: str = "jpeg", superset: bool 
                 out["texts"].append(msg)
                 if msg.get("status") == "completed":
                     break
-                if msg.get("status") == "error" and "field" in msg and msg["field"] is not None:
+                if stop_on_field_error and msg.get("status") == "error" and msg.get("field") is not None:
                     break
                 continue
             if fmt == "jpeg":

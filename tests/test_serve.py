@@ -234,12 +234,15 @@ def test_live_prompt_and_tau_updates_are_acked_blended_and_replay_bitwise(server
         if count == 1:  # block 0's first frame: both updates go in while the session runs
             await ws.send(msgpack.packb({"prompt": "a cat on a piano", "interp_steps": 2, "request_id": "u1"}))
             await ws.send(msgpack.packb({"tau": 0.25, "request_id": "u2"}))
+            await ws.send(msgpack.packb({"router": "pattern"}))  # no pattern to go with it: refused, nothing changes
 
     out = asyncio.run(run_session(url, params(num_blocks=n_blocks), fmt="raw", superset=True, session_id="live1",
-                                  on_frame=on_frame))
+                                  on_frame=on_frame, stop_on_field_error=False))
     acks = {m["field"]: m for m in out["texts"] if m["status"] == "ack"}
     assert set(acks) == {"prompt", "tau"} and acks["prompt"]["request_id"] == "u1"
     assert 1 <= acks["prompt"]["block"] <= acks["tau"]["block"] < n_blocks
+    errors = [m for m in out["texts"] if m["status"] == "error"]
+    assert [e["field"] for e in errors] == ["router"] and "needs a decision pattern" in errors[0]["error"]
     stats = [m for m in out["texts"] if m["status"] == "stats"]
     assert [m["block"] for m in stats] == list(range(n_blocks))
 

@@ -117,8 +117,8 @@ class Engine:
 
     @staticmethod
     def update(generation, **changes) -> int:
-        """A live update (prompt=, interp_blocks=, tau=): the block it takes effect at (`UpdateAck.block`).
-        Only with live sessions."""
+        """A live update (prompt= with interp_blocks=; tau=, router=, accept_prob=, pattern=): the block it
+        takes effect at (`UpdateAck.block`). Only with live sessions."""
         return generation.update(**changes).block
 
     @staticmethod

@@ -81,7 +81,8 @@ GenerateParams = create_model("GenerateParams", __base__=KreaParams,
 
 class Update(BaseModel):
     """A mid-stream message (Krea's names: `action`, `prompt`, `interp_steps` / `interpolation_steps`,
-    `seed`, `image`, `strength`, `request_id`, `timestamp`; sdvg's: `tau`, actions pause / resume / ping)."""
+    `seed`, `image`, `strength`, `request_id`, `timestamp`; sdvg's: `tau`, `router`, `accept_prob`, `pattern`,
+    actions pause / resume / ping)."""
 
     model_config = _STRICT
     action: Literal["reset", "pause", "resume", "ping"] | None = None
@@ -94,6 +95,13 @@ class Update(BaseModel):
     request_id: str | None = Field(default=None, max_length=128)
     timestamp: float | None = None
     tau: float | None = None
+    router: str | None = Field(default=None, max_length=16)
+    accept_prob: float | None = None
+    pattern: str | None = Field(default=None, max_length=4096)
+
+
+# sdvg's router options over the socket (superset only): `session.update(**{name: value})`, each acked.
+ROUTER_UPDATES = ("tau", "router", "accept_prob", "pattern")
 
 
 def _first_error(exc: ValidationError) -> ProtocolError:
@@ -136,7 +144,8 @@ def parse_update(data: Any, prompt_limit: int = 2000) -> Update:
     if update.interp_steps is not None and update.interpolation_steps is not None:
         raise ProtocolError("interpolation_steps", "give interp_steps or interpolation_steps, not both")
     if not any(v is not None for k, v in update.model_dump().items() if k not in ("request_id", "timestamp")):
-        raise ProtocolError(None, "an update must carry at least one of action, prompt, seed, image, tau")
+        raise ProtocolError(None, "an update must carry at least one of action, prompt, seed, image, "
+                                  + ", ".join(ROUTER_UPDATES))
     return update
 
 
