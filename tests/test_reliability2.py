@@ -125,6 +125,17 @@ def test_a_second_run_on_any_output_is_refused_naming_the_holder(tmp_path, holde
     assert f"process {proc.pid}" in err and "another sdvg run is writing" in err
 
 
+def test_a_second_engine_build_into_a_held_folder_is_refused_before_any_export(tmp_path, holder, capsys):
+    from build_engines.__main__ import cli as build_engines
+
+    held = tmp_path / "engines"
+    proc = holder(held)
+    assert build_engines(["--preset", "tiny", "--format", "onnx", "--out", str(held)]) == 2
+    err = capsys.readouterr().err
+    assert f"process {proc.pid}" in err and "another sdvg run is writing" in err
+    assert not held.exists() or not any(held.iterdir())  # nothing exported
+
+
 def test_locks_are_reentrant_within_a_process_and_released(tmp_path):
     a = tmp_path / "a.mp4"
     with lock_outputs(a, tmp_path / "b.json"):
