@@ -190,6 +190,16 @@ def _read_file(path: Path) -> dict[str, torch.Tensor]:
     return obj
 
 
+def read_checked_files(files: list[Path]) -> dict[str, torch.Tensor]:
+    """The tensors of several weight files (the shards of a folder), each file checked as it is read."""
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        part = _read_file(f)
+        check_weights(part, f)
+        state.update(part)
+    return state
+
+
 def _read_sharded(index: Path) -> dict[str, torch.Tensor]:
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -241,11 +251,7 @@ def read_dit_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict
         if index:
             state = _read_sharded(index[0])
         elif files:
-            state = {}
-            for f in files:
-                part = _read_file(f)
-                check_weights(part, f)
-                state.update(part)
+            state = read_checked_files(files)
         else:
             raise CheckpointError(f"{folder} holds no .safetensors weights")
         state = _unwrap(state, str(path))

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from sdvg.models.checkpoints import CheckpointError, _read_file, _unwrap, check_weights, load_strict
+from sdvg.models.checkpoints import (CheckpointError, _read_file, _unwrap, check_weights, load_strict,
+                                     read_checked_files)
 from sdvg.config import VAE_DECODERS, VAEConfig
 from sdvg.models.device_constants import device_constant
 
@@ -95,11 +96,7 @@ def load_vae_weights(vae, path: str | Path) -> None:
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"{folder} holds no .safetensors VAE weights")
-        state = {}
-        for f in files:
-            part = _read_file(f)
-            check_weights(part, f)
-            state.update(part)
+        state = read_checked_files(files)
     else:
         state = _unwrap(_read_file(path), str(path))
         check_weights(state, path)
