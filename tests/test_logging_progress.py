@@ -44,10 +44,15 @@ def test_log_level_before_or_after_the_command(argv, capsys):
         assert cli.main(argv) == 0
         assert logger.level == logging.INFO
         logging.getLogger("sdvg.test").info("a record")
-        assert "INFO sdvg.test: a record" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "INFO sdvg.test: a record" in err and "Logging error" not in err
+        with capsys.disabled():  # another stream under sys.stderr: the handler follows it
+            pass
+        assert cli.main(argv) == 0
+        logging.getLogger("sdvg.test").info("again")
+        assert "INFO sdvg.test: again" in capsys.readouterr().err
     finally:
         logger.setLevel(level)
-        logger.handlers[:] = [h for h in logger.handlers if not getattr(h, "sdvg_cli", False)]
 
 
 def test_a_bad_log_level_is_refused_by_argparse(capsys):

@@ -247,7 +247,7 @@ def test_one_line_prompts_file_follows_the_prompts_file_rule(tmp_path):
     recs = [json.loads(x) for x in (tmp_path / "v.jsonl").read_text().splitlines()]  # JSON Lines, named .jsonl
     assert [r["prompt_index"] for r in recs] == [0]
     r = _cli(*args)
-    assert r.returncode == 0 and "wrote 0 video(s)" in r.stderr  # resumed: nothing left to do
+    assert r.returncode == 0 and "nothing to resume" in r.stderr  # resumed: nothing left to do (said before loading)
     r = _cli("generate", "--preset", "tiny", "--prompt", "x", "--prompts-file", str(pf))
     assert r.returncode != 0 and "either --prompt TEXT or --prompts-file FILE" in r.stderr
 

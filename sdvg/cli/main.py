@@ -3,6 +3,7 @@ turn its errors into the exit statuses the README promises."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from sdvg.cli import calibrate, calibrate_exit, config, generate, memory, serve, sweep, train_exit_head
@@ -40,15 +41,25 @@ LOG_LEVEL_ARGS = dict(choices=("debug", "info", "warning", "error", "critical"),
 def configure_logging(level: str) -> None:
     """The `sdvg` logger's records on stderr from `level` (the command line's choice; a library user
     configures logging as they like)."""
-    import logging
-
     logger = logging.getLogger("sdvg")
     logger.setLevel(level.upper())
-    if not any(getattr(h, "sdvg_cli", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):  # once per process
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        handler.sdvg_cli = True
         logger.addHandler(handler)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is when a record comes (a later `main` call, or a test's capture,
+    may have replaced the stream the first call saw)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:  # StreamHandler.__init__ sets it; the property always reads sys.stderr
+        pass
 
 
 def main(argv=None, load_pipeline: Loader | None = None) -> int:
