@@ -83,7 +83,8 @@ def run_missing(args, load_pipeline, prompts, opts, tau_values, draft: bool, lab
 
     out = Path(args.out)
     rank, world, _ = dist_env()
-    if not missing_pairs(out, prompts, tau_values, rank, world, draft):
+    pending = missing_pairs(out, prompts, tau_values, rank, world, draft)
+    if not pending:
         say(args, f"{label}every (prompt, method) pair of this configuration is in {out} already")
         return rank, world
     rank, world = place_for_torchrun(args)
@@ -91,7 +92,6 @@ def run_missing(args, load_pipeline, prompts, opts, tau_values, draft: bool, lab
     check_checkpoints(out, pipe.provenance())
     evaluator = load_evaluator(args.evaluator, pipe)
 
-    pending = missing_pairs(out, prompts, tau_values, rank, world, draft)
     videos = bar(args, sum(len(variants) for _, _, variants in pending), f"{label}sweep".strip(), "video")
 
     def progress(r):  # one line per (prompt, method) above the bar, which counts them with an ETA

@@ -35,6 +35,7 @@ _LATER_FIELDS = ("torch_version", "torch_trt_version")  # written only when set:
 
 log = logging.getLogger(__name__)
 
+
 class EngineCacheError(RuntimeError):
     """Base class: an engine cannot be used."""
 

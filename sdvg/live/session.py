@@ -70,8 +70,6 @@ def check_unbounded(opts: GenerationOptions) -> None:
 
 def _next_router(router: Router, update: Update) -> Router:
     """`router` with the update's router options, checked together as the options are (UpdateError)."""
-    from sdvg.options import GenerationOptions
-
     values = {"router": router.kind, "tau": router.tau, "accept_prob": router.accept_prob, "pattern": router.pattern}
     values.update(update.router_changes)
     try:

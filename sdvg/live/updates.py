@@ -9,7 +9,7 @@ import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
-from sdvg.options import MAX_INTERP_BLOCKS, ROUTERS, SEED_MAX
+from sdvg.options import MAX_INTERP_BLOCKS, ROUTERS, SEED_MAX, GenerationOptions, OptionError
 
 # The router's options a live update may change (from the acknowledged block on), tau first.
 ROUTER_FIELDS = ("tau", "router", "accept_prob", "pattern")
@@ -74,8 +74,6 @@ class Update:
             value = getattr(self, name)
             if value is None:
                 continue
-            from sdvg.options import GenerationOptions, OptionError
-
             try:
                 object.__setattr__(self, name, getattr(GenerationOptions(**{name: value}), name))
             except (OptionError, TypeError, ValueError) as exc:

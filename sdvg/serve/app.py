@@ -16,11 +16,12 @@ from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response
 
 from sdvg.generation.types import strict_json
+from sdvg.live.updates import ROUTER_FIELDS
 from sdvg.serve.config import ServeConfig
 from sdvg.serve.encode import FORMATS
 from sdvg.serve.engine import VIDEO_INPUT, Engine
 from sdvg.serve.metrics import ServeMetrics
-from sdvg.serve.protocol import ROUTER_UPDATES, ProtocolError, parse_params, parse_update
+from sdvg.serve.protocol import ProtocolError, parse_params, parse_update
 from sdvg.serve.security import RateLimit, token_matches, token_of, valid_session_id
 from sdvg.serve.sessions import Outbox, Session, SessionManager
 from sdvg.serve.uploads import IMAGE_KINDS, VIDEO_KINDS, UploadError, UploadStore, check_image, sniff
@@ -279,7 +280,7 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
         u = parse_update(obj, cfg.max_prompt_chars)
         if u.action in ("pause", "resume", "ping") and not session.superset:
             raise ProtocolError("action", f"{u.action!r} is sdvg's superset: connect with ?sdvg=1")
-        for name in ROUTER_UPDATES:
+        for name in ROUTER_FIELDS:
             if getattr(u, name) is not None and not session.superset:
                 raise ProtocolError(name, f"a live {name} is sdvg's superset: connect with ?sdvg=1")
         if u.action == "reset":  # Krea: a new generation with the same parameters (and a pending seed)
@@ -311,7 +312,7 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
             raise ProtocolError("image", f"webcam frames: video input {VIDEO_INPUT}")
         elif u.strength is not None:
             raise ProtocolError("strength", "applies to webcam `image` frames; send it with one")
-        router = {name: getattr(u, name) for name in ROUTER_UPDATES if getattr(u, name) is not None}
+        router = {name: getattr(u, name) for name in ROUTER_FIELDS if getattr(u, name) is not None}
         if router:  # one update (one ack, named by its first field): the options are checked together
             live["router"] = (next(iter(router)), router)
         for field, changes in live.values():

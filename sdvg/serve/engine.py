@@ -6,7 +6,7 @@ reference scheduler (bitwise the native scheduler's video): it runs on the calle
 each block as soon as it is final, so the one generation worker decides which session's next block
 runs (round-robin) and no two videos' stages ever run at once. (The native scheduler cannot serve
 here: threaded, its thread would run stages concurrently with other sessions'; unthreaded, it yields a
-video's blocks only when the whole video is done.) Mid-stream prompt and tau updates go to
+video's blocks only when the whole video is done.) Mid-stream prompt and router (tau, ...) updates go to
 `session.update(...)`, which acknowledges the block they take effect at; a pipeline without
 `session` (a stand-in) runs `pipe.run` and refuses live updates by field."""
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any, Iterator
 from sdvg.options import GenerationOptions, OptionError
 from sdvg.serve.protocol import KreaParams, ProtocolError, UPLOAD_ID, option_fields
 
-VIDEO_INPUT = ("is not built in sdvg yet (live sessions take prompt, seed, reset and tau updates; video-to-video "
-               "is planned, docs/live.md); send text-only sessions")
+VIDEO_INPUT = ("is not built in sdvg yet (live sessions take prompt, seed, reset and router updates; "
+               "video-to-video is planned, docs/live.md); send text-only sessions")
 
 
 @dataclass(frozen=True)

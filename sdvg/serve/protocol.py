@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+from sdvg.live.updates import ROUTER_FIELDS
 from sdvg.options import FIELDS, OPTION_NAMES
 
 UPLOAD_ID = re.compile(r"^up_[0-9a-f]{32}$")  # what POST /upload_* returns; nothing else names a file
@@ -100,10 +101,6 @@ class Update(BaseModel):
     pattern: str | None = Field(default=None, max_length=4096)
 
 
-# sdvg's router options over the socket (superset only): `session.update(**{name: value})`, each acked.
-ROUTER_UPDATES = ("tau", "router", "accept_prob", "pattern")
-
-
 def _first_error(exc: ValidationError) -> ProtocolError:
     err = exc.errors()[0]
     field = ".".join(str(p) for p in err["loc"]) or None
@@ -145,7 +142,7 @@ def parse_update(data: Any, prompt_limit: int = 2000) -> Update:
         raise ProtocolError("interpolation_steps", "give interp_steps or interpolation_steps, not both")
     if not any(v is not None for k, v in update.model_dump().items() if k not in ("request_id", "timestamp")):
         raise ProtocolError(None, "an update must carry at least one of action, prompt, seed, image, "
-                                  + ", ".join(ROUTER_UPDATES))
+                                  + ", ".join(ROUTER_FIELDS))
     return update
 
 
