@@ -332,8 +332,7 @@ class SpeculativeVideoPipeline:
     def session(self, prompt: str, num_blocks: int | None = None, **options) -> "LiveSession":
         """A live session (docs/live.md): iterate it for each `BlockRecord`; `session.update(prompt=...,
         interp_blocks=..., seed=..., reset=..., tau=..., router=..., accept_prob=..., pattern=...)` from any
-        thread takes effect at the block it
-        acknowledges; `session.close()` ends it. `num_blocks=None`: unbounded (a full-context role needs a
+        thread takes effect at the block it acknowledges; `session.close()` ends it. `num_blocks=None`: unbounded (a full-context role needs a
         window or the recompute context). The other keywords are those of `stream`."""
         from sdvg.live import LiveSession
 
