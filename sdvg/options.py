@@ -141,6 +141,9 @@ class MethodOptions:
                                  "(1: the new prompt at once; docs/live.md)", metavar="N")
     force_reject_after_switch: bool = _opt(True, "the first block under a new prompt (its first blend weight > 0) "
                                                  "comes from the target, as block 0 does (docs/live.md)")
+    strength: float = _opt(1.0, "video-to-video: how far the input video is noised before both roles denoise it, "
+                                "in (0, 1]; each role's steps start at strength * 1000 (Krea's rule; 1.0: pure "
+                                "noise, the input is ignored; docs/live.md)", metavar="S")
 
     def __post_init__(self) -> None:
         _check_fields(self, MethodOptions)
@@ -152,6 +155,11 @@ class MethodOptions:
             set_("num_blocks", _integer("num_blocks", self.num_blocks, low=1, cap=MAX_BLOCKS))
         set_("seed", _integer("seed", self.seed, low=0, high=SEED_MAX))
         set_("interp_blocks", _integer("interp_blocks", self.interp_blocks, low=1, high=MAX_INTERP_BLOCKS))
+        strength = _number("strength", self.strength)
+        if not 0.0 < strength <= 1.0:
+            raise OptionError(f"strength {strength} must lie in (0, 1]: 1.0 starts from pure noise, smaller values keep "
+                              "more of the input video (Krea's demo uses 0.6 to 0.9)")
+        set_("strength", strength)
         if self.kv_cache_frames is not None:
             set_("kv_cache_frames", _integer("kv_cache_frames", self.kv_cache_frames, low=1, cap=MAX_FRAMES))
         for name in ("window_frames", "sink_frames"):
@@ -507,6 +515,7 @@ _FROM_TEXT = {"tau": (float, "a number (e.g. -0.7, inf, -inf)"), "accept_prob": 
               "kv_cache_frames": (int, "an integer"), "window_frames": (int, "an integer"),
               "sink_frames": (int, "an integer"), "run_ahead_blocks": (int, "an integer"),
               "interp_blocks": (int, "an integer"),
+              "strength": (float, "a number"),
               "exit_eps": (float, "a number"), "exit_pattern_steps": (float, "a number"),
               "exit_thresholds": (str, "two numbers RED,STAB"), "exit_head": (str, "a path")}
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 from typing import Callable, Iterator
 
 import torch
@@ -32,7 +33,7 @@ from sdvg.models.components import Components, build_random, load_pretrained
 from sdvg.models.fingerprint import file_fingerprint, random_fingerprint
 from sdvg.models.hub import preset_for, resolve_components
 from sdvg.options import DEFAULTS as D
-from sdvg.options import OPTION_NAMES, SEED_MAX, GenerationOptions
+from sdvg.options import OPTION_NAMES, SEED_MAX, GenerationOptions, OptionError
 
 
 COMPONENT_ROLES = ("drafter", "target", "vae", "reward", "text_encoder")
@@ -329,23 +330,88 @@ class SpeculativeVideoPipeline:
         """The options with this pipeline's defaults filled in (num_blocks from the preset, backend)."""
         return options.resolved(self.preset, self.default_backend)
 
-    def session(self, prompt: str, num_blocks: int | None = None, **options) -> "LiveSession":
+    def session(self, prompt: str, num_blocks: int | None = None, input_video=None, input_frames: bool = False,
+                input_timeout_s: float = 30.0, **options) -> "LiveSession":
         """A live session (docs/live.md): iterate it for each `BlockRecord`; `session.update(prompt=...,
-        interp_blocks=..., seed=..., reset=..., tau=..., router=..., accept_prob=..., pattern=...)` from any
-        thread takes effect at the block it acknowledges; `session.close()` ends it. `num_blocks=None`: unbounded (a full-context role needs a
-        window or the recompute context). The other keywords are those of `stream`."""
+        interp_blocks=..., seed=..., reset=..., tau=..., router=..., accept_prob=..., pattern=...,
+        input_frames=...)` from any thread takes effect at the block it acknowledges; `session.close()` ends
+        it. `num_blocks=None`: unbounded (a full-context role needs a window or the recompute context).
+        Video-to-video: `input_video` (a file or uint8 frames, as `stream`'s), or `input_frames=True` for
+        frames pushed with `update(input_frames=...)`, each block waiting up to `input_timeout_s` for its
+        frames (the session ends when they do not come); `strength` sets how much of the input is kept.
+        The other keywords are those of `stream`."""
         from sdvg.live import LiveSession
 
         unknown = sorted(set(options) - set(OPTION_NAMES))
         if unknown:
             raise TypeError(f"session() got unknown keywords {unknown}; use the options of stream()")
-        return LiveSession(self, prompt, GenerationOptions(**options), num_blocks)
+        opts = GenerationOptions(**options)
+        if input_video is not None and input_frames:
+            raise ValueError("give input_video (a file or frames) or input_frames=True (frames pushed live), not both")
+        frames = None
+        if input_video is not None:
+            resolved, frames = self.input_clip(input_video, opts if num_blocks is None else
+                                               opts.replace(num_blocks=num_blocks))
+            num_blocks = resolved.num_blocks
+        elif not input_frames:
+            self.input_clip(None, opts)  # strength without an input is refused
+        return LiveSession(self, prompt, opts, num_blocks, input_video=frames, input_frames=input_frames,
+                           input_timeout_s=input_timeout_s)
+
+    def input_clip(self, input_video, options: GenerationOptions) -> tuple[GenerationOptions, object]:
+        """Video-to-video's input for a video of `options`: (resolved options, uint8 frames [N, H, W, 3] at the
+        model's 16 frames/s, or None without an input). `input_video` is a video file's path (read up to the
+        frames the video needs, resampled to 16 frames/s) or such frames already. A clip shorter than the
+        video: an explicit num_blocks is refused naming both counts; the preset's default shrinks to the
+        blocks the clip covers (Krea's rule). `strength` < 1 without an input is refused."""
+        import numpy as np
+
+        from sdvg.io import DEFAULT_FPS
+        from sdvg.io.video_input import VideoInputError, check_frames, read_video
+
+        opts = self.resolve(options)
+        if input_video is None:
+            if opts.strength != 1.0:
+                raise OptionError(f"strength {opts.strength} sets how much of an input video is kept; pass "
+                                  "input_video=... (API) or --input-video FILE (CLI), or leave strength at 1.0")
+            return opts, None
+        video, vae = self.preset.video, self.preset.vae
+        need = video.pixel_frames(vae, opts.num_blocks)
+        if isinstance(input_video, (str, os.PathLike)):
+            frames, what = read_video(input_video, need, DEFAULT_FPS), f"input video {os.fspath(input_video)}"
+        elif isinstance(input_video, (np.ndarray, torch.Tensor)):
+            frames, what = check_frames(input_video[:need], "input_video", max_frames=need), "input_video"
+        else:
+            raise TypeError(f"input_video must be a video file's path or uint8 frames [N, H, W, 3], got "
+                            f"{type(input_video).__name__}")
+        first, later = video.pixel_frames(vae, 1), vae.temporal_stride * video.frames_per_block
+        covered = 0 if len(frames) < first else 1 + (len(frames) - first) // later
+        if covered < opts.num_blocks:
+            fix = f"{what} gives {len(frames)} frames at {DEFAULT_FPS} frames/s, {covered} block(s) " \
+                  f"(block 0 takes {first}, each later one {later})"
+            if covered == 0 or options.num_blocks is not None:
+                raise VideoInputError(f"{fix}, but the video asks for {opts.num_blocks}; give a longer input or "
+                                      f"num_blocks={max(covered, 1)} or fewer")
+            opts = opts.replace(num_blocks=covered)
+        return opts, frames
+
+    def video_input(self, frames, options: GenerationOptions):
+        """A `VideoInput` over `frames` (from `input_clip`) for one video, or None."""
+        if frames is None:
+            return None
+        from sdvg.generation.video_input import ClipFrames, VideoInput
+        from sdvg.models.vae_encoder import StreamingVAEEncoder
+
+        v = self.preset.video
+        return VideoInput(ClipFrames(frames, v.height, v.width), StreamingVAEEncoder(self.components.vae.vae),
+                          v.frames_per_block)
 
     def run(self, prompt: str | None, options: GenerationOptions, threaded: bool = True,
-            prompt_schedule=None) -> BlockStream:
+            prompt_schedule=None, input_video=None) -> BlockStream:
         """The blocks of one video for explicit options (what `stream` and `__call__` call). A
         `prompt_schedule` (sdvg.live.parse_schedule's formats) replaces `prompt`: the video is a live
-        session fed those updates at those blocks (docs/live.md)."""
+        session fed those updates at those blocks (docs/live.md). `input_video` (a path or uint8 frames
+        [N, H, W, 3] at 16 frames/s) makes it video-to-video, noised to `strength` (`input_clip`)."""
         from sdvg.live.updates import ScheduledPrompt
 
         if prompt_schedule is None and isinstance(prompt, ScheduledPrompt):  # the CLI's --prompt-schedule
@@ -359,26 +425,32 @@ class SpeculativeVideoPipeline:
             schedule = parse_schedule(prompt_schedule)
             if not isinstance(options, GenerationOptions):
                 raise TypeError(f"options must be a sdvg.GenerationOptions, got {type(options).__name__}")
-            return LiveSession(self, schedule[0][1], options, self.resolve(options).num_blocks, schedule=schedule)
+            opts, frames = self.input_clip(input_video, options)
+            return LiveSession(self, schedule[0][1], options, opts.num_blocks, schedule=schedule, input_video=frames)
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
         if not isinstance(options, GenerationOptions):
             raise TypeError(f"options must be a sdvg.GenerationOptions, got {type(options).__name__}; "
                             "e.g. GenerationOptions(tau=-0.7, num_blocks=9)")
-        opts = self.resolve(options)
+        opts, frames = self.input_clip(input_video, options)
+        video_input = self.video_input(frames, opts)
         runners = self.runners(opts.backend)
         report = LoopReport()
         if opts.scheduler == "cpp":
             from sdvg.generation.native import generate_blocks_native
 
             blocks = generate_blocks_native(self.components, prompt, opts, report, runners=runners,
-                                            threaded=threaded, memory_budget_gib=self.memory_budget_gib)
+                                            threaded=threaded, memory_budget_gib=self.memory_budget_gib,
+                                            video_input=video_input)
         else:
             from sdvg.generation.reference import generate_blocks
 
             blocks = generate_blocks(self.components, prompt, opts, report, runners=runners,
-                                     memory_budget_gib=self.memory_budget_gib)
-        return BlockStream(blocks, RunStats(prompt, self.preset.name, opts, self.provenance()), report)
+                                     memory_budget_gib=self.memory_budget_gib, video_input=video_input)
+        stats = RunStats(prompt, self.preset.name, opts, self.provenance())
+        if frames is not None:
+            stats.extra["input_video"] = input_summary(input_video, frames)
+        return BlockStream(blocks, stats, report)
 
     def stream(self, prompt: str | None = None, *, mode: str = D.mode, tau: float = D.tau, num_blocks: int | None = D.num_blocks,
                seed: int = D.seed, router: str = D.router, accept_prob: float = D.accept_prob,
@@ -391,12 +463,13 @@ class SpeculativeVideoPipeline:
                exit_eps: float = D.exit_eps, exit_thresholds=D.exit_thresholds, exit_head: str | None = D.exit_head,
                exit_pattern_steps: float = D.exit_pattern_steps, vae_decoder: str | None = D.vae_decoder,
                interp_blocks: int = D.interp_blocks, force_reject_after_switch: bool = D.force_reject_after_switch,
+               strength: float = D.strength,
                # the run options (RunOptions): how it runs, never what video it gives
                skip_first_draft: bool = D.skip_first_draft, lazy_target_commit: bool = D.lazy_target_commit,
                score_emitted: bool = D.score_emitted, scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead,
                run_ahead_blocks: int = D.run_ahead_blocks, cuda_graphs: bool = D.cuda_graphs,
                fast_vae: bool = D.fast_vae, stage_timing: str = D.stage_timing,
-               backend: str | None = D.backend, prompt_schedule=None) -> BlockStream:
+               backend: str | None = D.backend, prompt_schedule=None, input_video=None) -> BlockStream:
         """Yield each block as soon as its frames are final; the returned stream's `.stats` is
         complete once it is exhausted. The keywords are the generation options
         (`sdvg.options.GenerationOptions`, whose field docs say what each does):
@@ -420,7 +493,7 @@ class SpeculativeVideoPipeline:
         (None: the preset's; docs/method.md). stage_timing: sync | events (no per-stage waits).
         backend: eager | compile | tensorrt | onnxruntime | torch-tensorrt (None: the pipeline's)."""
         options = _options(locals())
-        return self.run(prompt, options, prompt_schedule=prompt_schedule)
+        return self.run(prompt, options, prompt_schedule=prompt_schedule, input_video=input_video)
 
     def __call__(self, prompt: str | list[str] | None = None, *, mode: str = D.mode, tau: float = D.tau,
                  num_blocks: int | None = D.num_blocks, seed: int = D.seed, router: str = D.router,
@@ -433,12 +506,13 @@ class SpeculativeVideoPipeline:
                  exit_verifier: str = D.exit_verifier, exit_eps: float = D.exit_eps, exit_thresholds=D.exit_thresholds,
                  exit_head: str | None = D.exit_head, exit_pattern_steps: float = D.exit_pattern_steps,
                  vae_decoder: str | None = D.vae_decoder, interp_blocks: int = D.interp_blocks,
-                 force_reject_after_switch: bool = D.force_reject_after_switch,
+                 force_reject_after_switch: bool = D.force_reject_after_switch, strength: float = D.strength,
                  skip_first_draft: bool = D.skip_first_draft, lazy_target_commit: bool = D.lazy_target_commit,
                  score_emitted: bool = D.score_emitted, scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead,
                  run_ahead_blocks: int = D.run_ahead_blocks,
                  cuda_graphs: bool = D.cuda_graphs, fast_vae: bool = D.fast_vae, stage_timing: str = D.stage_timing,
-                 backend: str | None = D.backend, prompt_schedule=None, num_videos_per_prompt: int | None = 1,
+                 backend: str | None = D.backend, prompt_schedule=None, input_video=None,
+                 num_videos_per_prompt: int | None = 1,
                  generator: torch.Generator | list[torch.Generator] | None = None, output_type: str = "np",
                  return_dict: bool = True,
                  callback_on_block_end: Callable[["SpeculativeVideoPipeline", BlockRecord], None] | None = None):
@@ -463,7 +537,7 @@ class SpeculativeVideoPipeline:
         if output_type not in OUTPUT_TYPES:
             raise ValueError(f"unknown output_type {output_type!r}; choose one of {', '.join(OUTPUT_TYPES)}")
         prompts = [None] if prompt_schedule is not None and prompt is None else _prompt_list(prompt)
-        options = self.resolve(_options(locals()))  # every option checked before the first video
+        options, frames = self.input_clip(input_video, _options(locals()))  # all checked before the first video
         per_prompt = _videos_per_prompt(num_videos_per_prompt)
         batch = [p for p in prompts for _ in range(per_prompt)]
         seeds = _video_seeds(generator, options.seed, len(batch), len(prompts), per_prompt)
@@ -473,7 +547,9 @@ class SpeculativeVideoPipeline:
         with self._progress_bar(len(batch) * options.num_blocks) as bar:
             for p, s in zip(batch, seeds):
                 blocks, run_stats = self._video(p, options.replace(seed=s), callback_on_block_end, bar,
-                                                prompt_schedule)
+                                                prompt_schedule, frames)
+                if frames is not None:
+                    run_stats.extra["input_video"] = input_summary(input_video, frames)
                 videos.append(blocks)
                 stats.append(run_stats)
                 if self._interrupt:
@@ -482,7 +558,8 @@ class SpeculativeVideoPipeline:
         return out if return_dict else (out.frames,)
 
     def generate(self, prompt: str | None, options: GenerationOptions, output_type: str = "uint8",
-                 callback_on_block_end: Callable | None = None, prompt_schedule=None) -> VideoOutput:
+                 callback_on_block_end: Callable | None = None, prompt_schedule=None,
+                 input_video=None) -> VideoOutput:
         """One whole video for explicit options, unbatched: frames uint8 [F, H, W, 3] (or `output_type`'s
         frames of one video), latents [1, z, T, h, w], its RunStats and BlockRecords. The scheduler runs
         on this thread (nothing to stream)."""
@@ -490,7 +567,7 @@ class SpeculativeVideoPipeline:
             raise ValueError(f"unknown output_type {output_type!r}; choose one of {', '.join(OUTPUT_TYPES)}")
         check_callback(callback_on_block_end)
         self._interrupt = False
-        blocks, stats = self._video(prompt, options, callback_on_block_end, None, prompt_schedule)
+        blocks, stats = self._video(prompt, options, callback_on_block_end, None, prompt_schedule, input_video)
         if not blocks:
             return VideoOutput(frames=None, latents=None, stats=stats, blocks=blocks)
         frames = torch.cat([b.frames for b in blocks])
@@ -498,10 +575,10 @@ class SpeculativeVideoPipeline:
                            latents=torch.cat([b.latents for b in blocks], dim=2), stats=stats, blocks=blocks)
 
     def _video(self, prompt: str | None, options: GenerationOptions, callback, bar,
-               prompt_schedule=None) -> tuple[list[BlockRecord], RunStats]:
-        """The blocks of one video on this thread (`prompt_schedule`: see `run`); stops after a block when
-        `interrupt` was set."""
-        stream = self.run(prompt, options, threaded=False, prompt_schedule=prompt_schedule)
+               prompt_schedule=None, input_video=None) -> tuple[list[BlockRecord], RunStats]:
+        """The blocks of one video on this thread (`prompt_schedule`, `input_video`: see `run`); stops after a
+        block when `interrupt` was set."""
+        stream = self.run(prompt, options, threaded=False, prompt_schedule=prompt_schedule, input_video=input_video)
         blocks = []
         for block in stream:
             blocks.append(block)
@@ -540,6 +617,13 @@ class SpeculativeVideoPipeline:
 
         config = {"desc": "blocks", "unit": "block", **self._progress_bar_config}
         return tqdm(total=total, **config)
+
+
+def input_summary(input_video, frames) -> dict:
+    """What the stats record of a video-to-video input: its file (or that frames were given) and the frames read."""
+    source = os.fspath(input_video) if isinstance(input_video, (str, os.PathLike)) else "frames"
+    return {"source": source, "frames": int(len(frames)), "height": int(frames.shape[1]),
+            "width": int(frames.shape[2])}
 
 
 def check_callback(callback) -> None:

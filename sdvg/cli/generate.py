@@ -25,6 +25,9 @@ def add_parser(sub, config: dict | None) -> None:
     g.add_argument("--prompt-schedule", metavar="FILE",
                    help="a JSON/YAML list of {block, prompt, interp_blocks} replacing --prompt (docs/live.md)")
     g.add_argument("--prompts-file", help="one prompt per line (e.g. sdvg/data/MovieGenVideoBench.txt)")
+    g.add_argument("--input-video", metavar="FILE",
+                   help="video-to-video: the input video, resampled to 16 frames/s, scaled and centre-cropped to the "
+                        "preset's size, noised to --strength (docs/live.md)")
     g.add_argument("--offset", type=count(0), default=0, help="skip the first N prompts of --prompts-file")
     g.add_argument("--limit", type=count(0), default=0, help="at most N prompts (0 = all)")
     g.add_argument("--out", default="video.mp4", help="the MP4 (with --prompts-file: <stem>_<line>.mp4 per prompt)")
@@ -72,6 +75,7 @@ def run(args, load_pipeline) -> int:
     check_output_paths(**generate_outputs(stats_path, videos, args.timeline, args.exit_map, many))
     opts = options_from_args(args)
     outputs.warn_unused_exit_flags(args, opts)
+    _check_input_video(args, opts)
     if args.preset in PRESETS:  # the rules that need the preset (video length, windows), before any model loads
         from sdvg.config import get_preset
 
@@ -83,13 +87,25 @@ def run(args, load_pipeline) -> int:
         announce_protocol(args, pipe.preset, opts)
         maps: list = []
         stats = run_one(pipe, prompts[0], opts, out, progress=not args.quiet, fps=args.fps, crf=args.crf,
-                        on_block=outputs.exit_map_collector(args, maps))
+                        on_block=outputs.exit_map_collector(args, maps), input_video=args.input_video)
         stats.extra.update(record_fields(args.protocol, pipe.resolve(opts).as_dict()))
         write_text_atomic(stats_path, stats.to_json(indent=2))
         outputs.timeline(args, stats, 0, many=False)
         outputs.exit_map(args, stats, maps, 0, many=False)
         outputs.summary(stats, stats_path)
         return exit_code(stats)
+
+
+def _check_input_video(args, opts) -> None:
+    """--input-video and --strength, before any model loads: the file is there; strength needs an input."""
+    if args.input_video is None:
+        if opts.strength != 1.0:
+            raise ValueError(f"--strength {opts.strength} sets how much of an input video is kept; give "
+                             "--input-video FILE (or leave --strength at 1.0)")
+        return
+    if not Path(args.input_video).is_file():
+        raise ValueError(f"--input-video {args.input_video} does not exist or is not a file; give a video file "
+                         "(e.g. an MP4)")
 
 
 def _generate_many(args, load_pipeline, prompts: list[str], first: int, out: Path, stats_path: Path, opts) -> int:
@@ -122,7 +138,8 @@ def _generate_many(args, load_pipeline, prompts: list[str], first: int, out: Pat
                 continue
             maps: list = []
             stats = run_one(pipe, prompt, opts, video_path(out, i, True), progress=not args.quiet, fps=args.fps,
-                            crf=args.crf, on_block=outputs.exit_map_collector(args, maps), nested=True)
+                            crf=args.crf, on_block=outputs.exit_map_collector(args, maps), nested=True,
+                            input_video=args.input_video)
             stats.extra["prompt_index"] = i
             stats.extra.update(record_fields(args.protocol, resolved))
             stats.extra["prompt_sha256"] = prompt_sha256(prompt)

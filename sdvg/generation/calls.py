@@ -43,7 +43,7 @@ class StageCalls(_C.StageCalls):
     scheduler's hand-over) puts each finished `BlockRecord`."""
 
     def __init__(self, comps: Components, prompt: str, opts: GenerationOptions, setup, record_trace: bool = False,
-                 sink: queue.Queue | None = None):
+                 sink: queue.Queue | None = None, video_input=None):
         _C.StageCalls.__init__(self)
         self.comps, self.prompt, self.opts, self.setup, self.sink = comps, prompt, opts, setup, sink
         self.guard, self.frames_per_block = setup.guard, setup.frames_per_block
@@ -58,6 +58,9 @@ class StageCalls(_C.StageCalls):
         # live sessions (sdvg/live): block -> (role -> its text K/V, the prompt a score is judged against);
         # None: the video's one prompt (the text K/V `prepare` made)
         self.conditioning = None
+        # video-to-video (sdvg/generation/video_input.py): each block's encoded input frames, noised to the
+        # role's first sigma, replace its pure noise; None: text-to-video
+        self.video_input = video_input
 
     def _condition(self, model, block: int) -> None:
         """Give `model` block `block`'s text conditioning (a live session's frozen table entry)."""
@@ -96,11 +99,14 @@ class StageCalls(_C.StageCalls):
         return out
 
     def _noise(self, model, block: int) -> torch.Tensor:
-        """The block's noise (shared by both roles); under cuda_graphs its draws are copied ahead."""
+        """The block's first denoising input: its noise (shared by both roles), or under video-to-video
+        (1 - sigma_0) E(input_b) + sigma_0 noise_b; under cuda_graphs its draws are copied ahead."""
         noise = block_noise(self.setup.block_shape, self.opts.seed, block)
-        if not self.opts.cuda_graphs:
-            return noise
-        return copy_ahead(noise, self.opts.seed, block, model.schedule.num_steps, model.role, model.device)
+        if self.opts.cuda_graphs:
+            noise = copy_ahead(noise, self.opts.seed, block, model.schedule.num_steps, model.role, model.device)
+        if self.video_input is not None:
+            noise = self.video_input.noised(block, noise, model.schedule.sigmas[0], model.device)
+        return noise
 
     # ---------------------------------------------------------------- stages
     def draft(self, block: int) -> torch.Tensor:

@@ -53,7 +53,7 @@ def setup_scheduler_config(opts: GenerationOptions, setup):
 
 def generate_blocks_native(comps: Components, prompt: str, opts: GenerationOptions, report: LoopReport | None = None,
                            runners=None, threaded: bool = True,
-                           memory_budget_gib: float | None = None) -> Iterator[BlockRecord]:
+                           memory_budget_gib: float | None = None, video_input=None) -> Iterator[BlockRecord]:
     """Same contract as `reference.generate_blocks`, run by the native scheduler.
 
     threaded=True runs the scheduler on a worker thread and yields each block as it is emitted;
@@ -63,7 +63,7 @@ def generate_blocks_native(comps: Components, prompt: str, opts: GenerationOptio
     setup = prepare(comps, prompt, opts, forwards, slack_frames=setup_slack(comps, opts.run_ahead), runners=runners,
                     memory_budget_gib=memory_budget_gib)
     sink: queue.Queue = queue.Queue()
-    stages = StageCalls(comps, prompt, opts, setup, sink=sink)
+    stages = StageCalls(comps, prompt, opts, setup, sink=sink, video_input=video_input)
     sched = _C.Scheduler(
         setup_scheduler_config(opts, setup), stages,
         setup.drafter.cache if setup.drafter else None, setup.target.cache if setup.target else None,

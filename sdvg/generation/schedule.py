@@ -49,6 +49,31 @@ def table_sigma(t: float, shift: float) -> float:
     return sigmas[best]
 
 
+def strength_steps(steps: tuple[float, ...], strength: float) -> tuple[float, ...]:
+    """A step list started at `strength * 1000` (video-to-video), Krea's `v2v.get_denoising_schedule`:
+    `torch.linspace(strength * 1000, 0, n, dtype=float32).long()` for a list that is `linspace(1000, 0, n)`
+    (Krea's five steps). A list that is the first k entries of such a grid (Self-Forcing's 1000, 750, 500,
+    250: four of linspace(1000, 0, 5)) takes the first k of the scaled grid, so both roles start at the
+    same step. strength 1.0 gives `steps` back unchanged."""
+    if strength == 1.0:
+        return tuple(steps)
+    n = _grid_size(steps)
+    grid = torch.linspace(strength * NUM_TRAIN_TIMESTEPS, 0, n, dtype=torch.float32).to(torch.long)
+    return tuple(float(x) for x in grid[: len(steps)].tolist())
+
+
+def _grid_size(steps: tuple[float, ...]) -> int:
+    """n such that `steps` are the first entries of linspace(1000, 0, n) (ValueError when there is none)."""
+    if len(steps) >= 2 and steps[0] == NUM_TRAIN_TIMESTEPS and steps[0] > steps[1]:
+        n = NUM_TRAIN_TIMESTEPS / (steps[0] - steps[1]) + 1
+        if n == int(n) and int(n) >= len(steps):
+            grid = torch.linspace(NUM_TRAIN_TIMESTEPS, 0, int(n), dtype=torch.float32).tolist()
+            if list(map(float, steps)) == grid[: len(steps)]:
+                return int(n)
+    raise ValueError(f"video-to-video (strength < 1) scales a step list on the uniform grid from 1000 to 0, such as "
+                     f"(1000, 750, 500, 250); this preset's steps are {tuple(steps)}")
+
+
 @dataclass(frozen=True)
 class FlowSchedule:
     """The model calls of one block's denoising: the timestep each call sees and the sigma of its x0

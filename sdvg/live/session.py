@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass
 
 from sdvg.generation.routers import Router
+from sdvg.generation.video_input import InputEnded
 from sdvg.generation.types import LoopReport, RunStats
 from sdvg.live.conditioning import ConditioningTable, PromptBank
 from sdvg.live.updates import Update, UpdateAck, UpdateError, check_prompt
@@ -68,6 +69,23 @@ def check_unbounded(opts: GenerationOptions) -> None:
                               f"recompute context ({flag}) or a finite num_blocks")
 
 
+def _input_source(pipe, input_video, input_frames: bool, timeout_s):
+    """(the session's frame source or None, the wait per block): a clip's frames, or frames pushed live."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 3600:
+        raise OptionError(f"input_timeout_s {timeout_s!r} must be a number of seconds in (0, 3600]; a block waits "
+                          "that long for its pushed frames before the session ends")
+    if not isinstance(input_frames, bool):
+        raise OptionError(f"input_frames must be True or False, got {input_frames!r}")
+    from sdvg.generation.video_input import ClipFrames, LiveFrames
+
+    v = pipe.preset.video
+    if input_video is not None:
+        return ClipFrames(input_video, v.height, v.width), float(timeout_s)
+    if input_frames:
+        return LiveFrames(v.height, v.width), float(timeout_s)
+    return None, float(timeout_s)
+
+
 def _next_router(router: Router, update: Update) -> Router:
     """`router` with the update's router options, checked together as the options are (UpdateError)."""
     values = {"router": router.kind, "tau": router.tau, "accept_prob": router.accept_prob, "pattern": router.pattern}
@@ -83,7 +101,8 @@ class LiveSession:
     `close()` ends it (its `stats` are then final). `num_blocks=None`: unbounded."""
 
     def __init__(self, pipe, prompt: str, options: GenerationOptions, num_blocks: int | None = None,
-                 schedule: list | None = None):
+                 schedule: list | None = None, input_video=None, input_frames: bool = False,
+                 input_timeout_s: float = 30.0):
         check_prompt(prompt)
         if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int)
                                        or num_blocks < 1):
@@ -118,6 +137,11 @@ class LiveSession:
         self.stats = RunStats(prompt, pipe.preset.name, opts, pipe.provenance())
         self.stats.extra.update(live=True, num_blocks=num_blocks, updates=[], prompts=self.table.prompts)
         self.finished = False
+        self._source, self.input_timeout_s = _input_source(pipe, input_video, input_frames, input_timeout_s)
+        self._video = None  # the running segment's VideoInput
+        self.input_ended: str | None = None  # why the input ended the session (a live source's timeout)
+        if input_video is not None:
+            self.stats.extra["input_video"] = {"source": "frames", "frames": int(len(input_video))}
         for block, item in (schedule or [])[1:]:
             self._acknowledge(item, block)
         self._blocks = self._run()
@@ -125,11 +149,52 @@ class LiveSession:
     # ------------------------------------------------------------------ updates
     def update(self, prompt: str | None = None, interp_blocks: int | None = None, seed: int | None = None,
                reset: bool = False, tau: float | None = None, router: str | None = None,
-               accept_prob: float | None = None, pattern=None) -> UpdateAck:
+               accept_prob: float | None = None, pattern=None, input_frames=None) -> UpdateAck:
         """Change the session from the first block whose drafting has not started (`UpdateAck.block`).
-        `tau`, `router`, `accept_prob`, `pattern`: the router's options from then on. A bad value raises
-        `UpdateError` and changes nothing."""
-        return self._acknowledge(Update(prompt, interp_blocks, seed, reset, tau, router, accept_prob, pattern), None)
+        `tau`, `router`, `accept_prob`, `pattern`: the router's options from then on. `input_frames` (uint8
+        [N, H, W, 3], a session started with input_frames=True): queued for the blocks to come, in order; with
+        no other change the ack's block is the block that will read the first of them (`UpdateAck.frames`:
+        how many were queued). A bad value raises `UpdateError` and changes nothing."""
+        changes = (prompt, interp_blocks, seed, tau, router, accept_prob, pattern)
+        update = Update(prompt, interp_blocks, seed, reset, tau, router, accept_prob, pattern) \
+            if reset or any(v is not None for v in changes) or input_frames is None else None
+        if input_frames is None:
+            return self._acknowledge(update, None)
+        queued = self._push_frames(input_frames)
+        if update is None:
+            return UpdateAck(self._reading_block(queued), -1, None, frames=len(input_frames))
+        return dataclasses.replace(self._acknowledge(update, None), frames=len(input_frames))
+
+    def _push_frames(self, frames) -> int:
+        from sdvg.generation.video_input import LiveFrames
+        from sdvg.io.video_input import VideoInputError
+
+        if not isinstance(self._source, LiveFrames):
+            raise UpdateError("this session takes no pushed input frames; start it with pipe.session(..., "
+                              "input_frames=True) for live video-to-video")
+        if self._closed or self.input_ended:
+            raise RuntimeError("the session is closed; start a new one with pipe.session(...)")
+        try:
+            return self._source.push(frames)
+        except VideoInputError as exc:
+            raise UpdateError(str(exc)) from None
+
+    def _reading_block(self, queued_before: int) -> int:
+        """The session block that reads the first frame pushed after `queued_before` queued ones (FIFO; a
+        restart in between moves it)."""
+        with self._lock:
+            video, start, started = self._video, self._segment_start, self._started
+        b = 0 if video is None else video.next_block  # the segment block whose frames are taken next
+        g = started if video is None else start + b
+        left = queued_before
+        while left >= self._frames_needed(b):
+            left -= self._frames_needed(b)
+            b, g = b + 1, g + 1
+        return g
+
+    def _frames_needed(self, block: int) -> int:
+        v, vae = self.pipe.preset.video, self.pipe.preset.vae
+        return v.pixel_frames(vae, 1) if block == 0 else vae.temporal_stride * v.frames_per_block
 
     def _acknowledge(self, update: Update, block: int | None) -> UpdateAck:
         with self._lock:
@@ -152,14 +217,26 @@ class LiveSession:
         calls.conditioning = _SegmentConditioning(self.table, self._segment_start, setup)
 
     def begin(self, b: int) -> BlockStep:
-        """Before segment block b: apply the updates due, freeze its conditioning, count it started."""
+        """Before segment block b: apply the updates due, freeze its conditioning, count it started. Under
+        video-to-video the block's input frames are taken first (a live source is waited for, outside the
+        lock, so updates go on arriving; frames that do not come end the session)."""
         with self._lock:
             g = self._started
-            if self._closed or (self.limit is not None and g >= self.limit):
+            if self._stops(b, g):
+                return _STOP
+        if self._video is not None:
+            try:
+                self._video.fetch(b)
+            except InputEnded as exc:
+                if not self._closed:
+                    self.input_ended = str(exc)
+                return _STOP
+        with self._lock:
+            if self._stops(b, g):  # close() or a restart came while the frames were awaited
+                if self._video is not None:
+                    self._video.unread()
                 return _STOP
             due = [a for a in self._pending if a.block == g]
-            if b > 0 and any(a.update.restarts for a in due):
-                return _STOP  # the segment ends; the next one starts at g with the new seed
             restart = b == 0 and g > 0
             forced_by_update = False
             for a in due:
@@ -177,6 +254,13 @@ class LiveSession:
                                      "blend_weight": cond.weight, "forced_by_update": forced_by_update}
             last = self.limit is not None and g == self.limit - 1
             return BlockStep(False, last, forced_by_update, self._router)
+
+    def _stops(self, b: int, g: int) -> bool:
+        """(under the lock) Session block g (segment block b) is not produced: closed, past the last block,
+        or a restart is due there (the segment ends; the next one starts at g)."""
+        if self._closed or (self.limit is not None and g >= self.limit):
+            return True
+        return b > 0 and any(a.block == g and a.update.restarts for a in self._pending)
 
     # ------------------------------------------------------------------- blocks
     def _run(self):
@@ -198,11 +282,18 @@ class LiveSession:
             self._reports.append(report)
             self._records_live = {}
             opts = self.opts.replace(seed=self._seed)
+            if self._source is not None:
+                from sdvg.generation.video_input import VideoInput
+                from sdvg.models.vae_encoder import StreamingVAEEncoder
+
+                self._video = VideoInput(self._source, StreamingVAEEncoder(self.pipe.components.vae.vae),
+                                         self.pipe.preset.video.frames_per_block, self.input_timeout_s)
             for record in generate_blocks(self.pipe.components, prompt, opts, report, runners=self.runners,
-                                          memory_budget_gib=self.pipe.memory_budget_gib, plan=self):
+                                          memory_budget_gib=self.pipe.memory_budget_gib, plan=self,
+                                          video_input=self._video):
                 record.live = self._records_live.pop(record.index)
                 yield record
-            if self._closed or (self.limit is not None and self._started >= self.limit):
+            if self._closed or self.input_ended or (self.limit is not None and self._started >= self.limit):
                 break
 
     def __iter__(self) -> "LiveSession":
@@ -231,6 +322,8 @@ class LiveSession:
         block being produced (if any) is done. Returns the stats."""
         with self._lock:
             self._closed = True
+        if self._source is not None and hasattr(self._source, "close"):
+            self._source.close()  # a block waiting for pushed frames stops waiting
         if not self._running and not self.finished:
             self._blocks.close()
             self._finish(interrupted=self.limit is not None and self._started < self.limit)
@@ -253,6 +346,8 @@ class LiveSession:
             self.stats.trace = [span for r in done for span in r.trace]
         self.stats.extra.update(segments=self._segments + 1, prompt_encodes=self.table.bank.encodes,
                                 blocks_started=self._started)
+        if self.input_ended:
+            self.stats.extra["input_ended"] = self.input_ended
 
     def __enter__(self) -> "LiveSession":
         return self

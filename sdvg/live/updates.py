@@ -108,11 +108,13 @@ class Update:
 @dataclass(frozen=True)
 class UpdateAck:
     """An update accepted: it takes effect at session block `block` (the first block whose drafting had
-    not started when it arrived); `index` is its position in the session's update list."""
+    not started when it arrived); `index` is its position in the session's update list. Input frames alone:
+    `block` is the block that will read the first of them, `index` -1, `update` None."""
 
     block: int
-    index: int
-    update: Update
+    index: int  # -1: input frames only (not an entry of the update list)
+    update: Update | None
+    frames: int = 0  # input frames queued with it
 
 
 _ENTRY_KEYS = ("block", "prompt", "interp_blocks", "seed", "reset", "tau", "router", "accept_prob", "pattern")

@@ -1,0 +1,175 @@
+"""Video-to-video in the loop: each block's input frames, encoded by the streaming VAE encoder and noised to
+the schedule's first sigma, replace the block's pure noise for both roles (docs/live.md, "Video-to-video").
+
+Block b of a video takes `1 + 4 (F - 1)` pixel frames (b = 0) or `4 F` (b > 0) from its source, in order
+(`ClipFrames`: a file's frames; `LiveFrames`: frames pushed into a live session, waited for). The frames
+are encoded once per block (`VideoInput.latents`, under a lock: under run-ahead the drafter's lane may ask
+for block b + 1 while the target's lane still reads block b), and every role starts its denoising from
+
+    x_b = (1 - sigma_0) * E(frames_b) + sigma_0 * noise_b
+
+with noise_b the block noise both roles share and sigma_0 the role's first schedule sigma (both roles'
+schedules start at step `strength * 1000`, so with one shift they start from the same x_b and SDVG's rule
+holds: a rejected block is redone by the target from the drafter's very input). Krea (`release_server.py`,
+webcam and input-video paths) forms the same mix with `denoising_step_list[0] / 1000` (the table's
+timestep / 1000, within one float32 ulp of the table's sigma) in bfloat16."""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import numpy as np
+import torch
+
+from sdvg.io.video_input import check_frames, fit_frames
+
+
+class InputEnded(RuntimeError):
+    """The source has no more frames for the block (a clip's end, a closed or timed-out live source)."""
+
+
+class ClipFrames:
+    """A clip's frames (uint8 [N, H, W, 3], already at the model's frame rate), fitted per block."""
+
+    def __init__(self, frames: np.ndarray, height: int, width: int):
+        self.frames, self.height, self.width = frames, height, width
+        self.position = 0
+
+    def restart(self) -> None:
+        self.position = 0
+
+    def unread(self, frames: torch.Tensor) -> None:
+        self.position -= len(frames)
+
+    def take(self, count: int, timeout_s: float | None = None) -> torch.Tensor:
+        if self.position + count > len(self.frames):
+            raise InputEnded(f"the input video's {len(self.frames)} frames are used up")
+        out = fit_frames(self.frames[self.position:self.position + count], self.height, self.width)
+        self.position += count
+        return out
+
+
+class LiveFrames:
+    """Frames pushed into a live session (`push`, any thread), fitted on arrival and taken in order (FIFO:
+    every pushed frame is read by exactly one block, so a session fed the same frames gives the same video).
+    `take` waits up to `timeout_s` for the frames a block needs. Departure: Krea's webcam path takes all
+    frames queued at block time and resamples them to the count (`resample_array`), which drops or repeats
+    frames as the client's rate drifts and makes the video depend on timing."""
+
+    def __init__(self, height: int, width: int, max_queued: int = 4096):
+        self.height, self.width, self.max_queued = height, width, max_queued
+        self._frames: deque = deque()  # float32 [3, H, W] each
+        self._cond = threading.Condition()
+        self._closed = False
+        self.pushed = 0
+        self.taken = 0
+
+    def push(self, frames) -> int:
+        """Queue uint8 frames [N, H, W, 3] (checked, fitted); returns how many frames were queued before them."""
+        fitted = fit_frames(check_frames(frames), self.height, self.width)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the session's input has ended; start a new session")
+            if len(self._frames) + len(fitted) > self.max_queued:
+                from sdvg.io.video_input import VideoInputError
+
+                raise VideoInputError(f"{len(self._frames)} input frames are already queued (at most "
+                                      f"{self.max_queued}); push at the video's pace (16 frames/s)")
+            before = len(self._frames)
+            self._frames.extend(fitted.unbind(0))
+            self.pushed += len(fitted)
+            self._cond.notify_all()
+            return before
+
+    def queued(self) -> int:
+        with self._cond:
+            return len(self._frames)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def restart(self) -> None:
+        """A session restart reads on from the next queued frame."""
+
+    def unread(self, frames: torch.Tensor) -> None:
+        """Put taken frames [T, 3, H, W] back at the front of the queue (in order)."""
+        with self._cond:
+            self._frames.extendleft(reversed(frames.unbind(0)))
+            self.taken -= len(frames)
+            self._cond.notify_all()
+
+    def take(self, count: int, timeout_s: float | None = None) -> torch.Tensor:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while len(self._frames) < count:
+                if self._closed:
+                    raise InputEnded("the session's input was closed")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise InputEnded(f"the input frames of the next block ({count}; {len(self._frames)} queued) did "
+                                     f"not arrive within {timeout_s:g} s")
+                self._cond.wait(left)
+            out = torch.stack([self._frames.popleft() for _ in range(count)])
+            self.taken += count
+            return out
+
+
+class VideoInput:
+    """One video's input: block b's frames taken from `source` (in block order, once), encoded with the
+    streaming encoder's cache of this video, and mixed with the block noise (`noised`)."""
+
+    KEEP = 16  # encoded blocks kept behind the newest (the roles read a block within run_ahead_blocks of each other)
+
+    def __init__(self, source, encoder, frames_per_block: int, timeout_s: float | None = None):
+        self.source, self.encoder, self.frames_per_block, self.timeout_s = source, encoder, frames_per_block, timeout_s
+        self.cache = encoder.new_cache()
+        self._pixels: dict[int, torch.Tensor] = {}  # taken, not yet encoded
+        self._latents: dict[int, torch.Tensor] = {}
+        self._next = 0  # the next block whose frames are taken
+        self._lock = threading.Lock()
+        source.restart()
+
+    @property
+    def next_block(self) -> int:
+        """The first block whose frames are not taken yet."""
+        return self._next
+
+    def unread(self) -> None:
+        """Give the frames taken but not encoded back to the source (a segment that ends before using them)."""
+        with self._lock:
+            for b in sorted(self._pixels, reverse=True):
+                self.source.unread(self._pixels.pop(b))
+                self._next = b
+
+    def frames_needed(self, block: int) -> int:
+        s = self.encoder.temporal_stride
+        return 1 + s * (self.frames_per_block - 1) if block == 0 else s * self.frames_per_block
+
+    def fetch(self, block: int) -> None:
+        """Take the frames of every block up to `block` from the source (waiting for a live one); raises
+        `InputEnded` when they do not come."""
+        with self._lock:
+            while self._next <= block:
+                self._pixels[self._next] = self.source.take(self.frames_needed(self._next), self.timeout_s)
+                self._next += 1
+
+    def latents(self, block: int) -> torch.Tensor:
+        """E(frames_b): [1, z, F, h, w] float32 normalised, on the VAE's device (encoded once, in block order)."""
+        self.fetch(block)
+        with self._lock:
+            if block not in self._latents:
+                for b in sorted(k for k in self._pixels if k <= block):
+                    pixels = self._pixels.pop(b)  # [T, 3, H, W]
+                    self._latents[b] = self.encoder.encode(pixels.permute(1, 0, 2, 3)[None], self.cache)
+                newest = max(self._latents)
+                for b in [k for k in self._latents if k < newest - self.KEEP]:
+                    del self._latents[b]
+            return self._latents[block]
+
+    def noised(self, block: int, noise: torch.Tensor, sigma: float, device) -> torch.Tensor:
+        """(1 - sigma) * E(frames_b) + sigma * noise_b, float32 on `device`."""
+        e = self.latents(block).to(device)
+        return (1.0 - sigma) * e + sigma * noise.to(device)
