@@ -18,6 +18,8 @@ def documented(section: str) -> dict[str, str]:
 TOP, BLOCK, TRACE = documented("Top-level fields"), documented("Block fields"), documented("Trace entries")
 CLI_ONLY = {k for k, v in TOP.items() if v.startswith("CLI only")}
 LIVE_ONLY = {k for k, v in TOP.items() if v.startswith("Live only")}
+V2V_ONLY = {k for k, v in TOP.items() if v.startswith("Video-to-video only")}
+OPTIONAL = {"input_ended"}  # written only when it happened
 
 
 def _check(stats: dict, cli: bool = False):
@@ -25,6 +27,9 @@ def _check(stats: dict, cli: bool = False):
     want = set(TOP) if cli else set(TOP) - CLI_ONLY
     if not stats.get("live"):
         want -= LIVE_ONLY
+    if "input_video" not in stats:
+        want -= V2V_ONLY
+    want -= OPTIONAL - set(stats)
     if cli and "prompt_index" not in stats:
         want.discard("prompt_index")
     assert set(stats) == want
@@ -44,7 +49,7 @@ def _check(stats: dict, cli: bool = False):
 def test_complete_run_matches_the_doc(tiny_pipe, scheduler):
     stats = tiny_pipe(PROMPT, num_blocks=2, scheduler=scheduler, score_emitted=True).stats.as_dict()
     _check(stats)
-    assert stats["schema_version"] == 4 and stats["checkpoints"]["target"].startswith("random:tiny")
+    assert stats["schema_version"] == 5 and stats["checkpoints"]["target"].startswith("random:tiny")
 
 
 @pytest.mark.parametrize("scheduler", ["cpp", "reference"])
@@ -91,3 +96,19 @@ def test_live_session_matches_the_doc(tiny_pipe):
     _check(stats)
     assert stats["updates"] == [{"block": 1, "prompt": "an owl", "interp_blocks": 1}]
     assert set(stats["blocks"][1]["live"]) == {"block", "segment", "prompt_index", "blend_weight", "forced_by_update"}
+
+
+def test_video_to_video_runs_match_the_doc(tiny_pipe):
+    import numpy as np
+
+    frames = np.random.default_rng(0).integers(0, 256, size=(21, 40, 48, 3), dtype=np.uint8)
+    stats = tiny_pipe(PROMPT, num_blocks=2, scheduler="reference", input_video=frames, strength=0.7).stats[0].as_dict()
+    _check(stats)
+    assert stats["strength"] == 0.7 and stats["input_video"] == {"source": "frames", "frames": 21, "height": 40,
+                                                                 "width": 48}
+    session = tiny_pipe.session(PROMPT, num_blocks=2, scheduler="reference", input_frames=True, input_timeout_s=0.2)
+    session.update(input_frames=frames[:9])
+    assert len(list(session)) == 1
+    stats = session.stats.as_dict()
+    _check(stats)
+    assert "did not arrive" in stats["input_ended"] and stats["input_video"]["source"] == "live"

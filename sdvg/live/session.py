@@ -141,7 +141,8 @@ class LiveSession:
         self._video = None  # the running segment's VideoInput
         self.input_ended: str | None = None  # why the input ended the session (a live source's timeout)
         if input_video is not None:
-            self.stats.extra["input_video"] = {"source": "frames", "frames": int(len(input_video))}
+            self.stats.extra["input_video"] = {"source": "frames", "frames": int(len(input_video)),
+                                               "height": int(input_video.shape[1]), "width": int(input_video.shape[2])}
         for block, item in (schedule or [])[1:]:
             self._acknowledge(item, block)
         self._blocks = self._run()
@@ -348,6 +349,10 @@ class LiveSession:
                                 blocks_started=self._started)
         if self.input_ended:
             self.stats.extra["input_ended"] = self.input_ended
+        if input_frames_pushed := getattr(self._source, "pushed", None):
+            self.stats.extra["input_video"] = {"source": "live", "frames": int(input_frames_pushed),
+                                               "height": self.pipe.preset.video.height,
+                                               "width": self.pipe.preset.video.width}
 
     def __enter__(self) -> "LiveSession":
         return self
