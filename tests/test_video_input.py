@@ -239,3 +239,28 @@ def test_live_pushed_frames_equal_the_same_clip_and_a_missing_block_ends_the_ses
     with pytest.raises(UpdateError, match="input_frames=True"):
         text_only.update(input_frames=frames[:9])
     text_only.close()
+
+
+@pytest.mark.slow
+def test_cli_generate_with_an_input_video(tmp_path):
+    import json
+
+    import imageio_ffmpeg
+
+    from sdvg import cli
+
+    src = tmp_path / "in.mp4"
+    writer = imageio_ffmpeg.write_frames(str(src), (80, 48), fps=16, quality=None, output_params=["-crf", "0"],
+                                         macro_block_size=1)
+    writer.send(None)
+    for frame in _frames(21, 48, 80):
+        writer.send(frame.tobytes())
+    writer.close()
+    out = tmp_path / "v.mp4"
+    argv = ["generate", "--preset", "tiny", "--prompt", "a red fox", "--quiet", "--scheduler", "reference",
+            "--num-blocks", "2", "--out", str(out)]
+    assert cli.main(argv + ["--input-video", str(src), "--strength", "0.6"]) == 0
+    stats = json.loads(out.with_suffix(".json").read_text())
+    assert stats["strength"] == 0.6 and stats["input_video"]["frames"] == 21 and out.stat().st_size > 0
+    assert cli.main(argv + ["--strength", "0.6"]) == 2  # strength without an input: refused before loading
+    assert cli.main(argv + ["--input-video", str(tmp_path / "missing.mp4")]) == 2
