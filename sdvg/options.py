@@ -141,6 +141,10 @@ class MethodOptions:
                                  "(1: the new prompt at once; docs/live.md)", metavar="N")
     force_reject_after_switch: bool = _opt(True, "the first block under a new prompt (its first blend weight > 0) "
                                                  "comes from the target, as block 0 does (docs/live.md)")
+    recache: bool = _opt(True, "live sessions: when a block's text conditioning differs from the one before (a prompt "
+                               "switch, each blended block), a full-context role first recomputes the K/V of the "
+                               "frames it still sees under the new one, one t = 0 forward (LongLive's re-cache; "
+                               "docs/live.md, docs/cost-model.md)")
     strength: float = _opt(1.0, "video-to-video: how far the input video is noised before both roles denoise it, "
                                 "in (0, 1]; each role's steps start at strength * 1000 (Krea's rule; 1.0: pure "
                                 "noise, the input is ignored; docs/live.md)", metavar="S")

@@ -463,7 +463,7 @@ class SpeculativeVideoPipeline:
                exit_eps: float = D.exit_eps, exit_thresholds=D.exit_thresholds, exit_head: str | None = D.exit_head,
                exit_pattern_steps: float = D.exit_pattern_steps, vae_decoder: str | None = D.vae_decoder,
                interp_blocks: int = D.interp_blocks, force_reject_after_switch: bool = D.force_reject_after_switch,
-               strength: float = D.strength,
+               recache: bool = D.recache, strength: float = D.strength,
                # the run options (RunOptions): how it runs, never what video it gives
                skip_first_draft: bool = D.skip_first_draft, lazy_target_commit: bool = D.lazy_target_commit,
                score_emitted: bool = D.score_emitted, scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead,
@@ -506,7 +506,8 @@ class SpeculativeVideoPipeline:
                  exit_verifier: str = D.exit_verifier, exit_eps: float = D.exit_eps, exit_thresholds=D.exit_thresholds,
                  exit_head: str | None = D.exit_head, exit_pattern_steps: float = D.exit_pattern_steps,
                  vae_decoder: str | None = D.vae_decoder, interp_blocks: int = D.interp_blocks,
-                 force_reject_after_switch: bool = D.force_reject_after_switch, strength: float = D.strength,
+                 force_reject_after_switch: bool = D.force_reject_after_switch, recache: bool = D.recache,
+                 strength: float = D.strength,
                  skip_first_draft: bool = D.skip_first_draft, lazy_target_commit: bool = D.lazy_target_commit,
                  score_emitted: bool = D.score_emitted, scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead,
                  run_ahead_blocks: int = D.run_ahead_blocks,

@@ -95,7 +95,8 @@ def test_live_session_matches_the_doc(tiny_pipe):
     stats = session.stats.as_dict()
     _check(stats)
     assert stats["updates"] == [{"block": 1, "prompt": "an owl", "interp_blocks": 1}]
-    assert set(stats["blocks"][1]["live"]) == {"block", "segment", "prompt_index", "blend_weight", "forced_by_update"}
+    assert set(stats["blocks"][1]["live"]) == {"block", "segment", "prompt_index", "blend_weight", "forced_by_update",
+                                                 "recache_forwards"}
 
 
 def test_video_to_video_runs_match_the_doc(tiny_pipe):

@@ -63,9 +63,16 @@ class StageCalls(_C.StageCalls):
         self.video_input = video_input
 
     def _condition(self, model, block: int) -> None:
-        """Give `model` block `block`'s text conditioning (a live session's frozen table entry)."""
-        if self.conditioning is not None:
-            model.text_kv = self.conditioning.text_kv(block, model.role)
+        """Give `model` block `block`'s text conditioning (a live session's frozen table entry). When it differs
+        from the conditioning the model last ran under and `recache` is on, a full-context model first re-caches
+        its visible frames under the new one (`RoleModel.recache`, docs/live.md)."""
+        if self.conditioning is None:
+            return
+        key = self.conditioning.key(block)
+        changed = getattr(model, "text_key", None) not in (None, key)
+        model.text_kv, model.text_key = self.conditioning.text_kv(block, model.role), key
+        if changed and self.opts.recache and not model.context.recompute and model.committed_frames:
+            model.recache()
 
     def _score_prompt(self, block: int) -> str:
         return self.prompt if self.conditioning is None else self.conditioning.prompt(block)

@@ -51,6 +51,10 @@ class RoleModel:
         self.patch = tuple(dit.config.patch_size)
         self._clean_frames: dict[int, torch.Tensor] = {}
         self._context: list[torch.Tensor] = []
+        # re-cache on a switch (live sessions, full context): the clean latents of the committed frames a window
+        # can still see are kept (`keep_clean`), and `recache_forwards` counts the re-cache forwards made
+        self.keep_clean = exit_verifier is not None
+        self.recache_forwards = 0
 
     @property
     def committed_frames(self) -> int:
@@ -133,13 +137,57 @@ class RoleModel:
         if self.context.recompute:
             return list(self._context)
         committed = self.cache.committed_frames
-        visible = self.cache.visible_frames()
+        self._forget_clean_frames()
+        return [self._clean_frames[f] for f in self.cache.visible_frames() if f < committed and f in self._clean_frames]
+
+    def _forget_clean_frames(self) -> None:
+        """Drop the kept clean frames no window (nor a run-ahead rollback, 2 blocks) can see again."""
         window = self.context.window
-        if window.window_frames:  # forget frames no window (nor a run-ahead rollback, 2 blocks) can see again
-            reach = committed - window.window_frames - 2 * self.frames_per_block
+        if window.window_frames:
+            reach = self.cache.committed_frames - window.window_frames - 2 * self.frames_per_block
             for f in [f for f in self._clean_frames if f < reach and f >= window.sink_frames]:
                 del self._clean_frames[f]
-        return [self._clean_frames[f] for f in visible if f < committed and f in self._clean_frames]
+
+    # -------------------------------------------------------------- re-cache
+    def recache(self) -> None:
+        """Re-cache on a switch (LongLive's `_recache_after_switch`): one t = 0 forward over every committed frame
+        the cache still shows (sinks and window), each at its own position, block-causal among them (a frame
+        attends to the frames of its block and earlier ones), under the current text K/V; their K/V replace
+        the old ones in their slots. Full context only; a recompute context is rebuilt every block anyway."""
+        cache = self.cache
+        if self.context.recompute or cache.pending_frames:
+            raise RuntimeError(f"{self.role}: re-cache runs between blocks on a full context")
+        committed = cache.committed_frames
+        frames = [f for f in cache.visible_frames() if f < committed]
+        if not frames:
+            return
+        missing = [f for f in frames if f not in self._clean_frames]
+        if missing:
+            raise RuntimeError(f"{self.role}: re-cache needs the clean latents of frames {missing}, which were not kept")
+        dit, device, F = self.dit, self.device, self.frames_per_block
+        x = torch.cat([self._clean_frames[f].to(device) for f in frames], dim=2)  # [1, C, n, h, w]
+        n, (h, w) = len(frames), x.shape[-2:]
+        tpf = self.tokens_per_frame
+        runs = _runs(frames)  # contiguous frame ranges: each takes its own RoPE positions
+        tables = [dit.rope(start, length, h, w, device) for start, length in runs]
+        cos, sin = torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables])
+        blocks = torch.tensor([f // F for f in frames])
+        mask = None
+        if len(set(blocks.tolist())) > 1:
+            mask = (blocks[None, :] <= blocks[:, None]).repeat_interleave(tpf, 0).repeat_interleave(tpf, 1).to(device)
+        slots = torch.tensor(cache.visible_slots()[:n], dtype=torch.int64)
+        positions = (slots[:, None] * tpf + torch.arange(tpf)[None, :]).flatten().to(device)
+
+        def attend(layer, k, v):  # the frames' new K/V into their slots; attention among them only
+            from sdvg.models.kv_cache import write_positions
+
+            write_positions(cache, layer, k, v, positions)
+            return k, v, mask
+
+        t_freq = dit.timestep_freqs(torch.zeros((1, n), device=device))
+        dit.forward_with(x, t_freq, self.text_kv.keys, self.text_kv.values, cos, sin, attend)
+        self._count()
+        self.recache_forwards += 1
 
     def history_tokens(self, frames: list[torch.Tensor]) -> torch.Tensor:
         from sdvg.generation.early_exit.tokens import to_tokens
@@ -201,9 +249,22 @@ class RoleModel:
             t = torch.zeros((1, x.shape[2]), device=self.device)
             self.forward(x, t, frame0)
             self._count()
-            if self.exit_verifier is not None:  # the stability verifier's history
+            if self.keep_clean:  # the stability verifier's history; re-cache's input
                 for j, f in enumerate(latents.detach().float().split(1, dim=2)):
                     self._clean_frames[frame0 + j] = f
+                if self.exit_verifier is None:
+                    self._forget_clean_frames()
+
+
+def _runs(frames: list[int]) -> list[tuple[int, int]]:
+    """Ascending frame indices -> their contiguous runs as (start, length)."""
+    runs: list[list[int]] = []
+    for f in frames:
+        if runs and f == runs[-1][0] + runs[-1][1]:
+            runs[-1][1] += 1
+        else:
+            runs.append([f, 1])
+    return [(a, b) for a, b in runs]
 
 
 def context_mask(num_frames: int, frames_per_block: int, tokens_per_frame: int, device) -> torch.Tensor | None:

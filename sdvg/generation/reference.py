@@ -50,6 +50,8 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
     pending: list[tuple[int, torch.Tensor]] = []  # target commits not made yet (lazy_target_commit)
     if plan is not None:
         plan.attach(calls, setup)
+    # an unbounded session never reaches the last block, where held commits are dropped: it holds a few at most
+    held_limit = getattr(plan, "max_held_commits", None)
 
     def commit_target(upto: list) -> None:
         for block, x in upto:
@@ -115,6 +117,8 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
                 pending.append((b, x_b))
                 if not (opts.lazy_target_commit and accepted and opts.mode == "sdvg"):
                     commit_target(pending)
+                elif held_limit is not None and len(pending) > held_limit:
+                    commit_target([pending.pop(0)])  # the oldest, in order: the same cache, bitwise
         else:
             counters.skipped_target_commits += (target is not None) + len(pending)
             counters.skipped_drafter_commits += drafter is not None

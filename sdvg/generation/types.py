@@ -34,7 +34,8 @@ SCHEMA_VERSION = 5  # 2: early exit (the exit_* options, mean_steps, max_steps, 
 # 3: live sessions and prompt schedules (options interp_blocks, force_reject_after_switch; block `live`;
 #    top level `live`, `updates`, `prompts`, `segments`, `prompt_encodes`, `blocks_started` when live)
 # 4: `host` (thread settings, OpenMP wait policy, load average of the run's machine)
-# 5: video-to-video (option `strength`; top level `input_video`, and `input_ended` when live)
+# 5: video-to-video (option `strength`; top level `input_video`, and `input_ended` when live); re-cache (option
+#    `recache`; `recache_forwards` when live, block `live.recache_forwards`)
 
 
 def block_times(stage_seconds: Mapping[str, float]) -> dict[str, float]:

@@ -34,6 +34,7 @@ class BlockStep:
 
 
 _STOP = BlockStep(stop=True)
+MAX_HELD_COMMITS = 4  # an unbounded session's lazy target commits held back at most (bitwise the same video)
 
 
 class _SegmentConditioning:
@@ -48,6 +49,10 @@ class _SegmentConditioning:
 
     def prompt(self, block: int) -> str:
         return self.table.frozen[self.start + block].prompt
+
+    def key(self, block: int) -> tuple:
+        """Equal keys <=> equal conditioning (the text K/V is the same)."""
+        return self.table.frozen[self.start + block].key
 
 
 def unbounded_horizon(pipe, opts: GenerationOptions) -> int:
@@ -111,6 +116,9 @@ class LiveSession:
             raise OptionError("live sessions and prompt schedules run on the reference scheduler for now (the native "
                               "scheduler's updates are not built yet, docs/live.md); pass scheduler='reference'")
         self.pipe, self.limit = pipe, num_blocks
+        # lazy target commits the loop may hold (unbounded: a few, committed oldest first once past it; they
+        # would otherwise pile up while every block is accepted, one latent block each)
+        self.max_held_commits = MAX_HELD_COMMITS if num_blocks is None else None
         if num_blocks is None:
             opts = pipe.resolve(options.replace(num_blocks=1))
             check_unbounded(opts)
@@ -132,6 +140,8 @@ class LiveSession:
         self._router = Router.from_options(opts)  # the router of the blocks being started
         self._router_acked = self._router  # ... and after every acknowledged update (checked against it)
         self._segment_start, self._segments = 0, 0
+        self._models: list = []  # the running segment's role models (`attach`)
+        self._recache_forwards = 0
         self._reports: list[LoopReport] = []
         self._records_live: dict[int, dict] = {}
         self.stats = RunStats(prompt, pipe.preset.name, opts, pipe.provenance())
@@ -216,6 +226,10 @@ class LiveSession:
     # ------------------------------------------------------------ the loop's plan
     def attach(self, calls, setup) -> None:
         calls.conditioning = _SegmentConditioning(self.table, self._segment_start, setup)
+        self._models = [m for m in (setup.drafter, setup.target) if m is not None]
+        for m in self._models:  # re-cache reads the clean latents of the frames a full context still sees
+            if self.opts.recache and not m.context.recompute:
+                m.keep_clean = True
 
     def begin(self, b: int) -> BlockStep:
         """Before segment block b: apply the updates due, freeze its conditioning, count it started. Under
@@ -281,6 +295,7 @@ class LiveSession:
                 prompt = self.table._current.prompt if self._started else self.table.prompts[0]
             report = LoopReport()
             self._reports.append(report)
+            recached = 0  # re-cache forwards of this segment's models so far
             self._records_live = {}
             opts = self.opts.replace(seed=self._seed)
             if self._source is not None:
@@ -293,6 +308,9 @@ class LiveSession:
                                           memory_budget_gib=self.pipe.memory_budget_gib, plan=self,
                                           video_input=self._video):
                 record.live = self._records_live.pop(record.index)
+                made = sum(m.recache_forwards for m in self._models)
+                record.live["recache_forwards"], recached = made - recached, made
+                self._recache_forwards += record.live["recache_forwards"]
                 yield record
             if self._closed or self.input_ended or (self.limit is not None and self._started >= self.limit):
                 break
@@ -346,7 +364,7 @@ class LiveSession:
             self.stats.counters = total
             self.stats.trace = [span for r in done for span in r.trace]
         self.stats.extra.update(segments=self._segments + 1, prompt_encodes=self.table.bank.encodes,
-                                blocks_started=self._started)
+                                blocks_started=self._started, recache_forwards=self._recache_forwards)
         if self.input_ended:
             self.stats.extra["input_ended"] = self.input_ended
         if input_frames_pushed := getattr(self._source, "pushed", None):
