@@ -60,22 +60,22 @@ def test_live_memory_benchmark_small_run(tmp_path):
     # lazy target commits with every block accepted (no update forces the target): an unbounded session holds at most
     # MAX_HELD_COMMITS of them (committed oldest first past that); made at once none are held
     rc = live_memory.main(["--blocks", "12", "--warm", "6", "--out", str(tmp_path),
-                           "--configs", "windowed-full-no-updates,recompute-no-updates-eager"])
+                           "--configs", "recompute-no-updates,recompute-no-updates-eager"])
     data = json.loads((tmp_path / "results.json").read_text())
     assert rc == 0 and data["flat"] is True, [c["summary"]["reasons"] for c in data["configs"]]
     assert data["command"].startswith("python benchmarks/live_memory.py --blocks 12")
     assert {"date", "torch", "commit"} <= set(data["provenance"])
     lazy, eager = data["configs"]
-    assert [c["config"] for c in data["configs"]] == ["windowed-full-no-updates", "recompute-no-updates-eager"]
+    assert [c["config"] for c in data["configs"]] == ["recompute-no-updates", "recompute-no-updates-eager"]
     for c in data["configs"]:
         assert [r["block"] for r in c["blocks"]] == list(range(12)) and c["blocks_run"] == 12
         for role in ("drafter", "target"):  # each role's KV buffer: one allocation, the same bytes at every block
             assert len({r["kv"][role]["bytes"] for r in c["blocks"]}) == 1
         assert c["summary"]["kv_bytes"]["max_minus_min"] == 0
         assert c["summary"]["baseline_block"] == 6 and c["updates"] == 0
-    assert lazy["horizon"] == 340 and eager["horizon"] is None  # the RoPE table bounds a full-context session
-    assert lazy["summary"]["window_filled_block"] == 2  # a 6-frame window with 3 sinks: 9 frames after block 2
-    assert {r["kv"]["drafter"]["visible_frames"] for r in lazy["blocks"][2:]} == {9}
+    # (a windowed full context fills its RoPE tables (an LRU of 64) and kept clean frames over tens of blocks: the
+    # 300-block run covers it, results/live-memory-tiny)
+    assert lazy["horizon"] is None and eager["horizon"] is None  # recompute: no RoPE bound
     from sdvg.live.session import MAX_HELD_COMMITS
 
     assert [r["pending_target_commits"] for r in lazy["blocks"]] == [min(b, MAX_HELD_COMMITS) for b in range(12)]
@@ -84,5 +84,5 @@ def test_live_memory_benchmark_small_run(tmp_path):
     assert eager["summary"]["flat"], eager["summary"]["reasons"]
     assert eager["summary"]["tensors"]["max_minus_min"] == 0
     md = (tmp_path / "summary.md").read_text()
-    assert "| windowed-full-no-updates | 12 | 6 |" in md and "| recompute-no-updates-eager | 12 | 6 |" in md
+    assert "| recompute-no-updates | 12 | 6 |" in md and "| recompute-no-updates-eager | 12 | 6 |" in md
     assert "Verdict: flat (2 of 2 configs flat)" in md
