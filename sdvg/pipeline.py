@@ -331,15 +331,17 @@ class SpeculativeVideoPipeline:
         return options.resolved(self.preset, self.default_backend)
 
     def session(self, prompt: str, num_blocks: int | None = None, input_video=None, input_frames: bool = False,
-                input_timeout_s: float = 30.0, **options) -> "LiveSession":
+                input_timeout_s: float = 30.0, input_queue_frames: int = 1024, input_drop_oldest: bool = False,
+                **options) -> "LiveSession":
         """A live session (docs/live.md): iterate it for each `BlockRecord`; `session.update(prompt=...,
         interp_blocks=..., seed=..., reset=..., tau=..., router=..., accept_prob=..., pattern=...,
         input_frames=...)` from any thread takes effect at the block it acknowledges; `session.close()` ends
         it. `num_blocks=None`: unbounded (a full-context role needs a window or the recompute context).
         Video-to-video: `input_video` (a file or uint8 frames, as `stream`'s), or `input_frames=True` for
         frames pushed with `update(input_frames=...)`, each block waiting up to `input_timeout_s` for its
-        frames (the session ends when they do not come); `strength` sets how much of the input is kept.
-        The other keywords are those of `stream`."""
+        frames (the session ends when they do not come), at most `input_queue_frames` waiting (one more is
+        refused, or with `input_drop_oldest` the oldest queued frame makes room); `strength` sets how much of
+        the input is kept. The other keywords are those of `stream`."""
         from sdvg.live import LiveSession
 
         unknown = sorted(set(options) - set(OPTION_NAMES))
@@ -356,14 +358,17 @@ class SpeculativeVideoPipeline:
         elif not input_frames:
             self.input_clip(None, opts)  # strength without an input is refused
         return LiveSession(self, prompt, opts, num_blocks, input_video=frames, input_frames=input_frames,
-                           input_timeout_s=input_timeout_s)
+                           input_timeout_s=input_timeout_s, input_queue_frames=input_queue_frames,
+                           input_drop_oldest=input_drop_oldest)
 
-    def input_clip(self, input_video, options: GenerationOptions) -> tuple[GenerationOptions, object]:
+    def input_clip(self, input_video, options: GenerationOptions,
+                   fit_blocks: bool = False) -> tuple[GenerationOptions, object]:
         """Video-to-video's input for a video of `options`: (resolved options, uint8 frames [N, H, W, 3] at the
         model's 16 frames/s, or None without an input). `input_video` is a video file's path (read up to the
         frames the video needs, resampled to 16 frames/s) or such frames already. A clip shorter than the
-        video: an explicit num_blocks is refused naming both counts; the preset's default shrinks to the
-        blocks the clip covers (Krea's rule). `strength` < 1 without an input is refused."""
+        video: an explicit num_blocks is refused naming both counts (with `fit_blocks` it shrinks too, as Krea's
+        server does); the preset's default shrinks to the blocks the clip covers (Krea's rule). `strength` < 1
+        without an input is refused."""
         import numpy as np
 
         from sdvg.io import DEFAULT_FPS
@@ -389,7 +394,7 @@ class SpeculativeVideoPipeline:
         if covered < opts.num_blocks:
             fix = f"{what} gives {len(frames)} frames at {DEFAULT_FPS} frames/s, {covered} block(s) " \
                   f"(block 0 takes {first}, each later one {later})"
-            if covered == 0 or options.num_blocks is not None:
+            if covered == 0 or (options.num_blocks is not None and not fit_blocks):
                 raise VideoInputError(f"{fix}, but the video asks for {opts.num_blocks}; give a longer input or "
                                       f"num_blocks={max(covered, 1)} or fewer")
             opts = opts.replace(num_blocks=covered)

@@ -168,7 +168,7 @@ def test_hostile_messages_get_errors_and_the_server_carries_on(server):
                         msgpack.packb({"prompt": "x", "exit_head": "/etc/shadow"}),
                         msgpack.packb({"prompt": "x", "tau": "high"}),
                         msgpack.packb({"prompt": "x", "mode": "turbo"}),
-                        msgpack.packb({"prompt": "x", "webcam_mode": True})):
+                        msgpack.packb({"prompt": "x", "strength": 0.5})):
                 await ws.send(bad)
                 errors.append(await recv_json(ws, 30))
             await ws.send("a text frame")
@@ -191,7 +191,7 @@ def test_hostile_messages_get_errors_and_the_server_carries_on(server):
     assert all(e["status"] == "error" for e in errors)
     assert fields == [None, None, "bogus", "prompt", "num_blocks", "input_video", "input_video", "start_frame",
                       "input_video", "width", "num_denoising_steps", "scheduler", "exit_head", "tau", "mode",
-                      "webcam_mode", None]
+                      "strength", None]
     assert "never opens a path or URL" in errors[5]["error"]
     assert got == 9
 
@@ -216,7 +216,7 @@ def test_updates_sdvg_cannot_take_are_refused_by_field_and_krea_rules_hold(serve
             return replies
 
     r = asyncio.run(go())
-    assert r[0]["status"] == "error" and r[0]["field"] == "image" and "video input" in r[0]["error"]
+    assert r[0]["status"] == "error" and r[0]["field"] == "image" and "webcam_mode: true" in r[0]["error"]
     assert r[1] == {"status": "ack", "field": "seed", "block": None, "request_id": None, "effective": "next reset"}
     assert r[2]["status"] == "pong" and r[2]["request_id"] == "p"
     assert r[3]["status"] == "error" and r[3]["field"] == "interp_steps"  # a blend without a new prompt
@@ -471,3 +471,63 @@ def test_pause_holds_the_session_and_resume_finishes_it(server, refs):
     paused_frames, frames = asyncio.run(go())
     assert paused_frames in (0, 9)  # at most the block in progress when the pause arrived
     assert frames == len(refs[5]["frames"])
+
+
+def _jpegs(n: int, seed: int = 0) -> list[bytes]:
+    import io
+
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, size=(48, 80, 3), dtype=np.uint8)).save(buf, format="JPEG", quality=90)
+        out.append(buf.getvalue())
+    return out
+
+
+def test_webcam_frames_drive_a_video_to_video_session_without_stalling_others(server, tiny_pipe):
+    """Krea's webcam mode: `image` messages feed a live video-to-video session (strength 0.6). While it waits for
+    frames another socket's session completes; then the frames arrive and the webcam session's raw frames equal,
+    bitwise, `pipe.session` fed the same decoded frames."""
+    from serve_harness import decode_jpeg
+
+    url, _ = server
+    jpegs = _jpegs(21)
+
+    async def go():
+        async with websockets.connect(f"ws://{url}/session/cam1?fmt=raw&sdvg=1", max_size=2**26) as ws:
+            await recv_json(ws, 30)
+            await ws.send(msgpack.packb(params(num_blocks=2, webcam_mode=True, strength=0.6)))
+            assert (await recv_json(ws, 30))["status"] == "params"
+            other = await run_session(url, params(num_blocks=1), session_id="notcam")  # not held up by cam1
+            for data in jpegs[:5]:
+                await ws.send(msgpack.packb({"image": data, "strength": 0.6}))
+            frames, texts = [], []
+            sent = 5
+            while True:
+                m = await asyncio.wait_for(ws.recv(), TIMEOUT) if sent == 21 else None
+                if m is None:  # the rest, one by one (each queued in order, read first in first out)
+                    await ws.send(msgpack.packb({"image": jpegs[sent]}))
+                    sent += 1
+                    continue
+                if isinstance(m, bytes):
+                    item = msgpack.unpackb(m)
+                    frames.append(np.frombuffer(item["image"], np.uint8).reshape(item["shape"]))
+                    continue
+                msg = json.loads(m)
+                texts.append(msg)
+                if msg["status"] in ("completed", "error"):
+                    break
+            return other, frames, texts
+
+    other, frames, texts = asyncio.run(go())
+    assert any(t.get("status") == "completed" for t in other["texts"]) and len(other["frames"]) == 9
+    assert texts[-1]["status"] == "completed", texts
+    assert not [t for t in texts if t["status"] == "ack"]  # webcam frames are not acknowledged
+    session = tiny_pipe.session(PROMPT, num_blocks=2, seed=5, kv_cache_frames=3, keep_first_frame=False,
+                                scheduler="reference", input_frames=True, strength=0.6)
+    session.update(input_frames=np.stack([decode_jpeg(j) for j in jpegs]))
+    want = np.concatenate([b.frames.numpy() for b in session])
+    assert np.array_equal(np.stack(frames), want)

@@ -44,6 +44,10 @@ class FakeEngine:
     def close(generation):
         generation.close()
 
+    @staticmethod
+    def input_ready(generation):  # no webcam input: every block can run
+        return True
+
 
 def test_worker_takes_turns_round_robin(tmp_path):
     engine = FakeEngine(blocks=3)

@@ -148,6 +148,18 @@ def test_live_frames_are_taken_in_order_and_a_wait_times_out():
     live.close()
     with pytest.raises(InputEnded, match="closed"):
         live.take(1, timeout_s=5)
+    full = LiveFrames(16, 16, max_queued=12)
+    full.push(np.zeros((12, 16, 16, 3), dtype=np.uint8))
+    with pytest.raises(VideoInputError, match="12 input frames are already queued"):
+        full.push(np.zeros((1, 16, 16, 3), dtype=np.uint8))
+    dropping = LiveFrames(16, 16, max_queued=12, drop_oldest=True)
+    dropping.push(np.zeros((10, 16, 16, 3), dtype=np.uint8))
+    dropping.push(np.full((5, 16, 16, 3), 255, dtype=np.uint8))  # 3 oldest make room
+    assert dropping.dropped == 3 and dropping.queued() == 12
+    x = dropping.take(9)
+    assert x[:7].max() == -1 and x[7:].min() == 1
+    dropping.unread(9)  # given back, in order
+    assert torch.equal(dropping.take(9), x)
     clip = ClipFrames(np.zeros((10, 16, 16, 3), dtype=np.uint8), 16, 16)
     clip.take(9)
     with pytest.raises(InputEnded, match="10 frames are used up"):

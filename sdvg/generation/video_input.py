@@ -39,8 +39,9 @@ class ClipFrames:
     def restart(self) -> None:
         self.position = 0
 
-    def unread(self, frames: torch.Tensor) -> None:
-        self.position -= len(frames)
+    def unread(self, count: int) -> None:
+        """Give the last `count` taken frames back."""
+        self.position -= count
 
     def take(self, count: int, timeout_s: float | None = None) -> torch.Tensor:
         if self.position + count > len(self.frames):
@@ -51,34 +52,44 @@ class ClipFrames:
 
 
 class LiveFrames:
-    """Frames pushed into a live session (`push`, any thread), fitted on arrival and taken in order (FIFO:
-    every pushed frame is read by exactly one block, so a session fed the same frames gives the same video).
-    `take` waits up to `timeout_s` for the frames a block needs. Departure: Krea's webcam path takes all
-    frames queued at block time and resamples them to the count (`resample_array`), which drops or repeats
-    frames as the client's rate drifts and makes the video depend on timing."""
+    """Frames pushed into a live session (`push`, any thread), checked on arrival, kept as uint8 and fitted when
+    a block takes them, in order (FIFO: every pushed frame is read by exactly one block, so a session fed the same
+    frames gives the same video). `take` waits up to `timeout_s` for the frames a block needs. At most
+    `max_queued` frames wait: one more is refused (`VideoInputError`), or with `drop_oldest` the oldest queued
+    frame makes room (counted in `dropped`; the server's webcam policy, so a client faster than the generation
+    loses its oldest frames, not the session). Departure: Krea's webcam path takes every frame queued at block
+    time and resamples them to the count (`resample_array`), which drops or repeats frames as the client's rate
+    drifts and makes the video depend on timing."""
 
-    def __init__(self, height: int, width: int, max_queued: int = 4096):
-        self.height, self.width, self.max_queued = height, width, max_queued
-        self._frames: deque = deque()  # float32 [3, H, W] each
+    def __init__(self, height: int, width: int, max_queued: int = 1024, drop_oldest: bool = False):
+        self.height, self.width, self.max_queued, self.drop_oldest = height, width, max_queued, drop_oldest
+        self._frames: deque = deque()  # uint8 [H, W, 3] each (a block's frames are fitted when taken)
         self._cond = threading.Condition()
         self._closed = False
         self.pushed = 0
         self.taken = 0
+        self.dropped = 0
+        self._recent: deque = deque(maxlen=64)  # the last frames taken (a segment that ends gives them back)
 
     def push(self, frames) -> int:
-        """Queue uint8 frames [N, H, W, 3] (checked, fitted); returns how many frames were queued before them."""
-        fitted = fit_frames(check_frames(frames), self.height, self.width)
+        """Queue uint8 frames [N, H, W, 3] (checked); returns how many frames were queued before them."""
+        frames = check_frames(frames)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the session's input has ended; start a new session")
-            if len(self._frames) + len(fitted) > self.max_queued:
+            room = self.max_queued - len(self._frames)
+            if len(frames) > room and not self.drop_oldest:
                 from sdvg.io.video_input import VideoInputError
 
                 raise VideoInputError(f"{len(self._frames)} input frames are already queued (at most "
                                       f"{self.max_queued}); push at the video's pace (16 frames/s)")
+            frames = frames[-self.max_queued:]
+            while len(self._frames) + len(frames) > self.max_queued:
+                self._frames.popleft()
+                self.dropped += 1
             before = len(self._frames)
-            self._frames.extend(fitted.unbind(0))
-            self.pushed += len(fitted)
+            self._frames.extend(frames)
+            self.pushed += len(frames)
             self._cond.notify_all()
             return before
 
@@ -94,11 +105,12 @@ class LiveFrames:
     def restart(self) -> None:
         """A session restart reads on from the next queued frame."""
 
-    def unread(self, frames: torch.Tensor) -> None:
-        """Put taken frames [T, 3, H, W] back at the front of the queue (in order)."""
+    def unread(self, count: int) -> None:
+        """Put the last `count` taken frames back at the front of the queue, in order."""
         with self._cond:
-            self._frames.extendleft(reversed(frames.unbind(0)))
-            self.taken -= len(frames)
+            for _ in range(count):
+                self._frames.appendleft(self._recent.pop())
+            self.taken -= count
             self._cond.notify_all()
 
     def take(self, count: int, timeout_s: float | None = None) -> torch.Tensor:
@@ -112,9 +124,10 @@ class LiveFrames:
                     raise InputEnded(f"the input frames of the next block ({count}; {len(self._frames)} queued) did "
                                      f"not arrive within {timeout_s:g} s")
                 self._cond.wait(left)
-            out = torch.stack([self._frames.popleft() for _ in range(count)])
+            taken = [self._frames.popleft() for _ in range(count)]
+            self._recent.extend(taken)
             self.taken += count
-            return out
+        return fit_frames(np.stack(taken), self.height, self.width)
 
 
 class VideoInput:
@@ -141,7 +154,7 @@ class VideoInput:
         """Give the frames taken but not encoded back to the source (a segment that ends before using them)."""
         with self._lock:
             for b in sorted(self._pixels, reverse=True):
-                self.source.unread(self._pixels.pop(b))
+                self.source.unread(len(self._pixels.pop(b)))
                 self._next = b
 
     def frames_needed(self, block: int) -> int:

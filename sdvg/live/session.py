@@ -74,8 +74,10 @@ def check_unbounded(opts: GenerationOptions) -> None:
                               f"recompute context ({flag}) or a finite num_blocks")
 
 
-def _input_source(pipe, input_video, input_frames: bool, timeout_s):
-    """(the session's frame source or None, the wait per block): a clip's frames, or frames pushed live."""
+def _input_source(pipe, input_video, input_frames: bool, timeout_s, queue_frames: int = 1024,
+                  drop_oldest: bool = False):
+    """(the session's frame source or None, the wait per block): a clip's frames, or frames pushed live (at most
+    `queue_frames` waiting; one more is refused, or with `drop_oldest` the oldest makes room)."""
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 3600:
         raise OptionError(f"input_timeout_s {timeout_s!r} must be a number of seconds in (0, 3600]; a block waits "
                           "that long for its pushed frames before the session ends")
@@ -87,7 +89,9 @@ def _input_source(pipe, input_video, input_frames: bool, timeout_s):
     if input_video is not None:
         return ClipFrames(input_video, v.height, v.width), float(timeout_s)
     if input_frames:
-        return LiveFrames(v.height, v.width), float(timeout_s)
+        if isinstance(queue_frames, bool) or not isinstance(queue_frames, int) or queue_frames < 12:
+            raise OptionError(f"input_queue_frames {queue_frames!r} must be an integer >= 12 (a block reads 12 frames)")
+        return LiveFrames(v.height, v.width, queue_frames, bool(drop_oldest)), float(timeout_s)
     return None, float(timeout_s)
 
 
@@ -107,7 +111,7 @@ class LiveSession:
 
     def __init__(self, pipe, prompt: str, options: GenerationOptions, num_blocks: int | None = None,
                  schedule: list | None = None, input_video=None, input_frames: bool = False,
-                 input_timeout_s: float = 30.0):
+                 input_timeout_s: float = 30.0, input_queue_frames: int = 1024, input_drop_oldest: bool = False):
         check_prompt(prompt)
         if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int)
                                        or num_blocks < 1):
@@ -147,7 +151,8 @@ class LiveSession:
         self.stats = RunStats(prompt, pipe.preset.name, opts, pipe.provenance())
         self.stats.extra.update(live=True, num_blocks=num_blocks, updates=[], prompts=self.table.prompts)
         self.finished = False
-        self._source, self.input_timeout_s = _input_source(pipe, input_video, input_frames, input_timeout_s)
+        self._source, self.input_timeout_s = _input_source(pipe, input_video, input_frames, input_timeout_s,
+                                                           input_queue_frames, input_drop_oldest)
         self._video = None  # the running segment's VideoInput
         self.input_ended: str | None = None  # why the input ended the session (a live source's timeout)
         if input_video is not None:
@@ -202,6 +207,22 @@ class LiveSession:
             left -= self._frames_needed(b)
             b, g = b + 1, g + 1
         return g
+
+    def input_ready(self) -> bool:
+        """Whether the next `next()` will not wait for pushed frames: no live input, the session ends there, or the
+        next block's frames are queued (a server steps a session only then, so one webcam never stalls the
+        others)."""
+        from sdvg.generation.video_input import LiveFrames
+
+        if not isinstance(self._source, LiveFrames) or self._closed or self.finished:
+            return True
+        with self._lock:
+            if self.limit is not None and self._started >= self.limit:
+                return True
+            restart = any(a.block == self._started and a.update.restarts for a in self._pending)
+            video = self._video
+        block = 0 if video is None or restart else video.next_block
+        return self._source.queued() >= self._frames_needed(block)
 
     def _frames_needed(self, block: int) -> int:
         v, vae = self.pipe.preset.video, self.pipe.preset.vae

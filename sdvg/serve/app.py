@@ -19,12 +19,13 @@ from sdvg.generation.types import strict_json
 from sdvg.live.updates import ROUTER_FIELDS
 from sdvg.serve.config import ServeConfig
 from sdvg.serve.encode import FORMATS
-from sdvg.serve.engine import VIDEO_INPUT, Engine
+from sdvg.serve.engine import Engine
 from sdvg.serve.metrics import ServeMetrics
 from sdvg.serve.protocol import ProtocolError, parse_params, parse_update
 from sdvg.serve.security import RateLimit, token_matches, token_of, valid_session_id
 from sdvg.serve.sessions import Outbox, Session, SessionManager
-from sdvg.serve.uploads import IMAGE_KINDS, VIDEO_KINDS, UploadError, UploadStore, check_image, sniff
+from sdvg.serve.uploads import (IMAGE_KINDS, VIDEO_KINDS, UploadError, UploadStore, check_image, decode_frame,
+                                sniff)
 from sdvg.serve.videos import VideoStore
 
 STATIC = Path(__file__).parent / "static"
@@ -212,6 +213,7 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
 
     async def receive_loop(websocket: WebSocket, session: Session) -> None:
         rate = RateLimit(cfg.updates_per_s, cfg.update_burst)
+        frame_rate = RateLimit(cfg.input_frames_per_s, max(1, round(cfg.input_frames_per_s)))
         while True:
             waiting = session.state not in ("running", "queued") or session.paused
             try:
@@ -233,17 +235,21 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
                        "size")
                 session.outbox.close(1009)
                 return
-            if session.spec is not None and not rate.allow():
-                refuse(session, ProtocolError(None, f"more than {cfg.updates_per_s:g} updates per second "
-                                                    f"(burst {cfg.update_burst}); this one was dropped"), "rate")
-                if rate.refused >= cfg.flood_close_after:
-                    session.outbox.close(1008)
-                    return
-                continue
             try:
                 obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
             except Exception as exc:
-                refuse(session, ProtocolError(None, f"malformed msgpack ({type(exc).__name__})"), "malformed")
+                obj = ProtocolError(None, f"malformed msgpack ({type(exc).__name__})")
+            webcam = isinstance(obj, dict) and obj.get("image") is not None  # webcam frames have their own rate
+            limit = frame_rate if webcam else rate
+            if session.spec is not None and not limit.allow():
+                what = (f"{cfg.input_frames_per_s:g} webcam frames" if webcam else f"{cfg.updates_per_s:g} updates")
+                refuse(session, ProtocolError(None, f"more than {what} per second; this one was dropped"), "rate")
+                if rate.refused + frame_rate.refused >= cfg.flood_close_after:
+                    session.outbox.close(1008)
+                    return
+                continue
+            if isinstance(obj, ProtocolError):
+                refuse(session, obj, "malformed")
                 continue
             try:
                 if session.spec is None:
@@ -257,7 +263,7 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
 
     async def start(session: Session, obj) -> None:
         params = parse_params(obj, cfg.max_prompt_chars)
-        spec = engine.spec(params, cfg.max_blocks, uploads.known)
+        spec = engine.spec(params, cfg.max_blocks, uploads.known, uploads.path)
         admitted(session, spec)
 
     def admitted(session: Session, spec) -> None:
@@ -306,10 +312,17 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
         if u.seed is not None:  # Krea: stored; the next reset starts from it
             session.next_seed = u.seed
             ack(session, "seed", None, u.request_id, effective="next reset")
-        if u.image is not None:
+        if u.image is not None:  # a webcam frame: queued for the blocks to come (no ack; Krea sends none)
             if len(u.image) > cfg.max_image_bytes:
                 raise ProtocolError("image", f"{len(u.image)} bytes; at most {cfg.max_image_bytes}")
-            raise ProtocolError("image", f"webcam frames: video input {VIDEO_INPUT}")
+            if not session.spec.webcam:
+                raise ProtocolError("image", "this session takes no webcam frames: start it with webcam_mode: true")
+            try:
+                frame = decode_frame(u.image, cfg.max_image_pixels)
+            except UploadError as exc:
+                raise ProtocolError("image", str(exc)) from None
+            # (a `strength` sent with it changes nothing, as in Krea's server, whose schedule is fixed at the start)
+            manager.command(session, "update", {"input_frames": frame[None]}, "image", u.request_id)
         elif u.strength is not None:
             raise ProtocolError("strength", "applies to webcam `image` frames; send it with one")
         router = {name: getattr(u, name) for name in ROUTER_FIELDS if getattr(u, name) is not None}

@@ -37,6 +37,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"largest num_blocks a client may ask for (default: {_D.max_blocks})")
     p.add_argument("--updates-per-s", type=float, default=_D.updates_per_s,
                    help=f"mid-stream updates per second per socket (default: {_D.updates_per_s:g})")
+    p.add_argument("--input-frames-per-s", type=float, default=_D.input_frames_per_s,
+                   help=f"webcam `image` frames per second per socket (default: {_D.input_frames_per_s:g})")
     p.add_argument("--video-dir", help="folder of the session MP4s and uploads (default: a temporary folder)")
     p.add_argument("--fps", type=float, default=_D.fps, help=f"frame rate of the MP4s (default: {_D.fps:g})")
     p.add_argument("--ray-replicas", type=int, default=0,
@@ -55,7 +57,7 @@ def config_of(args) -> ServeConfig:
                        max_queue=args.max_queue, idle_timeout_s=args.idle_timeout,
                        send_buffer_frames=args.send_buffer_frames, max_message_bytes=args.max_message_bytes,
                        max_upload_bytes=args.max_upload_bytes, max_blocks=args.max_blocks,
-                       updates_per_s=args.updates_per_s, video_dir=args.video_dir, fps=args.fps)
+                       updates_per_s=args.updates_per_s, input_frames_per_s=args.input_frames_per_s, video_dir=args.video_dir, fps=args.fps)
 
 
 def run_serve(args, load_pipeline=None) -> int:

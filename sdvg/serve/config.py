@@ -21,6 +21,7 @@ class ServeConfig:
     max_blocks: int = 256  # num_blocks a client may ask for
     updates_per_s: float = 20.0  # sustained mid-stream update rate per socket
     update_burst: int = 40  # updates allowed at once before the rate applies
+    input_frames_per_s: float = 60.0  # webcam `image` frames per socket per second (their own budget; burst: 1 s)
     flood_close_after: int = 200  # refused updates on one socket before it is closed (1008)
     upload_ttl_s: float = 600.0  # an unclaimed upload is deleted after this
     keep_videos: int = 64  # finished session MP4s kept for download (oldest deleted first)
@@ -36,7 +37,7 @@ class ServeConfig:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
         if self.max_queue < 0:
             raise ValueError(f"max_queue {self.max_queue} must be >= 0 (0: refuse when every slot is taken)")
-        for name in ("idle_timeout_s", "updates_per_s", "upload_ttl_s", "fps", "drain_timeout_s"):
+        for name in ("idle_timeout_s", "updates_per_s", "input_frames_per_s", "upload_ttl_s", "fps", "drain_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} {getattr(self, name)} must be > 0")
         if not 1 <= self.jpeg_quality <= 100:

@@ -18,17 +18,20 @@ from typing import Any, Iterator
 from sdvg.options import GenerationOptions, OptionError
 from sdvg.serve.protocol import KreaParams, ProtocolError, UPLOAD_ID, option_fields
 
-VIDEO_INPUT = ("is not built in sdvg yet (live sessions take prompt, seed, reset and router updates; "
-               "video-to-video is planned, docs/live.md); send text-only sessions")
+START_FRAME = "is not built in sdvg yet (docs/server.md); send webcam_mode or input_video for video input"
+WEBCAM_QUEUE_FRAMES = 48  # webcam frames a session keeps waiting (4 blocks); the oldest make room beyond
 
 
 @dataclass(frozen=True)
 class SessionSpec:
-    """What one generation runs: the prompt and the resolved options."""
+    """What one generation runs: the prompt, the resolved options and its video input (webcam frames pushed
+    with `image` messages, or an uploaded video's server-side path)."""
 
     prompt: str
     options: GenerationOptions
     request_id: str | None
+    webcam: bool = False
+    input_video: str | None = None
 
 
 class Engine:
@@ -50,7 +53,7 @@ class Engine:
         return self.preset.video.height, self.preset.video.width
 
     # ------------------------------------------------------------------ parameters -> options
-    def spec(self, params: KreaParams, max_blocks: int, upload_known) -> SessionSpec:
+    def spec(self, params: KreaParams, max_blocks: int, upload_known, upload_path=None) -> SessionSpec:
         """The session's options; a field sdvg cannot honour raises ProtocolError naming it."""
         height, width = self.size
         for name, value, ours in (("width", params.width, width), ("height", params.height, height)):
@@ -83,15 +86,25 @@ class Engine:
                                     + "; the server never opens a path or URL a client names")
             if not upload_known(value):
                 raise ProtocolError(name, f"{value}: no such upload (expired, used, or never made)")
-            raise ProtocolError(name, f"video input {VIDEO_INPUT}")
-        if params.webcam_mode:
-            raise ProtocolError("webcam_mode", f"webcam input {VIDEO_INPUT}")
-        if params.strength != 1.0:
-            raise ProtocolError("strength", f"{params.strength}: strength applies to video input, which {VIDEO_INPUT}")
+            if name == "start_frame":
+                raise ProtocolError(name, f"a start frame {START_FRAME}")
+        video_input = params.webcam_mode or params.input_video is not None
+        if params.webcam_mode and params.input_video is not None:
+            raise ProtocolError("webcam_mode", "send webcam_mode (frames in `image` messages) or input_video, not both")
+        if video_input and not self.live:
+            field = "webcam_mode" if params.webcam_mode else "input_video"
+            raise ProtocolError(field, "this server's pipeline has no live sessions (pipe.session); video input "
+                                "needs one")
+        if not 0.0 < params.strength <= 1.0:
+            raise ProtocolError("strength", f"{params.strength} must lie in (0, 1] (1.0: pure noise, lower keeps more "
+                                "of the input)")
+        if params.strength != 1.0 and not video_input:
+            raise ProtocolError("strength", f"{params.strength}: strength sets how much of the video input is kept; "
+                                "send it with webcam_mode: true or input_video")
         seed = params.seed if params.seed is not None else random.randint(0, 2**24 - 1)  # Krea's rule
         values = {**option_fields(params), "seed": seed, "num_blocks": params.num_blocks,
                   "kv_cache_frames": params.kv_cache_num_frames, "keep_first_frame": params.keep_first_frame,
-                  "scheduler": "reference", "run_ahead": False}
+                  "scheduler": "reference", "run_ahead": False, "strength": params.strength}
         for name, value in option_fields(params).items():  # each alone first: the error names its field
             try:
                 GenerationOptions(**{name: value})
@@ -105,20 +118,39 @@ class Engine:
             if field == "kv_cache_frames":
                 field = "kv_cache_num_frames"
             raise ProtocolError(field, str(exc)) from None
-        return SessionSpec(params.prompt, options, params.request_id)
+        path = None
+        if params.input_video is not None:
+            path = upload_path(params.input_video) if upload_path is not None else None
+            if path is None:
+                raise ProtocolError("input_video", f"{params.input_video}: no such upload (expired, used, or never made)")
+            path = str(path)
+        return SessionSpec(params.prompt, options, params.request_id, bool(params.webcam_mode), path)
 
     # ------------------------------------------------------------------ generation
     def start(self, spec: SessionSpec) -> Iterator:
         """The blocks of one generation (run on the generation worker's thread only)."""
         if self.live:
             keywords = _keywords(spec.options)
-            return self.pipe.session(spec.prompt, num_blocks=keywords.pop("num_blocks"), **keywords)
+            num_blocks = keywords.pop("num_blocks")
+            frames = None
+            if spec.input_video is not None:  # Krea's rule: the video's length caps num_blocks
+                options, frames = self.pipe.input_clip(spec.input_video, spec.options, fit_blocks=True)
+                num_blocks = options.num_blocks
+            return self.pipe.session(spec.prompt, num_blocks=num_blocks, input_video=frames,
+                                     input_frames=spec.webcam, input_timeout_s=3600.0,
+                                     input_queue_frames=WEBCAM_QUEUE_FRAMES, input_drop_oldest=True, **keywords)
         return self.pipe.run(spec.prompt, spec.options)
 
     @staticmethod
+    def input_ready(generation) -> bool:
+        """Whether the generation's next block has its webcam frames (a stand-in without the method: always)."""
+        ready = getattr(generation, "input_ready", None)
+        return True if ready is None else ready()
+
+    @staticmethod
     def update(generation, **changes) -> int:
-        """A live update (prompt= with interp_blocks=; tau=, router=, accept_prob=, pattern=): the block it
-        takes effect at (`UpdateAck.block`). Only with live sessions."""
+        """A live update (prompt= with interp_blocks=; tau=, router=, accept_prob=, pattern=; input_frames=): the
+        block it takes effect at (`UpdateAck.block`). Only with live sessions."""
         return generation.update(**changes).block
 
     @staticmethod

@@ -231,7 +231,9 @@ class SessionManager:
         self.metrics.sessions_queued.set(len(self.queue))
 
     def _runnable(self) -> list[Session]:
-        return [s for s in self.active if not s.paused and s.generation is not None and not s.commands]
+        """Sessions whose next block can run now: not paused, no command waiting, and (webcam) its frames queued."""
+        return [s for s in self.active if not s.paused and s.generation is not None and not s.commands
+                and self.engine.input_ready(s.generation)]
 
     def _next(self) -> Session | None:
         """The next session in round-robin order over the admitted ones (advances the turn)."""
@@ -294,7 +296,7 @@ class SessionManager:
             except Exception as exc:
                 s.post_text({"status": "error", "error": f"{field}: {exc}", "field": field})
                 return
-            if s.superset:
+            if s.superset and field != "image":  # webcam frames are not acknowledged (Krea sends nothing)
                 s.post_text({"status": "ack", "field": field, "block": block, "request_id": request_id})
 
     def _step(self, s: Session) -> None:

@@ -43,6 +43,23 @@ def check_image(data: bytes, max_pixels: int) -> tuple[int, int]:
         raise UploadError(400, f"not a decodable image ({type(exc).__name__})") from None
 
 
+def decode_frame(data: bytes, max_pixels: int):
+    """A webcam `image` (JPEG/PNG/WebP bytes) -> uint8 RGB [H, W, 3], under a pixel limit (read from the header
+    before decoding); `UploadError` names what is wrong."""
+    import numpy as np
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            if img.width * img.height > max_pixels:
+                raise UploadError(413, f"image of {img.width}x{img.height} pixels; at most {max_pixels} pixels")
+            return np.asarray(img.convert("RGB"), dtype=np.uint8)
+    except UploadError:
+        raise
+    except Exception as exc:  # PIL's many decode errors
+        raise UploadError(400, f"not a decodable image ({type(exc).__name__})") from None
+
+
 class UploadStore:
     def __init__(self, folder: Path, ttl_s: float):
         self.folder = Path(folder)
@@ -63,6 +80,12 @@ class UploadStore:
     def known(self, upload_id: str) -> bool:
         with self._lock:
             return upload_id in self._items
+
+    def path(self, upload_id: str) -> Path | None:
+        """The server-side file of an upload this store made (None when unknown or expired)."""
+        with self._lock:
+            item = self._items.get(upload_id)
+        return None if item is None else item[0]
 
     def delete(self, upload_id: str) -> None:
         with self._lock:
