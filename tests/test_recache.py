@@ -51,6 +51,7 @@ def test_recache_equals_a_fresh_context_forward_under_the_new_prompt(tiny_pipe):
     before = model.cache.buffer.clone()
     model.recache()
     assert model.recache_forwards == 1 and not torch.equal(before, model.cache.buffer)
+    assert not model.cache.buffer.requires_grad and model.cache.buffer.grad_fn is None  # no graph holds the cache
     fresh = allocate_cache(tiny_pipe.components, model.dit, model.device, opts.role_context("target"), opts.num_blocks)
     tpf, n = model.tokens_per_frame, x.shape[2]
     mask = block_causal_mask(None, model.frames_per_block, tpf, num_frames=n)

@@ -149,6 +149,7 @@ class RoleModel:
                 del self._clean_frames[f]
 
     # -------------------------------------------------------------- re-cache
+    @torch.no_grad()  # the K/V go into the cache in place: no autograd graph may hold the cache
     def recache(self) -> None:
         """Re-cache on a switch (LongLive's `_recache_after_switch`): one t = 0 forward over every committed frame
         the cache still shows (sinks and window), each at its own position, block-causal among them (a frame
