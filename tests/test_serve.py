@@ -312,6 +312,22 @@ def test_handshake_refusals_oversize_message_and_update_flood(server):
     assert 'sdvg_serve_refused_messages_total{reason="rate"}' in metrics
 
 
+def upload(url: str, path: str, data: bytes, filename: str = "f.bin"):
+    """POST a multipart file upload: (status, JSON body), or ("reset", None) when refused mid-body."""
+    boundary = "sdvgboundary"
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{filename}\"\r\n"
+            "Content-Type: application/octet-stream\r\n\r\n").encode() + data + f"\r\n--{boundary}--\r\n".encode()
+    req = urllib.request.Request(f"http://{url}{path}", data=body, method="POST",
+                                 headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+    except urllib.error.URLError:  # refused from its Content-Length while the body was still being sent
+        return "reset", None
+
+
 def test_uploads_return_ids_and_check_type_and_size(server):
     import io
 
@@ -320,18 +336,7 @@ def test_uploads_return_ids_and_check_type_and_size(server):
     url, app = server
 
     def post(path, data: bytes, filename="f.bin"):
-        boundary = "sdvgboundary"
-        body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{filename}\"\r\n"
-                "Content-Type: application/octet-stream\r\n\r\n").encode() + data + f"\r\n--{boundary}--\r\n".encode()
-        req = urllib.request.Request(f"http://{url}{path}", data=body, method="POST",
-                                     headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
-        try:
-            with urllib.request.urlopen(req, timeout=30) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
-        except urllib.error.URLError:  # refused from its Content-Length while the body was still being sent
-            return "reset", None
+        return upload(url, path, data, filename)
 
     png = io.BytesIO()
     Image.new("RGB", (8, 8)).save(png, format="PNG")
@@ -531,3 +536,42 @@ def test_webcam_frames_drive_a_video_to_video_session_without_stalling_others(se
     session.update(input_frames=np.stack([decode_jpeg(j) for j in jpegs]))
     want = np.concatenate([b.frames.numpy() for b in session])
     assert np.array_equal(np.stack(frames), want)
+
+
+def test_an_uploaded_input_video_drives_a_session_and_a_broken_one_is_refused_at_start(server, tiny_pipe, tmp_path):
+    """Krea's input_video, by upload id: read on the server (never a client path), its length capping num_blocks as
+    in Krea; the raw frames equal `pipe.session` over the same file. A file that is no video: `could not start`."""
+    import imageio_ffmpeg
+
+    from sdvg.io.video_input import read_video
+
+    url, _ = server
+    src = tmp_path / "in.mp4"
+    writer = imageio_ffmpeg.write_frames(str(src), (80, 48), fps=16, quality=None, output_params=["-crf", "0"],
+                                         macro_block_size=1)
+    writer.send(None)
+    rng = np.random.default_rng(3)
+    for _ in range(21):  # 2 blocks' worth: num_blocks 9 is capped to 2
+        writer.send(rng.integers(0, 256, size=(48, 80, 3), dtype=np.uint8).tobytes())
+    writer.close()
+    status, body = upload(url, "/upload_video", src.read_bytes(), "in.mp4")
+    assert status == 200
+    out = asyncio.run(run_session(url, {"prompt": PROMPT, "seed": 5, "input_video": body["id"], "strength": 0.6},
+                                  fmt="raw", superset=True, session_id="vid1"))
+    session = tiny_pipe.session(PROMPT, num_blocks=2, seed=5, kv_cache_frames=3, keep_first_frame=False,
+                                scheduler="reference", input_video=read_video(src, 21, 16), strength=0.6)
+    want = np.concatenate([b.frames.numpy() for b in session])
+    assert np.array_equal(np.stack(out["frames"]), want)
+    status, body = upload(url, "/upload_video", b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 64)
+
+    async def broken(upload_id):
+        async with websockets.connect(f"ws://{url}/session/vid2") as ws:
+            await recv_json(ws, 30)
+            await ws.send(msgpack.packb({"prompt": PROMPT, "input_video": upload_id}))
+            while True:
+                msg = await recv_json(ws, TIMEOUT)
+                if msg.get("status") == "error":
+                    return msg
+
+    error = asyncio.run(broken(body["id"]))
+    assert "could not start" in error["error"] and "cannot be read" in error["error"], error
