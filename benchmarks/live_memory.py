@@ -86,8 +86,11 @@ def live_tensors() -> dict:
             count += 1
             if obj.is_meta:
                 continue
-            storage = obj.untyped_storage()
-            key = (storage.data_ptr(), obj.device.type)
+            try:
+                storage = obj.untyped_storage()
+                key = (storage.data_ptr(), obj.device.type)
+            except RuntimeError:  # a fake or functional tensor (another tracer's, alive in this process): no storage
+                continue
             if key not in seen:
                 seen.add(key)
                 total += storage.nbytes()

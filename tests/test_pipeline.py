@@ -261,8 +261,8 @@ def test_interrupt_leaves_playable_mp4_and_marked_stats(tmp_path, tiny_pipe, mon
     complete = cli.run_one(tiny_pipe, PROMPT, opts, tmp_path / "c.mp4", progress=False)
     orig_run = tiny_pipe.run
 
-    def interrupted_run(prompt, options, threaded=True):
-        stream = orig_run(prompt, options, threaded)
+    def interrupted_run(prompt, options, threaded=True, **keywords):
+        stream = orig_run(prompt, options, threaded, **keywords)
         inner = stream._blocks
 
         def blocks():
