@@ -69,7 +69,7 @@ class StageCalls(_C.StageCalls):
         if self.conditioning is None:
             return
         key = self.conditioning.key(block)
-        changed = getattr(model, "text_key", None) not in (None, key)
+        changed = model.text_key not in (None, key)
         model.text_kv, model.text_key = self.conditioning.text_kv(block, model.role), key
         if changed and self.opts.recache and not model.context.recompute and model.committed_frames:
             model.recache()

@@ -55,6 +55,7 @@ class RoleModel:
         # can still see are kept (`keep_clean`), and `recache_forwards` counts the re-cache forwards made
         self.keep_clean = exit_verifier is not None
         self.recache_forwards = 0
+        self.text_key = None  # live sessions: the key of the conditioning `text_kv` holds (StageCalls._condition)
 
     @property
     def committed_frames(self) -> int:
