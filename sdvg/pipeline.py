@@ -361,14 +361,14 @@ class SpeculativeVideoPipeline:
                            input_timeout_s=input_timeout_s, input_queue_frames=input_queue_frames,
                            input_drop_oldest=input_drop_oldest)
 
-    def input_clip(self, input_video, options: GenerationOptions,
-                   fit_blocks: bool = False) -> tuple[GenerationOptions, object]:
+    def input_clip(self, input_video, options: GenerationOptions, fit_blocks: bool = False,
+                   max_bytes: int | None = None) -> tuple[GenerationOptions, object]:
         """Video-to-video's input for a video of `options`: (resolved options, uint8 frames [N, H, W, 3] at the
         model's 16 frames/s, or None without an input). `input_video` is a video file's path (read up to the
         frames the video needs, resampled to 16 frames/s) or such frames already. A clip shorter than the
         video: an explicit num_blocks is refused naming both counts (with `fit_blocks` it shrinks too, as Krea's
         server does); the preset's default shrinks to the blocks the clip covers (Krea's rule). `strength` < 1
-        without an input is refused."""
+        without an input is refused. `max_bytes`: a file whose frames, as read, would pass it is refused."""
         import numpy as np
 
         from sdvg.io import DEFAULT_FPS
@@ -383,7 +383,8 @@ class SpeculativeVideoPipeline:
         video, vae = self.preset.video, self.preset.vae
         need = video.pixel_frames(vae, opts.num_blocks)
         if isinstance(input_video, (str, os.PathLike)):
-            frames, what = read_video(input_video, need, DEFAULT_FPS), f"input video {os.fspath(input_video)}"
+            frames = read_video(input_video, need, DEFAULT_FPS, max_bytes=max_bytes)
+            what = f"input video {os.fspath(input_video)}"
         elif isinstance(input_video, (np.ndarray, torch.Tensor)):
             frames, what = check_frames(input_video[:need], "input_video", max_frames=need), "input_video"
         else:

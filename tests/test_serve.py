@@ -575,3 +575,56 @@ def test_an_uploaded_input_video_drives_a_session_and_a_broken_one_is_refused_at
 
     error = asyncio.run(broken(body["id"]))
     assert "could not start" in error["error"] and "cannot be read" in error["error"], error
+
+
+def test_a_webcam_reset_with_a_pending_seed_stays_a_webcam_session_and_odd_images_are_refused(server):
+    """A `seed` update applies at the next reset (Krea); the reset keeps the session's video input. Webcam frames
+    are JPEG/PNG/WebP only (a BMP or GIF is refused by name, PIL opens no other format)."""
+    import io
+
+    from PIL import Image
+
+    url, _ = server
+    jpegs = _jpegs(9, seed=1)
+
+    def encoded(fmt):
+        buf = io.BytesIO()
+        Image.new("RGB", (16, 16)).save(buf, format=fmt)
+        return buf.getvalue()
+
+    async def go():
+        async with websockets.connect(f"ws://{url}/session/cam2?sdvg=1", max_size=2**26) as ws:
+            await recv_json(ws, 30)
+            await ws.send(msgpack.packb(params(num_blocks=1, webcam_mode=True, strength=0.6)))
+            assert (await recv_json(ws, 30))["status"] == "params"
+            replies = []
+            for fmt in ("BMP", "GIF"):
+                await ws.send(msgpack.packb({"image": encoded(fmt)}))
+                replies.append(await recv_json(ws, 30))
+            await ws.send(msgpack.packb({"seed": 11}))
+            replies.append(await recv_json(ws, 30))
+            await ws.send(msgpack.packb({"action": "reset"}))
+            texts = []
+            while True:  # the reset's params (a webcam session still), then its ack
+                msg = await recv_json(ws, 30)
+                texts.append(msg)
+                if msg.get("status") == "ack" and msg.get("field") == "action":
+                    break
+            for data in jpegs:
+                await ws.send(msgpack.packb({"image": data}))
+            frames = 0
+            while True:
+                m = await asyncio.wait_for(ws.recv(), TIMEOUT)
+                if isinstance(m, bytes):
+                    frames += 1
+                elif json.loads(m)["status"] in ("completed", "error"):
+                    texts.append(json.loads(m))
+                    break
+            return replies, texts, frames
+
+    replies, texts, frames = asyncio.run(go())
+    assert [r["field"] for r in replies[:2]] == ["image", "image"] and "not a decodable image" in replies[0]["error"]
+    assert replies[2]["field"] == "seed"
+    params_msg = next(t for t in texts if t.get("status") == "params")
+    assert params_msg["seed"] == 11 and params_msg["options"]["strength"] == 0.6
+    assert texts[-1]["status"] == "completed" and frames == 9

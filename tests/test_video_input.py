@@ -108,6 +108,8 @@ def test_read_video_resamples_a_real_mp4(tmp_path):
     writer.close()
     frames = read_video(path, 12, fps=16)
     assert frames.shape == (12, 32, 48, 3)
+    with pytest.raises(VideoInputError, match=r"48x32 frames: 12 of them would take .*smaller .* or shorter video"):
+        read_video(path, 12, fps=16, max_bytes=12 * 32 * 48 * 3 - 1)  # refused before a frame is decoded
     assert [round(float(f.mean()) / 6) for f in frames] == list(range(0, 24, 2))  # every other frame at 16 fps
     assert len(read_video(path, 100, fps=16)) == 20  # the clip ends first
     bad = tmp_path / "bad.mp4"
@@ -276,3 +278,14 @@ def test_cli_generate_with_an_input_video(tmp_path):
     assert stats["strength"] == 0.6 and stats["input_video"]["frames"] == 21 and out.stat().st_size > 0
     assert cli.main(argv + ["--strength", "0.6"]) == 2  # strength without an input: refused before loading
     assert cli.main(argv + ["--input-video", str(tmp_path / "missing.mp4")]) == 2
+
+
+def test_a_refused_update_with_input_frames_queues_nothing(tiny_pipe):
+    session = tiny_pipe.session("a red fox", input_frames=True, strength=0.6, **{**KW, "num_blocks": 2})
+    frames = _frames(12)
+    with pytest.raises(UpdateError, match="tau"):
+        session.update(input_frames=frames, tau=float("nan"))
+    assert session._source.queued() == 0 and session.updates == []
+    ack = session.update(input_frames=frames[0])  # one frame [H, W, 3]
+    assert ack.frames == 1 and session._source.queued() == 1
+    session.close()

@@ -72,9 +72,10 @@ def resample_indices(count: int, source_fps: float, fps: float) -> list[int]:
     return [int(math.floor(j * source_fps / fps + 0.5)) for j in range(count)]
 
 
-def read_video(path, count: int, fps: float) -> np.ndarray:
+def read_video(path, count: int, fps: float, max_bytes: int | None = None) -> np.ndarray:
     """The first `count` frames of the video at `path`, resampled to `fps`: uint8 [n, H, W, 3], n <= count (the
-    clip may be shorter). Reads no further than those frames need."""
+    clip may be shorter). Reads no further than those frames need. `max_bytes`: refused (before decoding a frame)
+    when `count` frames of its size would pass it."""
     import imageio_ffmpeg
 
     path = Path(path)
@@ -90,6 +91,10 @@ def read_video(path, count: int, fps: float) -> np.ndarray:
         w, h = meta.get("size", (0, 0))
         if not (2 <= h <= MAX_SIDE and 2 <= w <= MAX_SIDE):
             raise VideoInputError(f"input video {path} has frames of {h}x{w}; each side must lie in [2, {MAX_SIDE}]")
+        if max_bytes is not None and count * h * w * 3 > max_bytes:
+            raise VideoInputError(f"input video {path.name} has {w}x{h} frames: {count} of them would take "
+                                  f"{count * h * w * 3 / 2**30:.1f} GiB, more than {max_bytes / 2**30:.1f} GiB; give a "
+                                  "smaller (e.g. 832x480) or shorter video, or fewer blocks")
         source_fps = meta.get("fps")
         if not isinstance(source_fps, numbers.Real) or not math.isfinite(source_fps) or source_fps <= 0:
             source_fps = fps  # no rate in the container: the frames are taken as they come

@@ -176,18 +176,25 @@ class LiveSession:
             if reset or any(v is not None for v in changes) or input_frames is None else None
         if input_frames is None:
             return self._acknowledge(update, None)
-        queued = self._push_frames(input_frames)
-        if update is None:
-            return UpdateAck(self._reading_block(queued), -1, None, frames=len(input_frames))
-        return dataclasses.replace(self._acknowledge(update, None), frames=len(input_frames))
-
-    def _push_frames(self, frames) -> int:
         from sdvg.generation.video_input import LiveFrames
-        from sdvg.io.video_input import VideoInputError
+        from sdvg.io.video_input import VideoInputError, check_frames
 
         if not isinstance(self._source, LiveFrames):
             raise UpdateError("this session takes no pushed input frames; start it with pipe.session(..., "
                               "input_frames=True) for live video-to-video")
+        try:
+            frames = check_frames(input_frames)  # checked before anything changes
+        except VideoInputError as exc:
+            raise UpdateError(str(exc)) from None
+        ack = None if update is None else self._acknowledge(update, None)
+        queued = self._push_frames(frames)
+        if ack is None:
+            return UpdateAck(self._reading_block(queued), -1, None, frames=len(frames))
+        return dataclasses.replace(ack, frames=len(frames))
+
+    def _push_frames(self, frames) -> int:
+        from sdvg.io.video_input import VideoInputError
+
         if self._closed or self.input_ended:
             raise RuntimeError("the session is closed; start a new one with pipe.session(...)")
         try:

@@ -3,6 +3,7 @@ POST /upload_video and /upload_start_frame, GET /metrics (docs/server.md has the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -56,7 +57,7 @@ class TokenGate:
 
 def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI:
     """The server of one pipeline (models loaded once). `defaults`: the server's GenerationOptions."""
-    engine = Engine(pipe, defaults)
+    engine = Engine(pipe, defaults, max_input_video_bytes=cfg.max_input_video_bytes)
     metrics = ServeMetrics()
     folder = Path(cfg.video_dir) if cfg.video_dir else Path(tempfile.mkdtemp(prefix="sdvg-serve-"))
     videos = VideoStore(folder / "videos", cfg.fps, cfg.keep_videos)
@@ -292,7 +293,7 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
         if u.action == "reset":  # Krea: a new generation with the same parameters (and a pending seed)
             spec = session.spec
             if session.next_seed is not None:
-                spec = type(spec)(spec.prompt, spec.options.replace(seed=session.next_seed), spec.request_id)
+                spec = dataclasses.replace(spec, options=spec.options.replace(seed=session.next_seed))
                 session.next_seed = None
             admitted(session, spec)
             ack(session, "action", 0, u.request_id, action="reset")
@@ -317,8 +318,10 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
                 raise ProtocolError("image", f"{len(u.image)} bytes; at most {cfg.max_image_bytes}")
             if not session.spec.webcam:
                 raise ProtocolError("image", "this session takes no webcam frames: start it with webcam_mode: true")
+            if session.state != "running":
+                raise ProtocolError("image", f"the session is {session.state}; send webcam frames once it runs")
             try:
-                frame = decode_frame(u.image, cfg.max_image_pixels)
+                frame = decode_frame(u.image, cfg.max_webcam_pixels)
             except UploadError as exc:
                 raise ProtocolError("image", str(exc)) from None
             # (a `strength` sent with it changes nothing, as in Krea's server, whose schedule is fixed at the start)
@@ -334,6 +337,6 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
                                     "a live update needs one")
             manager.command(session, "update", changes, field, u.request_id)
         if u.prompt is not None and "prompt" in live:
-            session.spec = type(session.spec)(u.prompt, session.spec.options, session.spec.request_id)
+            session.spec = dataclasses.replace(session.spec, prompt=u.prompt)
 
     return app

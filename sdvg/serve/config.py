@@ -16,6 +16,8 @@ class ServeConfig:
     max_message_bytes: int = 8 * 2**20  # one websocket message (uvicorn closes with 1009 above it)
     max_image_bytes: int = 4 * 2**20  # a webcam `image` or a start frame
     max_image_pixels: int = 4096 * 4096  # decoded image limit (uploads)
+    max_webcam_pixels: int = 1920 * 1080  # a webcam `image` frame (kept until its block reads it)
+    max_input_video_bytes: int = 2 * 2**30  # an uploaded input video's frames as read (uint8, before the fit)
     max_upload_bytes: int = 256 * 2**20  # POST /upload_video
     max_prompt_chars: int = 2000
     max_blocks: int = 256  # num_blocks a client may ask for

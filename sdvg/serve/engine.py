@@ -19,7 +19,7 @@ from sdvg.options import GenerationOptions, OptionError
 from sdvg.serve.protocol import KreaParams, ProtocolError, UPLOAD_ID, option_fields
 
 START_FRAME = "is not built in sdvg yet (docs/server.md); send webcam_mode or input_video for video input"
-WEBCAM_QUEUE_FRAMES = 48  # webcam frames a session keeps waiting (4 blocks); the oldest make room beyond
+WEBCAM_QUEUE_FRAMES = 24  # webcam frames a session keeps waiting (2 blocks); the oldest make room beyond
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,9 @@ class Engine:
     """`pipe`: a SpeculativeVideoPipeline (models loaded once); `defaults`: the server's options
     (`sdvg serve --tau ...`) that a client's fields override."""
 
-    def __init__(self, pipe, defaults: GenerationOptions | None = None):
+    def __init__(self, pipe, defaults: GenerationOptions | None = None, max_input_video_bytes: int | None = None):
         self.pipe = pipe
+        self.max_input_video_bytes = max_input_video_bytes  # an uploaded input video's frames, as read
         self.defaults = defaults or GenerationOptions()
         self.preset = pipe.preset
 
@@ -134,7 +135,8 @@ class Engine:
             num_blocks = keywords.pop("num_blocks")
             frames = None
             if spec.input_video is not None:  # Krea's rule: the video's length caps num_blocks
-                options, frames = self.pipe.input_clip(spec.input_video, spec.options, fit_blocks=True)
+                options, frames = self.pipe.input_clip(spec.input_video, spec.options, fit_blocks=True,
+                                                       max_bytes=self.max_input_video_bytes)
                 num_blocks = options.num_blocks
             return self.pipe.session(spec.prompt, num_blocks=num_blocks, input_video=frames,
                                      input_frames=spec.webcam, input_timeout_s=3600.0,

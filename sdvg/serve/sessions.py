@@ -255,7 +255,8 @@ class SessionManager:
                 if self.stopping:
                     break
                 closing, self.closing = self.closing, []
-                commands = [(s, s.commands.popleft()) for s in self.active if s.commands]
+                # every waiting command at once (webcam frames arrive many a second: none may wait behind a block)
+                commands = [(s, s.commands.popleft()) for s in self.active for _ in range(len(s.commands))]
             for s in closing:
                 self._end(s, reason="closed")
             for s, cmd in commands:

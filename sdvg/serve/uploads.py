@@ -44,13 +44,13 @@ def check_image(data: bytes, max_pixels: int) -> tuple[int, int]:
 
 
 def decode_frame(data: bytes, max_pixels: int):
-    """A webcam `image` (JPEG/PNG/WebP bytes) -> uint8 RGB [H, W, 3], under a pixel limit (read from the header
-    before decoding); `UploadError` names what is wrong."""
+    """A webcam `image` (JPEG, PNG or WebP bytes; no other format is opened) -> uint8 RGB [H, W, 3], under a pixel
+    limit (read from the header before decoding); `UploadError` names what is wrong."""
     import numpy as np
     from PIL import Image
 
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with Image.open(io.BytesIO(data), formats=["JPEG", "PNG", "WEBP"]) as img:
             if img.width * img.height > max_pixels:
                 raise UploadError(413, f"image of {img.width}x{img.height} pixels; at most {max_pixels} pixels")
             return np.asarray(img.convert("RGB"), dtype=np.uint8)
