@@ -2,8 +2,9 @@
 
 Each upload is checked by its first bytes (MP4/MOV/WebM for videos; JPEG/PNG/WebP for images,
 which are also decoded under a pixel limit), capped in size while it is read, stored under the
-server's own folder with a name made from the id, and deleted when the session that named it ends
-or after `upload_ttl_s` unclaimed."""
+server's own folder with a name made from the id, and deleted `upload_ttl_s` after its POST (whether
+or not a session named it; a session that starts later finds it gone) or when the server stops.
+Webcam frames (`decode_frame`) are not uploads: they are decoded from the message itself."""
 from __future__ import annotations
 
 import io
