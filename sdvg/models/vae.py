@@ -73,6 +73,15 @@ class VAEDecodeCache:
         self.frames_decoded = snap.frames_decoded
 
 
+def latent_stats(cfg, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, std) [1, z, 1, 1, 1] float32 of the latents of a VAE with config `cfg`, on `device`, copied there once
+    (the encoder and the decoder normalise with the same pair)."""
+    key = ("vae_latent_stats", tuple(map(float, cfg.latents_mean)), tuple(map(float, cfg.latents_std)))
+    return device_constant(key, device, lambda: (
+        torch.tensor(cfg.latents_mean, dtype=torch.float32).view(1, -1, 1, 1, 1),
+        torch.tensor(cfg.latents_std, dtype=torch.float32).view(1, -1, 1, 1, 1)))
+
+
 def build_vae(config: VAEConfig):
     from diffusers import AutoencoderKLWan
 
@@ -114,9 +123,9 @@ class StreamingVAEDecoder:
         self.vae = vae
         cfg = vae.config
         self.z_dim = cfg.z_dim
+        self._latent_config = cfg
         self._mean = torch.tensor(cfg.latents_mean, dtype=torch.float32).view(1, -1, 1, 1, 1)
         self._std = torch.tensor(cfg.latents_std, dtype=torch.float32).view(1, -1, 1, 1, 1)
-        self._stats_key = ("vae_latent_stats", tuple(map(float, cfg.latents_mean)), tuple(map(float, cfg.latents_std)))
         self.num_convs = vae._cached_conv_counts["decoder"] if hasattr(vae, "_cached_conv_counts") else sum(
             1 for m in vae.decoder.modules() if type(m).__name__ == "WanCausalConv3d")
         self.vae_decoder = "wan"  # the default rule of new caches (`new_cache(rule)` overrides it)
@@ -132,7 +141,7 @@ class StreamingVAEDecoder:
 
     def latent_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, std) [1, z, 1, 1, 1] float32 on the VAE's device, copied there once (not per decode)."""
-        return device_constant(self._stats_key, self.device, lambda: (self._mean, self._std))
+        return latent_stats(self._latent_config, self.device)
 
     def new_cache(self, vae_decoder: str | None = None) -> VAEDecodeCache:
         """A fresh cache; `vae_decoder` ("wan" | "krea"; None: this decoder's default) picks the temporal

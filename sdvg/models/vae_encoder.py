@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from sdvg.models.device_constants import device_constant
+from sdvg.models.vae import latent_stats
 
 
 class VAEEncodeCache:
@@ -34,9 +34,6 @@ class StreamingVAEEncoder:
         self.temporal_stride = 2 ** sum(bool(x) for x in cfg.temperal_downsample)
         self.num_convs = vae._cached_conv_counts["encoder"] if hasattr(vae, "_cached_conv_counts") else sum(
             1 for m in vae.encoder.modules() if type(m).__name__ == "WanCausalConv3d")
-        self._stats_key = ("vae_latent_stats", tuple(map(float, cfg.latents_mean)), tuple(map(float, cfg.latents_std)))
-        self._mean = torch.tensor(cfg.latents_mean, dtype=torch.float32).view(1, -1, 1, 1, 1)
-        self._std = torch.tensor(cfg.latents_std, dtype=torch.float32).view(1, -1, 1, 1, 1)
 
     @property
     def device(self) -> torch.device:
@@ -75,12 +72,12 @@ class StreamingVAEEncoder:
         cache.frames_encoded += frames
         h = self.vae.quant_conv(torch.cat(outs, dim=2))
         mu = h[:, : self.z_dim].float()  # DiagonalGaussianDistribution's mean: the first z channels
-        mean, std = device_constant(self._stats_key, self.device, lambda: (self._mean, self._std))
+        mean, std = latent_stats(self.vae.config, self.device)
         return (mu - mean) / std
 
     @torch.no_grad()
     def encode_video(self, pixels: torch.Tensor) -> torch.Tensor:
         """Whole-clip encode through diffusers' own public path (the oracle of `encode`), normalised."""
         mu = self.vae.encode(pixels.to(self.device, self.dtype)).latent_dist.mode().float()
-        mean, std = device_constant(self._stats_key, self.device, lambda: (self._mean, self._std))
+        mean, std = latent_stats(self.vae.config, self.device)
         return (mu - mean) / std
