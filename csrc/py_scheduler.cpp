@@ -81,6 +81,11 @@ class StageCalls {
   virtual py::object vae_snapshot() = 0;
   virtual void vae_restore(py::object snapshot) = 0;
   virtual void emit(const EmittedBlock& block) = 0;
+  // A live video's block plan (config.live); a video of known length is planned from the config.
+  virtual BlockPlan plan(int block) {
+    throw std::logic_error("sdvg scheduler: config.live asks StageCalls.plan(" + std::to_string(block) +
+                           "), but this StageCalls does not override plan");
+  }
 };
 
 // pybind11's trampoline: a Python subclass's methods are the overrides.
@@ -106,6 +111,7 @@ class PyStageCalls : public StageCalls {
     PYBIND11_OVERRIDE_PURE(void, StageCalls, vae_restore, snapshot);
   }
   void emit(const EmittedBlock& block) override { PYBIND11_OVERRIDE_PURE(void, StageCalls, emit, block); }
+  BlockPlan plan(int block) override { PYBIND11_OVERRIDE(BlockPlan, StageCalls, plan, block); }
 };
 
 const char* lane_name(Lane r) { return r == Lane::Drafter ? "drafter" : r == Lane::Target ? "target" : "vae"; }
@@ -319,6 +325,11 @@ class PyExecutor : public Executor {
     e.redrafts = r.redrafts;
     stages_->emit(e);
   }
+  // On the calling thread (the lane ahead, or the main thread), with the GIL for the call only.
+  BlockPlan plan(int b) override {
+    py::gil_scoped_acquire gil;
+    return stages_->plan(b);
+  }
 
  private:
   // Runs `call` on the lane's stream with the GIL held: every Python object it makes (the
@@ -495,6 +506,37 @@ SchedulerConfig config_from_kwargs(const py::kwargs& kw) {
   return c;
 }
 
+BlockPlan plan_from_kwargs(const py::kwargs& kw) {
+  std::vector<std::string> unknown;
+  for (auto item : kw) {
+    const auto key = py::str(item.first).cast<std::string>();
+    bool known = false;
+    for (const char* f : kPlanFieldNames) known |= key == f;
+    if (!known) unknown.push_back(key);
+  }
+  if (!unknown.empty())
+    throw py::value_error("BlockPlan: unknown field '" + unknown.front() + "'; the fields are " +
+                          joined(kPlanFieldNames));
+  BlockPlan p;
+  auto as_plan_error = [](const std::string& what) {  // the converters speak of SchedulerConfig fields
+    const std::string prefix = "SchedulerConfig field";
+    return what.rfind(prefix, 0) == 0 ? "BlockPlan field" + what.substr(prefix.size()) : what;
+  };
+  try {
+#define SDVG_PLAN_FROM_PY_(type, name, doc) \
+  if (kw.contains(#name)) p.name = from_py<type>(#name, kw[#name]);
+    SDVG_PLAN_FIELDS(SDVG_PLAN_FROM_PY_)
+#undef SDVG_PLAN_FROM_PY_
+  } catch (const py::type_error& e) {
+    throw py::type_error(as_plan_error(e.what()));
+  } catch (const py::value_error& e) {
+    throw py::value_error(as_plan_error(e.what()));
+  }
+  if (p.tau != p.tau || p.accept_prob != p.accept_prob || p.uniform != p.uniform)
+    throw py::value_error("BlockPlan: tau, accept_prob and uniform must not be NaN");
+  return p;
+}
+
 std::string config_repr(const SchedulerConfig& c) {
   std::string s = "SchedulerConfig(";
   const char* sep = "";
@@ -591,6 +633,16 @@ void register_scheduler(py::module_& m) {
     return s + ")";
   });
 
+  py::class_<BlockPlan> plan(m, "BlockPlan",
+                             "What the scheduler is told before a live video's block (StageCalls.plan); every "
+                             "field a keyword, zero / False / 'reward' unless given");
+  plan.def(py::init(&plan_from_kwargs), "BlockPlan(**fields): names of FIELDS only; router by name");
+  plan.attr("FIELDS") = names_tuple(kPlanFieldNames);
+#define SDVG_PLAN_PROPERTY_(type, name, doc) \
+  plan.def_property_readonly(#name, [](const BlockPlan& p) { return to_py(p.name); }, doc);
+  SDVG_PLAN_FIELDS(SDVG_PLAN_PROPERTY_)
+#undef SDVG_PLAN_PROPERTY_
+
   m.attr("ROLE_NAMES") = names_tuple(kRoleNames);
   py::class_<Scored>(m, "Scored", "A draft's score: the aggregated score and one score per frame")
       .def(py::init([](double score, std::vector<double> frame_scores) {
@@ -626,7 +678,9 @@ void register_scheduler(py::module_& m) {
       .def("score", &StageCalls::score, py::arg("frames"), py::arg("producer"), py::arg("block"))
       .def("vae_snapshot", &StageCalls::vae_snapshot)
       .def("vae_restore", &StageCalls::vae_restore, py::arg("snapshot"))
-      .def("emit", &StageCalls::emit, py::arg("block"));
+      .def("emit", &StageCalls::emit, py::arg("block"))
+      .def("plan", &StageCalls::plan, py::arg("block"),
+           "config.live: block b's BlockPlan, asked once per block in order (may wait for live input)");
 
   py::class_<PyScheduler>(m, "Scheduler")
       .def(py::init<const SchedulerConfig&, py::object, py::object, py::object, at::Device, at::Device, bool>(),

@@ -1,5 +1,6 @@
 #include "scheduler.h"
 
+#include <climits>
 #include <sstream>
 #include <stdexcept>
 #include <type_traits>
@@ -38,15 +39,18 @@ RouterKind parse_router(const std::string& name) { return parse_in<RouterKind>(n
 
 void SchedulerConfig::validate() const {
   std::ostringstream os;
-  if (num_blocks < 1) os << "num_blocks " << num_blocks << " must be >= 1; ";
+  if (!live && num_blocks < 1) os << "num_blocks " << num_blocks << " must be >= 1; ";
+  if (live && num_blocks != 0)
+    os << "num_blocks " << num_blocks << " must be 0 for a live video (its plan says where it stops); ";
+  if (max_held_target_commits < 0) os << "max_held_target_commits " << max_held_target_commits << " must be >= 0; ";
   if (frames_per_block < 1) os << "frames_per_block " << frames_per_block << " must be >= 1; ";
   if (drafter_steps < 1) os << "drafter_steps " << drafter_steps << " must be >= 1; ";
   if (run_ahead_blocks < 1) os << "run_ahead_blocks " << run_ahead_blocks << " must be >= 1; ";
   if (run_ahead && drafter_recompute && !own_context && mode == Mode::Sdvg)
     os << "a recompute drafter cannot roll back a speculative commit (run_ahead with the committed context); ";
-  if (router == RouterKind::Random && static_cast<int>(uniforms.size()) < num_blocks)
+  if (!live && router == RouterKind::Random && static_cast<int>(uniforms.size()) < num_blocks)
     os << "random router needs one uniform draw per block (" << num_blocks << "), got " << uniforms.size() << "; ";
-  if (router == RouterKind::Pattern && pattern.empty()) os << "pattern router needs a pattern; ";
+  if (!live && router == RouterKind::Pattern && pattern.empty()) os << "pattern router needs a pattern; ";
   if (tau != tau) os << "tau is NaN; ";
   if (accept_prob != accept_prob) os << "accept_prob is NaN; ";
   std::string msg = os.str();
@@ -55,15 +59,13 @@ void SchedulerConfig::validate() const {
   throw std::invalid_argument("invalid scheduler config: " + msg);
 }
 
+BlockPlan Executor::plan(int block) {
+  throw std::logic_error("sdvg scheduler: config.live asks the executor for block " + std::to_string(block) +
+                         "'s plan, but this executor plans no blocks");
+}
+
 Scheduler::Scheduler(SchedulerConfig config, Executor& executor) : cfg_(std::move(config)), ex_(executor) {
   cfg_.validate();
-  const int n = cfg_.num_blocks;
-  records_.resize(n);
-  for (int b = 0; b < n; ++b) records_[b].index = b;
-  drafts_.resize(n);
-  draft_ready_.assign(n, 0);
-  decided_.assign(n, -1);
-  emitted_.resize(n);
 }
 
 Scheduler::~Scheduler() {
@@ -89,7 +91,7 @@ auto Scheduler::timed(int block, Stage stage, bool main_thread, F&& fn) -> declt
     const auto t1 = Clock::now();
     const double dt = std::chrono::duration<double>(t1 - t0).count();
     std::lock_guard<std::mutex> lk(mu_);
-    records_[block].times[static_cast<int>(stage)] += dt;
+    record(block).times[static_cast<int>(stage)] += dt;
     trace_.push_back({block, stage, main_thread, std::chrono::duration<double>(t0 - start_).count(),
                       std::chrono::duration<double>(t1 - start_).count()});
     counters_.stage_call_s += dt;
@@ -105,22 +107,88 @@ auto Scheduler::timed(int block, Stage stage, bool main_thread, F&& fn) -> declt
   }
 }
 
-bool Scheduler::route(int b, const Scored& s) const {
-  switch (cfg_.router) {
+bool Scheduler::route(const BlockPlan& p, const Scored& s) const {
+  switch (p.router) {
     case RouterKind::Reward:
       if (!s.valid) throw std::invalid_argument("router 'reward' needs a block score, but no reward model ran");
-      return s.score >= cfg_.tau;
-    case RouterKind::Random: return cfg_.uniforms[b] < cfg_.accept_prob;
-    case RouterKind::Pattern: return cfg_.pattern[b % cfg_.pattern.size()];
+      return s.score >= p.tau;
+    case RouterKind::Random: return p.uniform < p.accept_prob;
+    case RouterKind::Pattern: return p.pattern_accept;
   }
   return false;
+}
+
+// ------------------------------------------------------------------ per-block state
+Scheduler::Slot& Scheduler::slot(int b) { return slots_[b]; }
+
+BlockRecord& Scheduler::record(int b) {
+  while (static_cast<int>(records_.size()) <= b) {
+    records_.emplace_back();
+    records_.back().index = static_cast<int>(records_.size()) - 1;
+  }
+  return records_[b];
+}
+
+void Scheduler::prune() {
+  // the main thread reads a block's slot until it emits it; the lane reads block L's and L-1's
+  const int keep_from = std::min(emitted_upto_, lane_at_ == INT_MAX ? INT_MAX : lane_at_ - 1);
+  while (!slots_.empty() && slots_.begin()->first < keep_from) slots_.erase(slots_.begin());
+}
+
+BlockPlan Scheduler::config_plan(int b) const {
+  BlockPlan p;
+  p.stop = b >= cfg_.num_blocks;
+  p.last = b == cfg_.num_blocks - 1;
+  p.forced = cfg_.forced(b);
+  p.router = cfg_.router;
+  p.tau = cfg_.tau;
+  p.accept_prob = cfg_.accept_prob;
+  if (cfg_.router == RouterKind::Random && !p.stop) p.uniform = cfg_.uniforms[b];
+  if (cfg_.router == RouterKind::Pattern) p.pattern_accept = cfg_.pattern[b % cfg_.pattern.size()];
+  return p;
+}
+
+BlockPlan Scheduler::plan_of(int b) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    Slot& s = slot(b);
+    if (s.planned) return s.plan;
+  }
+  // One thread makes the plan; the other, arriving meanwhile, waits here and reads it (the executor's
+  // plan may wait for input: mu_ is not held, so the thread ahead never stalls the one behind).
+  std::lock_guard<std::mutex> call(plan_call_mu_);
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    Slot& s = slot(b);
+    if (s.planned) return s.plan;
+    if (b != planned_)
+      throw std::logic_error("sdvg scheduler: block " + std::to_string(b) + " planned out of order (next is " +
+                             std::to_string(planned_) + ")");
+  }
+  check_cancel();
+  BlockPlan p = cfg_.live ? ex_.plan(b) : config_plan(b);
+  std::lock_guard<std::mutex> lk(mu_);
+  Slot& s = slot(b);
+  s.plan = p;
+  s.planned = true;
+  planned_ = b + 1;
+  if (!p.stop) record(b);
+  return p;
 }
 
 void Scheduler::run() {
   const auto t0 = Clock::now();
   start_ = t0;
-  trace_.clear();
   const bool lane = cfg_.run_ahead && cfg_.mode != Mode::Target;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    trace_.clear();
+    records_.clear();
+    slots_.clear();
+    pending_target_commits_.clear();
+    planned_ = consumed_ = emitted_upto_ = 0;
+    lane_at_ = lane ? 0 : INT_MAX;
+  }
   if (lane) {
     drafter_thread_ = std::thread([this] {
       try {
@@ -160,29 +228,56 @@ void Scheduler::drafter_commit(int b, const Handle& latents) {
 
 bool Scheduler::wait_decision(int b, Handle* emitted) {
   std::unique_lock<std::mutex> lk(mu_);
-  cv_.wait(lk, [&] { return decided_[b] >= 0 || cancelled_.load(); });
-  if (decided_[b] < 0) throw Cancelled();
-  *emitted = emitted_[b];
-  return decided_[b] == 1;
+  cv_.wait(lk, [&] { return slot(b).decided >= 0 || cancelled_.load(); });
+  const Slot& s = slot(b);
+  if (s.decided < 0) throw Cancelled();
+  *emitted = s.emitted;
+  return s.decided == 1;
+}
+
+bool Scheduler::resolve_speculative_commit(int b) {
+  Handle emitted;
+  if (wait_decision(b, &emitted)) return false;
+  // the guess was wrong: undo it, commit the emitted (target's) block
+  ex_.drafter_cache_rollback(static_cast<int64_t>(b) * cfg_.frames_per_block);
+  drafter_commit(b, emitted);
+  return true;
 }
 
 void Scheduler::drafter_loop() {
-  const int n = cfg_.num_blocks, F = cfg_.frames_per_block;
   const bool own = cfg_.mode == Mode::Draft || cfg_.own_context;
   bool speculative_prev = false;  // block b-1 was committed assuming it would be accepted
-  for (int b = 0; b < n; ++b) {
-    check_cancel();
-    const bool last = b == n - 1;
-    if (b == 0 && cfg_.skips_first_draft()) {
-      Handle x0;
-      wait_decision(0, &x0);
-      if (!last) drafter_commit(0, x0);
-      continue;
+  struct Done {  // the lane reads no slot again, whatever ends it
+    Scheduler* s;
+    ~Done() {
+      std::lock_guard<std::mutex> lk(s->mu_);
+      s->lane_at_ = INT_MAX;
+      s->prune();
     }
+  } done{this};
+  for (int b = 0;; ++b) {
+    check_cancel();
     {  // the bounded queue: at most run_ahead_blocks drafts beyond the block being decided
       std::unique_lock<std::mutex> lk(mu_);
+      lane_at_ = b;
+      prune();
       cv_.wait(lk, [&] { return b - consumed_ < cfg_.run_ahead_blocks || cancelled_.load(); });
       if (cancelled_.load()) throw Cancelled();
+    }
+    const BlockPlan plan = plan_of(b);
+    if (plan.stop) break;
+    const bool forced = cfg_.mode == Mode::Sdvg && plan.forced;
+    if (forced && cfg_.skips_first_draft()) {  // no draft: the block's target output is committed
+      if (speculative_prev) resolve_speculative_commit(b - 1);
+      speculative_prev = false;
+      Handle x;
+      wait_decision(b, &x);
+      if (!plan.last) drafter_commit(b, x);
+      continue;
+    }
+    if (speculative_prev && plan.recache) {  // never draft a re-cache over an undecided commit
+      resolve_speculative_commit(b - 1);
+      speculative_prev = false;
     }
     Handle d = drafter_draft(b);
     if (speculative_prev) {
@@ -190,27 +285,25 @@ void Scheduler::drafter_loop() {
         std::lock_guard<std::mutex> lk(mu_);
         counters_.speculative_drafts += 1;
       }
-      Handle prev;
-      if (!wait_decision(b - 1, &prev)) {  // the guess was wrong: undo it, commit the target's block
-        ex_.drafter_cache_rollback(static_cast<int64_t>(b - 1) * F);
-        drafter_commit(b - 1, prev);
+      if (resolve_speculative_commit(b - 1)) {
         d = drafter_draft(b);
         std::lock_guard<std::mutex> lk(mu_);
         counters_.redrafts += 1;
-        records_[b].redrafts += 1;
+        record(b).redrafts += 1;
       }
     }
     {
       std::lock_guard<std::mutex> lk(mu_);
-      drafts_[b] = d;
-      draft_ready_[b] = 1;
+      Slot& s = slot(b);
+      s.draft = d;
+      s.draft_ready = true;
       cv_.notify_all();
     }
     speculative_prev = false;
-    if (last) break;
+    if (plan.last) break;
     if (own) {
       drafter_commit(b, d);
-    } else if (cfg_.forced(b)) {
+    } else if (forced) {
       Handle x;
       wait_decision(b, &x);
       drafter_commit(b, x);
@@ -225,41 +318,52 @@ void Scheduler::drafter_loop() {
 Handle Scheduler::obtain_draft(int b) {
   if (!cfg_.run_ahead) return drafter_draft(b);
   std::unique_lock<std::mutex> lk(mu_);
-  cv_.wait(lk, [&] { return draft_ready_[b] != 0 || cancelled_.load(); });
-  if (!draft_ready_[b]) throw Cancelled();
+  cv_.wait(lk, [&] { return slot(b).draft_ready || cancelled_.load(); });
+  Slot& s = slot(b);
+  if (!s.draft_ready) throw Cancelled();
   consumed_ = b + 1;
   cv_.notify_all();
-  Handle d = drafts_[b];
-  drafts_[b] = nullptr;  // the queue holds only drafts not yet taken
+  Handle d = std::move(s.draft);  // the queue holds only drafts not yet taken
+  s.draft = nullptr;
   return d;
 }
 
 void Scheduler::settle(int b, bool accepted, const Handle& emitted) {
   std::lock_guard<std::mutex> lk(mu_);
-  decided_[b] = accepted ? 1 : 0;
-  emitted_[b] = emitted;
+  Slot& s = slot(b);
+  s.decided = accepted ? 1 : 0;
+  s.emitted = emitted;
   cv_.notify_all();
 }
 
-void Scheduler::flush_target_commits(int block) {
-  for (auto& [b, x] : pending_target_commits_) {
+void Scheduler::commit_held_targets(int block, int count) {
+  const size_t n = count < 0 ? pending_target_commits_.size()
+                             : std::min(pending_target_commits_.size(), static_cast<size_t>(count));
+  for (size_t i = 0; i < n; ++i) {
+    const auto& [b, x] = pending_target_commits_[i];
     timed(block, Stage::TargetCommit, true, [&] { ex_.target_commit_forward(b, x); });
     if (cfg_.target_recompute) continue;  // the latents joined the context: no forward, no pointer move
     ex_.target_cache_commit();
   }
-  pending_target_commits_.clear();
+  pending_target_commits_.erase(pending_target_commits_.begin(), pending_target_commits_.begin() + n);
 }
 
 void Scheduler::run_main() {
-  const int n = cfg_.num_blocks;
-  for (int b = 0; b < n; ++b) {
+  for (int b = 0;; ++b) {
     check_cancel();
-    const bool last = b == n - 1;
-    BlockRecord& rec = records_[b];
+    const BlockPlan plan = plan_of(b);
+    if (plan.stop) break;
+    const bool last = plan.last;
+    BlockRecord* rec_ptr;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      rec_ptr = &record(b);  // a deque's elements stay put as it grows
+    }
+    BlockRecord& rec = *rec_ptr;
     Handle x, frames, d;
     bool accepted = false;
     auto run_target = [&] {  // 4. the target denoises the same noise (lazy commits flushed first)
-      flush_target_commits(b);
+      commit_held_targets(b);
       return timed(b, Stage::Target, true, [&] { return ex_.target(b); });
     };
     if (cfg_.mode == Mode::Target) {
@@ -275,13 +379,13 @@ void Scheduler::run_main() {
       settle(b, true, x);
       if (!cfg_.run_ahead && !last) drafter_commit(b, x);
     } else {
-      const bool forced = cfg_.forced(b);
+      const bool forced = plan.forced;
       Handle snap, draft_frames;
       Scored scored;
       if (forced && cfg_.skips_first_draft()) {
         std::lock_guard<std::mutex> lk(mu_);
         counters_.skipped_drafter_forwards += cfg_.drafter_steps;
-        consumed_ = 1;  // block 0 has no draft to take
+        consumed_ = b + 1;  // the block has no draft to take
         cv_.notify_all();
       } else {
         d = obtain_draft(b);  // 1. draft (made here, or taken from the run-ahead lane)
@@ -292,7 +396,7 @@ void Scheduler::run_main() {
         rec.score = scored.score;
         rec.frame_scores = scored.frame_scores;
       }
-      accepted = !forced && route(b, scored);  // 3. route
+      accepted = !forced && route(plan, scored);  // 3. route
       if (accepted) {
         x = d;
         frames = draft_frames;
@@ -313,7 +417,11 @@ void Scheduler::run_main() {
     if (cfg_.mode != Mode::Draft) {  // 5. commit (the drafter's commit is above, or on its lane)
       if (!last) {
         pending_target_commits_.emplace_back(b, x);
-        if (!(cfg_.lazy_target_commit && accepted && cfg_.mode == Mode::Sdvg)) flush_target_commits(b);
+        const int cap = cfg_.max_held_target_commits;
+        if (!(cfg_.lazy_target_commit && accepted && cfg_.mode == Mode::Sdvg))
+          commit_held_targets(b);
+        else if (cap > 0 && static_cast<int>(pending_target_commits_.size()) > cap)
+          commit_held_targets(b, 1);  // the oldest, in order: the same cache as committing it later
       } else {
         std::lock_guard<std::mutex> lk(mu_);
         counters_.skipped_target_commits += 1 + static_cast<int64_t>(pending_target_commits_.size());
@@ -331,8 +439,13 @@ void Scheduler::run_main() {
     {
       std::lock_guard<std::mutex> lk(mu_);
       snapshot = rec;
+      rec.latents = rec.frames = rec.draft_latents = nullptr;  // the block's tensors go with the emitted copy
     }
     ex_.emit(snapshot);
+    std::lock_guard<std::mutex> lk(mu_);
+    emitted_upto_ = b + 1;
+    prune();
+    if (last) break;  // nothing is planned past the last block
   }
 }
 

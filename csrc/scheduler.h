@@ -17,6 +17,14 @@
 //
 // A role with a recompute context (Krea) rebuilds its cache inside its denoise stage; committing a
 // block to it only hands the block's latents over (no forward, no pointer move).
+//
+// A live session (config.live) is planned one block at a time: before its first work on block b,
+// whichever thread reaches b first asks the executor for the block's plan (`Executor::plan`: stop
+// here, or produce it, last or not, forced or not, under which router), once; the other thread reads
+// the same plan. The video ends at the first block planned `stop`. A run-ahead drafter under the
+// `committed` context never drafts a block whose conditioning changed (its plan's `recache`: the
+// drafter first recomputes its context under the new conditioning) over a speculative commit not
+// yet decided: it waits for the decision, so a rollback never has to undo a re-cache.
 #pragma once
 
 #include <array>
@@ -24,8 +32,10 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <exception>
 #include <iterator>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -94,7 +104,9 @@ RouterKind parse_router(const std::string& name);
   X(bool, lazy_target_commit, "commit accepted blocks into the target only when it next runs")             \
   X(bool, score_emitted, "also score the target's frames of rejected blocks")                              \
   X(bool, run_ahead, "a drafter thread drafts ahead while the current block is decoded, scored and committed") \
-  X(int, run_ahead_blocks, "run-ahead: drafts the drafter may hold beyond the block being decided (>= 1)")
+  X(int, run_ahead_blocks, "run-ahead: drafts the drafter may hold beyond the block being decided (>= 1)")   \
+  X(bool, live, "blocks planned one at a time by the executor (stop, last, forced, router); num_blocks: 0")   \
+  X(int, max_held_target_commits, "lazy target commits held at most, the oldest committed past it (0: no cap)")
 
 struct SchedulerConfig {
 #define SDVG_CONFIG_MEMBER_(type, name, doc) type name{};
@@ -108,6 +120,29 @@ struct SchedulerConfig {
   }
   bool forced(int b) const { return mode == Mode::Sdvg && b == 0 && force_first_reject; }
 };
+
+// What the scheduler is told before block b (a live session's `Executor::plan`, or made from the
+// config for a whole video). X(type, name, doc)
+#define SDVG_PLAN_FIELDS(X)                                                                                     \
+  X(bool, stop, "the video ends before this block (nothing of it is made)")                                    \
+  X(bool, last, "the video's last block: nothing is committed after it")                                       \
+  X(bool, forced, "sdvg mode: the block goes to the target whatever the router says")                          \
+  X(bool, recache, "the drafter re-caches its context before this block (its conditioning changed)")          \
+  X(RouterKind, router, "reward | random | pattern: the block's router")                                       \
+  X(double, tau, "reward router: accepted when the block score >= tau")                                        \
+  X(double, accept_prob, "random router: accepted when uniform < accept_prob")                                 \
+  X(double, uniform, "random router: the block's U(0,1) draw")                                                 \
+  X(bool, pattern_accept, "pattern router: the block's decision")
+
+struct BlockPlan {
+#define SDVG_PLAN_MEMBER_(type, name, doc) type name{};
+  SDVG_PLAN_FIELDS(SDVG_PLAN_MEMBER_)
+#undef SDVG_PLAN_MEMBER_
+};
+
+#define SDVG_PLAN_NAME_(type, name, doc) #name,
+inline constexpr const char* kPlanFieldNames[] = {SDVG_PLAN_FIELDS(SDVG_PLAN_NAME_)};
+#undef SDVG_PLAN_NAME_
 
 #define SDVG_FIELD_NAME_(type, name, doc) #name,
 inline constexpr const char* kConfigFieldNames[] = {SDVG_CONFIG_FIELDS(SDVG_FIELD_NAME_)};
@@ -190,6 +225,9 @@ class Executor {
   virtual Handle vae_snapshot() = 0;
   virtual void vae_restore(const Handle& snapshot) = 0;
   virtual void emit(const BlockRecord& block) = 0;
+  // config.live: the plan of block b, asked once per block, in block order, from the thread that
+  // reaches b first (the drafter's lane under run-ahead); it may wait (a live input's frames).
+  virtual BlockPlan plan(int block);
 };
 
 class Scheduler {
@@ -202,7 +240,8 @@ class Scheduler {
   void cancel();
   bool cancelled() const { return cancelled_.load(); }
   const Counters& counters() const { return counters_; }
-  const std::vector<BlockRecord>& records() const { return records_; }
+  // One record per planned block; the handles of an emitted block are dropped (read them in emit).
+  const std::deque<BlockRecord>& records() const { return records_; }
   // Every stage call, in the order they ended (both threads); read after run() returns.
   const std::vector<Span>& trace() const { return trace_; }
 
@@ -210,36 +249,57 @@ class Scheduler {
   using Clock = std::chrono::steady_clock;
   template <class F>
   auto timed(int block, Stage stage, bool main_thread, F&& fn) -> decltype(fn());
-  bool route(int b, const Scored& s) const;
+  bool route(const BlockPlan& p, const Scored& s) const;
   void check_cancel() const;
+  // The plan of block b: made once (the executor's, or the config's), then read by both threads.
+  BlockPlan plan_of(int b);
+  BlockPlan config_plan(int b) const;
 
   // main thread
   void run_main();
-  void flush_target_commits(int block);
+  // The oldest `count` held target commits (all: -1), in order, charged to `block`.
+  void commit_held_targets(int block, int count = -1);
   Handle obtain_draft(int b);
   void settle(int b, bool accepted, const Handle& emitted);
   // drafter lane
   void drafter_loop();
   void drafter_commit(int b, const Handle& latents);
   Handle drafter_draft(int b);
+  // The speculative commit of block b (committed context) is checked: on a rejection it is rolled
+  // back and the emitted block committed instead. Returns whether it was rolled back.
+  bool resolve_speculative_commit(int b);
   // shared state (guarded by mu_)
   bool wait_decision(int b, Handle* emitted);
+
+  // One block in flight between the two threads; dropped once neither can read it again.
+  struct Slot {
+    bool planned = false;
+    BlockPlan plan;
+    Handle draft;           // run-ahead: the draft, until the main thread takes it
+    bool draft_ready = false;
+    int decided = -1;       // -1 unknown, 0 rejected / forced, 1 accepted
+    Handle emitted;         // the emitted block's latents (what a committed drafter takes on a rejection)
+  };
+  Slot& slot(int b);         // (under mu_) made on first use
+  BlockRecord& record(int b);  // (under mu_) made on first use
+  void prune();              // (under mu_) drop the slots no thread reads again
 
   SchedulerConfig cfg_;
   Executor& ex_;
   Counters counters_;
-  std::vector<BlockRecord> records_;
+  std::deque<BlockRecord> records_;  // one per planned block (handles dropped once emitted)
   std::vector<Span> trace_;
   Clock::time_point start_{};
   std::vector<std::pair<int, Handle>> pending_target_commits_;
 
   std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<Handle> drafts_;
-  std::vector<char> draft_ready_;
+  std::map<int, Slot> slots_;
+  int planned_ = 0;                 // blocks planned so far (plans are made in block order)
+  std::mutex plan_call_mu_;         // held while one thread makes a plan (never with mu_)
   int consumed_ = 0;  // drafts the main thread has taken (run-ahead's bounded queue)
-  std::vector<int> decided_;  // -1 unknown, 0 rejected / forced, 1 accepted
-  std::vector<Handle> emitted_;
+  int emitted_upto_ = 0;            // blocks the main thread has emitted
+  int lane_at_ = 0;                 // the block the drafter lane works on (INT_MAX once it is done)
   std::atomic<bool> cancelled_{false};
   std::exception_ptr drafter_error_;
   std::thread drafter_thread_;

@@ -157,8 +157,6 @@ def test_session_refusals_before_any_work(tiny_pipe):
         tiny_pipe.session("  ", num_blocks=2, scheduler="reference")
     with pytest.raises(OptionError, match="num_blocks 0"):
         tiny_pipe.session("a", num_blocks=0, scheduler="reference")
-    with pytest.raises(OptionError, match="scheduler='reference'"):
-        tiny_pipe.session("a", num_blocks=2)
     with pytest.raises(OptionError, match="interp_blocks 0"):
         tiny_pipe.session("a", num_blocks=2, scheduler="reference", interp_blocks=0)
     with pytest.raises(TypeError, match="unknown keywords"):

@@ -11,7 +11,7 @@ FIELDS = dict(mode="sdvg", num_blocks=5, frames_per_block=3, drafter_steps=4,
               drafter_recompute=False, target_recompute=False, router="random", tau=-0.25,
               accept_prob=0.5, uniforms=[0.125, 0.75, 0.5, 0.25, 1.0], pattern=[False, True, True],
               force_first_reject=True, own_context=False, skip_first_draft=True, lazy_target_commit=False,
-              score_emitted=True, run_ahead=True, run_ahead_blocks=2)
+              score_emitted=True, run_ahead=True, run_ahead_blocks=2, live=False, max_held_target_commits=0)
 
 
 def _config(**changes):
@@ -51,6 +51,41 @@ def test_repr_names_every_field():
     for name in FIELDS:
         assert f"{name}=" in r
     assert "router='random'" in r and "pattern=[False, True, True]" in r
+
+
+def test_a_live_config_has_no_block_count_and_a_non_negative_cap():
+    c = _config(live=True, num_blocks=0, uniforms=[], max_held_target_commits=4)
+    assert c.live and c.num_blocks == 0 and c.max_held_target_commits == 4
+    with pytest.raises(ValueError, match="num_blocks 5 must be 0 for a live video"):
+        _config(live=True)
+    with pytest.raises(ValueError, match="max_held_target_commits -1 must be >= 0"):
+        _config(max_held_target_commits=-1)
+
+
+def test_block_plan_fields_are_typed_keywords():
+    assert _C.BlockPlan.FIELDS == ("stop", "last", "forced", "recache", "router", "tau", "accept_prob", "uniform",
+                                   "pattern_accept")
+    empty = _C.BlockPlan()
+    assert (empty.stop, empty.last, empty.forced, empty.router, empty.tau) == (False, False, False, "reward", 0.0)
+    p = _C.BlockPlan(last=True, router="random", uniform=0.25, accept_prob=0.5, tau=1)
+    assert p.last and p.router == "random" and p.uniform == 0.25 and p.tau == 1.0
+    with pytest.raises(ValueError, match="unknown field 'block'; the fields are stop, last"):
+        _C.BlockPlan(block=3)
+    with pytest.raises(TypeError, match="BlockPlan field 'stop' must be a bool, got int 1"):
+        _C.BlockPlan(stop=1)
+    with pytest.raises(ValueError, match="unknown router 'best'"):
+        _C.BlockPlan(router="best")
+    with pytest.raises(ValueError, match="must not be NaN"):
+        _C.BlockPlan(tau=math.nan)
+
+
+def test_a_live_scheduler_asks_the_stage_calls_for_plans():
+    """StageCalls.plan is a virtual with a clear error when not overridden (the scheduler asks it under live)."""
+    class NoPlan(_C.StageCalls):
+        pass
+
+    with pytest.raises(RuntimeError, match=r"StageCalls.plan\(0\), but this StageCalls does not override plan"):
+        NoPlan().plan(0)
 
 
 def test_unknown_key_is_refused_by_name():

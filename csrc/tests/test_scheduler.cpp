@@ -4,6 +4,7 @@
 // and of the exact context its model's cache holds, so a draft made on a wrong context (a missed
 // rollback, a commit of the wrong latent) changes every later value and is caught.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -22,8 +23,10 @@ using namespace sdvg;
 
 
 struct Int : Value {
-  explicit Int(uint64_t v) : v(v) {}
+  explicit Int(uint64_t v) : v(v) { ++alive; }
+  ~Int() override { --alive; }
   uint64_t v;
+  static inline std::atomic<int> alive{0};  // values the scheduler (or a test) still holds
 };
 static uint64_t val(const Handle& h) { return static_cast<Int*>(h.get())->v; }
 static Handle mk(uint64_t v) { return std::make_shared<Int>(v); }
@@ -388,7 +391,8 @@ static void test_names() {
   }
   CHECK(why == "unknown router 'oracle'; choose reward, random or pattern");
   CHECK(std::size(kCounterNames) == 10 && std::string(kCounterNames[7]) == "scheduler_wall_s");
-  CHECK(std::size(kConfigFieldNames) == 18 && std::string(kConfigFieldNames[0]) == "mode");
+  CHECK(std::size(kConfigFieldNames) == 20 && std::string(kConfigFieldNames[0]) == "mode");
+  CHECK(std::size(kPlanFieldNames) == 9 && std::string(kPlanFieldNames[0]) == "stop");
 }
 
 // A recompute target: each target denoise past block 0 adds one context forward; committing a block
@@ -430,7 +434,216 @@ static void test_run_ahead_queue_is_bounded() {
   }
 }
 
+// ------------------------------------------------------------------ live videos (config.live)
+// A fake whose plans come from a list (past its end: stop); each plan call is logged with its block.
+struct Planned : Fake {
+  std::vector<BlockPlan> plans;
+  std::vector<int> plan_calls;
+  BlockPlan plan(int b) override {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      plan_calls.push_back(b);
+    }
+    note("plan " + std::to_string(b));
+    if (b >= static_cast<int>(plans.size())) {
+      BlockPlan stop;
+      stop.stop = true;
+      return stop;
+    }
+    return plans[b];
+  }
+};
+
+static SchedulerConfig live_cfg(bool run_ahead, bool own) {
+  SchedulerConfig c = pattern_cfg({true}, run_ahead, own, 1);
+  c.live = true;
+  c.num_blocks = 0;
+  return c;
+}
+
+static BlockPlan pattern_plan(bool accept, bool last = false) {
+  BlockPlan p;
+  p.router = RouterKind::Pattern;
+  p.pattern_accept = accept;
+  p.last = last;
+  return p;
+}
+
+static std::vector<std::string> stage_log(const Fake& f) {  // the log without the plan calls
+  std::vector<std::string> out;
+  for (auto& l : f.log)
+    if (l.rfind("plan ", 0) != 0) out.push_back(l);
+  return out;
+}
+
+// A live video planned exactly as the config would plan it is the same video, call for call.
+static void test_live_plans_equal_the_config_plan() {
+  const std::vector<bool> p = {false, true, false, true, true, false};
+  for (bool own : {false, true}) {
+    for (bool run_ahead : {false, true}) {
+      Fake a;
+      Scheduler sa(pattern_cfg(p, run_ahead, own), a);
+      sa.run();
+      Planned b;
+      for (size_t i = 0; i < p.size(); ++i) {
+        b.plans.push_back(pattern_plan(p[i], i + 1 == p.size()));
+        b.plans.back().forced = i == 0;
+      }
+      Scheduler sb(live_cfg(run_ahead, own), b);
+      sb.run();
+      CHECK(latents(a) == latents(b));
+      CHECK(a.drafter.committed == b.drafter.committed && a.target_cache.committed == b.target_cache.committed);
+      if (!run_ahead) CHECK(a.log == stage_log(b));
+      CHECK((b.plan_calls == std::vector<int>{0, 1, 2, 3, 4, 5}));  // once per block, in order; none past last
+      CHECK(sa.counters().skipped_target_commits == sb.counters().skipped_target_commits);
+    }
+  }
+}
+
+// Per-block routers and forced blocks; a stop ends the video there, with nothing skipped (no last block).
+static void test_live_per_block_plan_and_stop() {
+  auto plans = [] {
+    std::vector<BlockPlan> v(8);
+    v[0].forced = true;                     // block 0 (reward router, tau 0: accepted unless forced)
+    v[1].tau = 0.0;                         // reward: every score >= 0 is accepted
+    v[2].tau = 2.0;                         // nothing reaches 2: rejected
+    v[3].forced = true;                     // a forced block mid-video (a prompt switch)
+    v[4] = pattern_plan(false);
+    v[5].router = RouterKind::Random;       // 0.3 < 0.5: accepted
+    v[5].uniform = 0.3;
+    v[5].accept_prob = 0.5;
+    v[6] = pattern_plan(true);
+    v[7].stop = true;
+    return v;
+  };
+  const std::vector<Decision> want = {Decision::Forced, Decision::Accepted, Decision::Rejected, Decision::Forced,
+                                      Decision::Rejected, Decision::Accepted, Decision::Accepted};
+  std::vector<uint64_t> first;
+  for (bool own : {false, true}) {
+    for (bool run_ahead : {false, true}) {
+      Planned f;
+      f.plans = plans();
+      Scheduler s(live_cfg(run_ahead, own), f);
+      s.run();
+      CHECK(f.emitted.size() == want.size());
+      for (size_t i = 0; i < f.emitted.size() && i < want.size(); ++i) CHECK(f.emitted[i].decision == want[i]);
+      CHECK((f.plan_calls == std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7}));
+      CHECK(s.counters().skipped_target_commits == 0 && s.counters().skipped_drafter_commits == 0);
+      // the forced block 3 under the committed context has no draft (skip_first_draft), as block 0
+      bool drafted3 = false;
+      for (auto& l : f.log) drafted3 |= l == "draft 3";
+      CHECK(drafted3 == own);
+      CHECK(s.counters().skipped_drafter_forwards == (own ? 0 : 2 * f.steps));
+      if (!run_ahead) {
+        first = own ? first : latents(f);
+      } else if (!own) {
+        CHECK(latents(f) == first);  // run-ahead: the same video
+      }
+    }
+  }
+}
+
+// Under `committed` run-ahead the drafter does not draft a re-caching block over an undecided
+// speculative commit: it waits for the decision, rolls back there, and never redrafts that block.
+static void test_live_run_ahead_waits_before_a_recache() {
+  Planned f;
+  f.plans = {pattern_plan(false), pattern_plan(true), pattern_plan(false), pattern_plan(true), pattern_plan(true)};
+  f.plans[0].forced = true;
+  f.plans[3].recache = true;  // block 2 is rejected, block 3 re-caches
+  Scheduler s(live_cfg(true, false), f);
+  s.run();
+  const auto at = [&](const std::string& line) {
+    return std::find(f.log.begin(), f.log.end(), line) - f.log.begin();
+  };
+  CHECK(at("rollback 6") < at("draft 3"));  // block 2's speculative commit undone before block 3 is drafted
+  CHECK(std::count(f.log.begin(), f.log.end(), std::string("draft 3")) == 1);
+  CHECK(f.emitted.size() == 5 && f.emitted[3].redrafts == 0);
+  Planned g;  // sequential: the same video
+  g.plans = f.plans;
+  Scheduler q(live_cfg(false, false), g);
+  q.run();
+  CHECK(latents(f) == latents(g) && f.drafter.committed == g.drafter.committed);
+}
+
+// An unbounded video holds at most max_held_target_commits lazy commits: the oldest is committed
+// past it, the target's cache ends up the same.
+static void test_held_target_commits_are_capped() {
+  std::vector<bool> p(12, true);
+  p[0] = false;
+  p[10] = false;  // the target runs again at block 10
+  for (bool run_ahead : {false, true}) {
+    Fake a, b;
+    Scheduler sa(pattern_cfg(p, run_ahead, false, 12), a);
+    sa.run();
+    SchedulerConfig c = pattern_cfg(p, run_ahead, false, 12);
+    c.max_held_target_commits = 2;
+    Scheduler sb(c, b);
+    sb.run();
+    CHECK(latents(a) == latents(b) && a.target_cache.committed == b.target_cache.committed);
+    // capped: block 1's commit is made when block 3 is held (3 held > 2), before block 4 is drafted
+    const auto at = [&](const std::string& line) { return std::find(b.log.begin(), b.log.end(), line) - b.log.begin(); };
+    CHECK(at("tcommit 1") < at("target 10"));
+    if (!run_ahead) CHECK(at("tcommit 1") < at("draft 4") && at("draft 3") < at("tcommit 1"));
+    const auto at_a = [&](const std::string& line) { return std::find(a.log.begin(), a.log.end(), line) - a.log.begin(); };
+    CHECK(at_a("tcommit 1") > at_a("draft 9"));  // uncapped: held until the target runs
+  }
+}
+
+// The scheduler holds a block's tensors only while a thread can still use them: a long video keeps
+// a bounded number alive (the emitted blocks are handed over and dropped by the fake).
+static void test_long_live_video_holds_bounded_state() {
+  struct Dropping : Planned {
+    int most_alive = 0;
+    void emit(const BlockRecord& r) override {
+      std::lock_guard<std::mutex> lk(mu);
+      most_alive = std::max(most_alive, Int::alive.load());
+      BlockRecord kept = r;  // the decision and scores, not the tensors
+      kept.latents = kept.frames = kept.draft_latents = nullptr;
+      emitted.push_back(kept);
+    }
+  };
+  for (bool run_ahead : {false, true}) {
+    for (bool own : {false, true}) {
+      Dropping f;
+      for (int b = 0; b < 200; ++b) {
+        f.plans.push_back(pattern_plan(b % 3 != 1));
+        f.plans.back().forced = b == 0;
+      }
+      const int before = Int::alive.load();
+      Scheduler s(live_cfg(run_ahead, own), f);
+      s.run();
+      CHECK(f.emitted.size() == 200);
+      CHECK(f.most_alive - before < 16);  // not one per block
+    }
+  }
+}
+
+static void test_live_config() {
+  SchedulerConfig c = live_cfg(false, false);
+  CHECK(config_error(c).empty());
+  c.num_blocks = 4;
+  CHECK(contains(config_error(c), "must be 0 for a live video"));
+  c = base_cfg(3);
+  c.max_held_target_commits = -1;
+  CHECK(contains(config_error(c), "max_held_target_commits -1 must be >= 0"));
+  Fake f;  // an executor without plans, asked for one: a clear error
+  Scheduler s(live_cfg(false, false), f);
+  std::string why;
+  try {
+    s.run();
+  } catch (const std::logic_error& e) {
+    why = e.what();
+  }
+  CHECK(contains(why, "this executor plans no blocks"));
+}
+
 int main() {
+  test_live_plans_equal_the_config_plan();
+  test_live_per_block_plan_and_stop();
+  test_live_run_ahead_waits_before_a_recache();
+  test_held_target_commits_are_capped();
+  test_long_live_video_holds_bounded_state();
+  test_live_config();
   test_sequential_call_order();
   test_trailing_accepts_cost_the_target_nothing();
   test_run_ahead_equals_sequential(false);

@@ -20,6 +20,7 @@ them (`RoleModel`, into the run's counters).
 from __future__ import annotations
 
 import queue
+import threading
 import time
 
 import torch
@@ -61,6 +62,11 @@ class StageCalls(_C.StageCalls):
         # video-to-video (sdvg/generation/video_input.py): each block's encoded input frames, noised to the
         # role's first sigma, replace its pure noise; None: text-to-video
         self.video_input = video_input
+        # live sessions: the block plan (`LiveSession`: begin(b) -> BlockStep), read by the reference loop itself
+        # and by the native scheduler through `plan`; re-cache forwards by the block whose conditioning they serve
+        self.block_plan = None
+        self._recaches: dict[int, int] = {}
+        self._recache_lock = threading.Lock()
 
     def _condition(self, model, block: int) -> None:
         """Give `model` block `block`'s text conditioning (a live session's frozen table entry). When it differs
@@ -73,6 +79,37 @@ class StageCalls(_C.StageCalls):
         model.text_kv, model.text_key = self.conditioning.text_kv(block, model.role), key
         if changed and self.opts.recache and not model.context.recompute and model.committed_frames:
             model.recache()
+            with self._recache_lock:
+                self._recaches[block] = self._recaches.get(block, 0) + 1
+
+    def take_recaches(self, block: int) -> int:
+        """Re-cache forwards made for blocks <= `block` and not taken yet (a block's record reports them: the
+        same count under either loop, whichever thread made them)."""
+        with self._recache_lock:
+            done = [b for b in self._recaches if b <= block]
+            return sum(self._recaches.pop(b) for b in done)
+
+    def recaches(self, block: int) -> bool:
+        """Whether the drafter will re-cache before block `block`: its conditioning differs from the block
+        before's (a live session's table), re-cache is on and the drafter keeps a full context."""
+        drafter = self.setup.drafter
+        if (self.conditioning is None or block == 0 or drafter is None or not self.opts.recache
+                or drafter.context.recompute):
+            return False
+        return self.conditioning.key(block) != self.conditioning.key(block - 1)
+
+    def plan(self, block: int) -> _C.BlockPlan:
+        """The native scheduler's question before a live session's block (config.live): the session's
+        `begin(block)` (updates applied, conditioning frozen, input frames taken) as a `_C.BlockPlan`."""
+        step = self.block_plan.begin(block)
+        if step.stop:
+            return _C.BlockPlan(stop=True)
+        opts, router = self.opts, step.router
+        return _C.BlockPlan(
+            last=step.last, forced=(block == 0 and opts.force_first_reject) or step.forced,
+            recache=self.recaches(block), router=router.kind, tau=router.tau, accept_prob=router.accept_prob,
+            uniform=router.uniform(block, opts.seed) if router.kind == "random" else 0.0,
+            pattern_accept=router.kind == "pattern" and bool(router.pattern[block % len(router.pattern)]))
 
     def _score_prompt(self, block: int) -> str:
         return self.prompt if self.conditioning is None else self.conditioning.prompt(block)

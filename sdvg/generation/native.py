@@ -6,6 +6,11 @@ calls of `calls.StageCalls` (a subclass of the typed boundary `sdvg._C.StageCall
 the reference loop calls, so the outputs are identical. Blocks come back through a queue as soon as
 the scheduler emits them. The scheduler rejects a non-finite draft on its NaN score, and a
 non-finite target or emitted output raises from the stage call (`StageGuard`).
+
+A live session (`plan`, sdvg/live/session.py) runs with `config.live`: the scheduler asks
+`StageCalls.plan(b)` before each block (the session's `begin`, once per block, from the thread that
+reaches it first) and the video ends at the first block planned `stop`. Its blocks wait in a short
+queue for the consumer (`LIVE_QUEUED_BLOCKS`), so a session that is not read does not run on.
 """
 from __future__ import annotations
 
@@ -24,18 +29,24 @@ from sdvg.models.components import Components
 from sdvg.options import GenerationOptions
 
 _DONE = object()
+LIVE_QUEUED_BLOCKS = 1  # a live session's emitted blocks waiting for the consumer (the scheduler then waits)
 
 
 def scheduler_config(opts: GenerationOptions, frames_per_block: int, drafter_steps: int,
-                     drafter_recompute: bool = False, target_recompute: bool = False):
+                     drafter_recompute: bool = False, target_recompute: bool = False, live: bool = False,
+                     max_held_target_commits: int = 0):
     """The native scheduler's config: every field by name (the C++ side has no defaults and refuses an
     unknown or missing field). `drafter_steps`: the drafter's model calls per denoise (counted as skipped
     when block 0's draft is not made); `*_recompute`: the role's context is rebuilt before each block
-    (its commits only record latents, no pointer moves)."""
+    (its commits only record latents, no pointer moves); `live`: each block planned by `StageCalls.plan`
+    (no block count, no per-video router draws); `max_held_target_commits`: lazy target commits held at most
+    (0: no cap)."""
     router = Router.from_options(opts)
-    uniforms = [router.uniform(b, opts.seed) for b in range(opts.num_blocks)] if opts.router == "random" else []
+    uniforms = [router.uniform(b, opts.seed) for b in range(opts.num_blocks)] \
+        if opts.router == "random" and not live else []
     return _C.SchedulerConfig(
-        mode=opts.mode, num_blocks=opts.num_blocks, frames_per_block=frames_per_block, drafter_steps=drafter_steps,
+        mode=opts.mode, num_blocks=0 if live else opts.num_blocks, frames_per_block=frames_per_block,
+        drafter_steps=drafter_steps, live=live, max_held_target_commits=max_held_target_commits,
         drafter_recompute=drafter_recompute, target_recompute=target_recompute,
         router=opts.router, tau=opts.tau, accept_prob=opts.accept_prob, uniforms=uniforms,
         pattern=list(opts.pattern), force_first_reject=opts.force_first_reject,
@@ -44,28 +55,38 @@ def scheduler_config(opts: GenerationOptions, frames_per_block: int, drafter_ste
         run_ahead_blocks=opts.run_ahead_blocks)
 
 
-def setup_scheduler_config(opts: GenerationOptions, setup):
+def setup_scheduler_config(opts: GenerationOptions, setup, live: bool = False, max_held_target_commits: int = 0):
     """`scheduler_config` for a prepared video (each role's schedule and context mode)."""
     d, t = setup.drafter, setup.target
     return scheduler_config(opts, setup.frames_per_block, d.schedule.num_steps if d else 1,
-                            bool(d and d.context.recompute), bool(t and t.context.recompute))
+                            bool(d and d.context.recompute), bool(t and t.context.recompute), live,
+                            max_held_target_commits)
 
 
 def generate_blocks_native(comps: Components, prompt: str, opts: GenerationOptions, report: LoopReport | None = None,
                            runners=None, threaded: bool = True,
-                           memory_budget_gib: float | None = None, video_input=None) -> Iterator[BlockRecord]:
-    """Same contract as `reference.generate_blocks`, run by the native scheduler.
+                           memory_budget_gib: float | None = None, video_input=None,
+                           plan=None) -> Iterator[BlockRecord]:
+    """Same contract as `reference.generate_blocks` (`plan`: a live session, as there), run by the native
+    scheduler.
 
     threaded=True runs the scheduler on a worker thread and yields each block as it is emitted;
     threaded=False runs it on the calling thread and yields the blocks at the end (CPU compute on a
-    thread other than the main one measured 15-20% slower here, so whole-video calls use this)."""
+    thread other than the main one measured 15-20% slower here, so whole-video calls use this). A live
+    session runs threaded."""
+    if plan is not None and not threaded:
+        raise ValueError("a live session's native scheduler runs on its own thread (threaded=True)")
     forwards = Counters()  # the models count their forwards here; the scheduler counts the rest
     setup = prepare(comps, prompt, opts, forwards, slack_frames=setup_slack(comps, opts.run_ahead), runners=runners,
                     memory_budget_gib=memory_budget_gib)
-    sink: queue.Queue = queue.Queue()
+    sink: queue.Queue = queue.Queue(maxsize=0 if plan is None else LIVE_QUEUED_BLOCKS)
     stages = StageCalls(comps, prompt, opts, setup, sink=sink, video_input=video_input)
+    if plan is not None:
+        plan.attach(stages, setup)
+        stages.block_plan = plan
+    held = getattr(plan, "max_held_commits", None) or 0
     sched = _C.Scheduler(
-        setup_scheduler_config(opts, setup), stages,
+        setup_scheduler_config(opts, setup, live=plan is not None, max_held_target_commits=held), stages,
         setup.drafter.cache if setup.drafter else None, setup.target.cache if setup.target else None,
         comps.drafter_device, comps.target_device)
     errors: list[BaseException] = []
@@ -93,6 +114,11 @@ def generate_blocks_native(comps: Components, prompt: str, opts: GenerationOptio
                 yield item
         finally:
             sched.cancel()  # no-op when finished; stops the scheduler if the consumer went away
+            while worker.is_alive():  # a bounded queue: the scheduler may be waiting to hand a block over
+                try:
+                    sink.get(timeout=0.05)
+                except queue.Empty:
+                    pass
             worker.join()
     if errors:  # a consumer that left early never gets here (GeneratorExit at its yield): the run's own error
         raise errors[0]

@@ -1,9 +1,11 @@
 """A live session: one video whose prompt, seed and router threshold change between blocks, unbounded
 when asked (docs/live.md).
 
-The session drives the reference loop (`sdvg/generation/reference.py`) with itself as the loop's plan:
-before each block the loop calls `begin(b)`, which, under the session's lock, applies the updates due
-at that block, freezes the block's conditioning (`ConditioningTable`) and counts the block as started.
+The session drives either loop with itself as the loop's plan: the reference loop
+(`sdvg/generation/reference.py`) calls `begin(b)` before each block; the native scheduler
+(`scheduler="cpp"`) asks `StageCalls.plan(b)`, which calls it, from the thread that reaches block b
+first (under run-ahead, the drafter's lane). `begin(b)`, under the session's lock, applies the updates
+due at that block, freezes the block's conditioning (`ConditioningTable`) and counts the block as started.
 `update()` (any thread) acknowledges an update at the first block not yet started, so every update
 takes effect exactly at a block boundary and a live run replays offline from its recorded schedule
 (`stats["updates"]`, the `prompt_schedule` format). A restart (`seed=` / `reset=True`) ends the
@@ -34,7 +36,10 @@ class BlockStep:
 
 
 _STOP = BlockStep(stop=True)
-MAX_HELD_COMMITS = 4  # an unbounded session's lazy target commits held back at most (bitwise the same video)
+# lazy target commits a session holds back at most (bitwise the same video): without a cap an unbounded session's
+# would pile up while every block is accepted, and a held block's conditioning must still be in the table
+MAX_HELD_COMMITS = 4
+assert MAX_HELD_COMMITS < ConditioningTable.KEEP
 
 
 class _SegmentConditioning:
@@ -116,13 +121,9 @@ class LiveSession:
         if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int)
                                        or num_blocks < 1):
             raise OptionError(f"num_blocks {num_blocks!r} must be a positive integer, or None for an unbounded session")
-        if options.scheduler != "reference":
-            raise OptionError("live sessions and prompt schedules run on the reference scheduler for now (the native "
-                              "scheduler's updates are not built yet, docs/live.md); pass scheduler='reference'")
         self.pipe, self.limit = pipe, num_blocks
-        # lazy target commits the loop may hold (unbounded: a few, committed oldest first once past it; they
-        # would otherwise pile up while every block is accepted, one latent block each)
-        self.max_held_commits = MAX_HELD_COMMITS if num_blocks is None else None
+        # lazy target commits the loop may hold: a few, committed oldest first once past it
+        self.max_held_commits = MAX_HELD_COMMITS
         if num_blocks is None:
             opts = pipe.resolve(options.replace(num_blocks=1))
             check_unbounded(opts)
@@ -144,7 +145,7 @@ class LiveSession:
         self._router = Router.from_options(opts)  # the router of the blocks being started
         self._router_acked = self._router  # ... and after every acknowledged update (checked against it)
         self._segment_start, self._segments = 0, 0
-        self._models: list = []  # the running segment's role models (`attach`)
+        self._calls = None  # the running segment's stage calls (`attach`)
         self._recache_forwards = 0
         self._reports: list[LoopReport] = []
         self._records_live: dict[int, dict] = {}
@@ -254,9 +255,9 @@ class LiveSession:
     # ------------------------------------------------------------ the loop's plan
     def attach(self, calls, setup) -> None:
         calls.conditioning = _SegmentConditioning(self.table, self._segment_start, setup)
-        self._models = [m for m in (setup.drafter, setup.target) if m is not None]
-        for m in self._models:  # re-cache reads the clean latents of the frames a full context still sees
-            if self.opts.recache and not m.context.recompute:
+        self._calls = calls
+        for m in (setup.drafter, setup.target):  # re-cache reads the clean latents of the frames a full context sees
+            if m is not None and self.opts.recache and not m.context.recompute:
                 m.keep_clean = True
 
     def begin(self, b: int) -> BlockStep:
@@ -307,6 +308,7 @@ class LiveSession:
 
     # ------------------------------------------------------------------- blocks
     def _run(self):
+        from sdvg.generation.native import generate_blocks_native
         from sdvg.generation.reference import generate_blocks
 
         while True:
@@ -323,7 +325,6 @@ class LiveSession:
                 prompt = self.table._current.prompt if self._started else self.table.prompts[0]
             report = LoopReport()
             self._reports.append(report)
-            recached = 0  # re-cache forwards of this segment's models so far
             self._records_live = {}
             opts = self.opts.replace(seed=self._seed)
             if self._source is not None:
@@ -332,12 +333,11 @@ class LiveSession:
 
                 self._video = VideoInput(self._source, StreamingVAEEncoder(self.pipe.components.vae.vae),
                                          self.pipe.preset.video.frames_per_block, self.input_timeout_s)
-            for record in generate_blocks(self.pipe.components, prompt, opts, report, runners=self.runners,
-                                          memory_budget_gib=self.pipe.memory_budget_gib, plan=self,
-                                          video_input=self._video):
+            loop = generate_blocks_native if opts.scheduler == "cpp" else generate_blocks
+            for record in loop(self.pipe.components, prompt, opts, report, runners=self.runners,
+                               memory_budget_gib=self.pipe.memory_budget_gib, plan=self, video_input=self._video):
                 record.live = self._records_live.pop(record.index)
-                made = sum(m.recache_forwards for m in self._models)
-                record.live["recache_forwards"], recached = made - recached, made
+                record.live["recache_forwards"] = self._calls.take_recaches(record.index)
                 self._recache_forwards += record.live["recache_forwards"]
                 yield record
             if self._closed or self.input_ended or (self.limit is not None and self._started >= self.limit):
@@ -383,7 +383,11 @@ class LiveSession:
         with self._lock:
             self._closed = True
         done = [r for r in self._reports if r.counters is not None]
-        self.stats.finish(done[-1] if done else None, interrupted=interrupted)
+        final = done[-1] if done else None
+        if final is not None and len(done) > 1 and all(r.final_times is not None for r in done):
+            # the native scheduler's final per-block times, segment after segment (stats.blocks' order)
+            final = dataclasses.replace(final, final_times=[t for r in done for t in r.final_times])
+        self.stats.finish(final, interrupted=interrupted)
         if len(done) > 1:  # counters and trace of every segment
             total = {}
             for r in done:
