@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -628,3 +629,64 @@ def test_a_webcam_reset_with_a_pending_seed_stays_a_webcam_session_and_odd_image
     params_msg = next(t for t in texts if t.get("status") == "params")
     assert params_msg["seed"] == 11 and params_msg["options"]["strength"] == 0.6
     assert texts[-1]["status"] == "completed" and frames == 9
+
+
+def test_a_slow_webcam_decode_blocks_neither_the_server_nor_the_frame_order(server, tiny_pipe, monkeypatch):
+    """Webcam images are decoded off the event loop: while the first one's decode is held, the server answers an
+    HTTP request; the socket's later images wait behind it, so the frames are still read in the order sent
+    (bitwise `pipe.session` fed the same frames in that order)."""
+    import threading
+
+    import sdvg.serve.app as app_module
+    from serve_harness import decode_jpeg
+
+    url, _ = server
+    jpegs = _jpegs(9, seed=4)
+    entered, release, done = threading.Event(), threading.Event(), threading.Event()
+    real = app_module.decode_frame
+
+    def held_decode(data, max_pixels):
+        if data == jpegs[0] and not entered.is_set():
+            entered.set()
+            release.wait(20)  # held until the test has been answered over HTTP (or 20 s: the test then fails)
+            done.set()
+        return real(data, max_pixels)
+
+    monkeypatch.setattr(app_module, "decode_frame", held_decode)
+    answered = {}
+
+    def probe():
+        entered.wait(30)
+        t0 = time.perf_counter()
+        answered["status"] = http(url, "/")[0]
+        answered["held"] = not done.is_set()  # answered while the decode was still held
+        answered["s"] = time.perf_counter() - t0
+        release.set()
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+
+    async def go():
+        async with websockets.connect(f"ws://{url}/session/cam3?fmt=raw&sdvg=1", max_size=2**26) as ws:
+            await recv_json(ws, 30)
+            await ws.send(msgpack.packb(params(num_blocks=1, webcam_mode=True, strength=0.6)))
+            assert (await recv_json(ws, 30))["status"] == "params"
+            for data in jpegs:
+                await ws.send(msgpack.packb({"image": data}))
+            frames = []
+            while True:
+                m = await asyncio.wait_for(ws.recv(), TIMEOUT)
+                if isinstance(m, bytes):
+                    item = msgpack.unpackb(m)
+                    frames.append(np.frombuffer(item["image"], np.uint8).reshape(item["shape"]))
+                elif json.loads(m)["status"] in ("completed", "error"):
+                    return frames, json.loads(m)
+
+    frames, last = asyncio.run(go())
+    prober.join(30)
+    assert answered["status"] == 200 and answered["held"], answered
+    assert last["status"] == "completed", last
+    session = tiny_pipe.session(PROMPT, num_blocks=1, seed=5, kv_cache_frames=3, keep_first_frame=False,
+                                scheduler="reference", input_frames=True, strength=0.6)
+    session.update(input_frames=np.stack([decode_jpeg(j) for j in jpegs]))
+    assert np.array_equal(np.stack(frames), np.concatenate([b.frames.numpy() for b in session]))

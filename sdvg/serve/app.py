@@ -256,7 +256,7 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
                 if session.spec is None:
                     await start(session, obj)
                 else:
-                    handle_update(session, obj)
+                    await handle_update(session, obj)
             except ProtocolError as exc:
                 refuse(session, exc, "invalid")
             if session.outbox.items and session.outbox.items[-1][0] == "close":
@@ -283,7 +283,7 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
         if session.superset:
             session.outbox.text({"status": "ack", "field": field, "block": block, "request_id": request_id, **extra})
 
-    def handle_update(session: Session, obj) -> None:
+    async def handle_update(session: Session, obj) -> None:
         u = parse_update(obj, cfg.max_prompt_chars)
         if u.action in ("pause", "resume", "ping") and not session.superset:
             raise ProtocolError("action", f"{u.action!r} is sdvg's superset: connect with ?sdvg=1")
@@ -320,10 +320,12 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
                 raise ProtocolError("image", "this session takes no webcam frames: start it with webcam_mode: true")
             if session.state != "running":
                 raise ProtocolError("image", f"the session is {session.state}; send webcam frames once it runs")
-            try:
-                frame = decode_frame(u.image, cfg.max_webcam_pixels)
+            try:  # off the event loop (other sockets go on); this socket's next message waits: its order holds
+                frame = await asyncio.to_thread(decode_frame, u.image, cfg.max_webcam_pixels)
             except UploadError as exc:
                 raise ProtocolError("image", str(exc)) from None
+            if session.state != "running":  # reset (queued again) or ended while it was decoded
+                raise ProtocolError("image", f"the session is {session.state}; send webcam frames once it runs")
             # (a `strength` sent with it changes nothing, as in Krea's server, whose schedule is fixed at the start)
             manager.command(session, "update", {"input_frames": frame[None]}, "image", u.request_id)
         elif u.strength is not None:
