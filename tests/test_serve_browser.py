@@ -1,6 +1,7 @@
 """A real browser on sdvg serve's page: Debian's headless Chromium, driven over the Chrome DevTools
 protocol (its websocket, with the `websockets` library): it starts a session, sees frames drawn and
-block decisions listed, changes the prompt, and saves a screenshot."""
+block decisions listed, changes the prompt, runs a webcam session on Chromium's fake camera, and saves a
+screenshot."""
 from __future__ import annotations
 
 import asyncio
@@ -60,6 +61,7 @@ def test_page_in_headless_chromium(tiny_pipe, tmp_path):
         browser = subprocess.Popen([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                                     "--no-first-run", "--disable-background-networking", "--disable-component-update",
                                     "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}",
+                                    "--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream",
                                     f"--remote-debugging-port={port}", "--window-size=900,1000",
                                     f"http://{url}/"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
@@ -113,6 +115,19 @@ async def drive(debugger_url: str, tmp_path: Path) -> Path:
                           "let s = 0; for (let i = 0; i < d.length; i += 4) s += d[i] + d[i+1] + d[i+2];"
                           "return s; })()")
         assert lit > 0
+        # Webcam: Chromium's fake camera feeds a live video-to-video session (Krea's webcam_mode, `image` frames)
+        await dt.js("delete document.body.dataset.lastError; document.body.dataset.framesDrawn = '0';"
+                    "document.getElementById('status').textContent = 'starting';"
+                    "document.getElementById('webcam').checked = true;"
+                    "document.getElementById('numBlocks').value = '2';"
+                    "document.getElementById('start').click(); true")
+        await dt.until("document.getElementById('status').textContent === 'completed' || "
+                       "!!document.body.dataset.lastError")
+        assert not await dt.js("document.body.dataset.lastError || ''")
+        assert await dt.js("Number(document.body.dataset.strength)") == 0.6  # a video-to-video session
+        assert await dt.js("Number(document.body.dataset.framesDrawn)") == 9 + 12
+        assert await dt.js("Number(document.body.dataset.webcamFramesSent)") >= 9 + 12  # each block read its own
+        assert await dt.js("document.getElementById('camera').srcObject === null")  # the camera is closed after
         png = (await dt.call("Page.captureScreenshot", format="png"))["data"]
         shot = tmp_path / "serve_page.png"
         shot.write_bytes(base64.b64decode(png))

@@ -220,6 +220,8 @@ class SessionManager:
             self.active.append(nxt)
             nxt.state = "running"
             self._restart(nxt)
+            if nxt.superset:  # sdvg: the slot is held now (a webcam page starts sending frames)
+                nxt.post_text({"status": "running", "session_id": nxt.id})
         self._tell_positions()
 
     def _tell_positions(self) -> None:

@@ -44,6 +44,37 @@
   $("blend").oninput = () => { $("blendValue").textContent = $("blend").value; };
   $("tau").oninput = () => { $("tauValue").textContent = $("tau").value; };
   $("tau").onchange = () => { if (ws && ws.readyState === 1) ws.send(msg({ tau: Number($("tau").value) })); };
+  $("strength").oninput = () => { $("strengthValue").textContent = $("strength").value; };
+
+  // Webcam (Krea's webcam_mode): camera frames as JPEG `image` messages at 16 frames/s while the session holds
+  // a slot; the server queues them for the blocks to come (block 0 reads 9, each later block 12)
+  const FRAME_MS = 1000 / 16, camera = $("camera"), grab = document.createElement("canvas");
+  let stream = null, capture = null, sent = 0;
+  async function openCamera() {
+    stream = await navigator.mediaDevices.getUserMedia({ video: { width: { ideal: 640 }, height: { ideal: 480 } },
+                                                         audio: false });
+    camera.srcObject = stream;
+    await camera.play();
+  }
+  function startCapture() {
+    if (!stream || capture) return;
+    capture = setInterval(() => {
+      if (!ws || ws.readyState !== 1 || !camera.videoWidth) return;
+      if (ws.bufferedAmount > 4 * 1024 * 1024) return;  // the socket is behind: this frame is skipped
+      grab.width = camera.videoWidth; grab.height = camera.videoHeight;
+      grab.getContext("2d").drawImage(camera, 0, 0);
+      grab.toBlob((blob) => blob && blob.arrayBuffer().then((buf) => {
+        if (!ws || ws.readyState !== 1 || !capture) return;
+        ws.send(msg({ image: new Uint8Array(buf) }));
+        sent += 1; $("framesSent").textContent = sent; document.body.dataset.webcamFramesSent = sent;
+      }), "image/jpeg", 0.85);
+    }, FRAME_MS);
+  }
+  function closeCamera() {
+    clearInterval(capture); capture = null;
+    if (stream) stream.getTracks().forEach((t) => t.stop());
+    stream = null; camera.srcObject = null;
+  }
 
   function draw(blob) {
     createImageBitmap(blob).then((img) => {
@@ -60,10 +91,19 @@
     const m = JSON.parse(data);
     if (m.status === "ready") {
       setStatus("ready");
-      ws.send(msg({ prompt: $("prompt").value, seed: Number($("seed").value), num_blocks: Number($("numBlocks").value),
-                    tau: Number($("tau").value), request_id: "page" }));
+      const start = { prompt: $("prompt").value, seed: Number($("seed").value), num_blocks: Number($("numBlocks").value),
+                      tau: Number($("tau").value), request_id: "page" };
+      if (stream) { start.webcam_mode = true; start.strength = Number($("strength").value); }
+      ws.send(msg(start));
     } else if (m.status === "queued") setStatus("queued, position " + m.position);
-    else if (m.status === "params") setStatus("generating (seed " + m.seed + ")");
+    else if (m.status === "params" || m.status === "running") {
+      if (m.status === "params") {
+        setStatus((m.state === "queued" ? "queued" : "generating") + " (seed " + m.seed + ")");
+        document.body.dataset.strength = m.options.strength;
+      }
+      else setStatus("generating");
+      if (m.status === "running" || m.state === "running") startCapture();
+    }
     else if (m.status === "stats") {
       const line = document.createElement("div");
       line.className = m.decision; line.dataset.decision = m.decision;
@@ -81,17 +121,27 @@
       document.body.dataset.lastAck = m.field + ":" + m.block;
     }
     else if (m.status === "error") { setStatus("error: " + m.error); document.body.dataset.lastError = m.error; }
-    else if (m.status === "completed") { setStatus("completed"); $("download").disabled = false; running(false); }
+    else if (m.status === "completed") {
+      setStatus("completed"); $("download").disabled = false; running(false); closeCamera();
+    }
   }
 
-  $("start").onclick = () => {
+  $("start").onclick = async () => {
     sessionId = "page-" + Math.random().toString(36).slice(2, 12);
-    frames = 0; $("blocks").textContent = ""; $("download").disabled = true;
+    frames = 0; sent = 0; $("blocks").textContent = ""; $("download").disabled = true;
+    if ($("webcam").checked) {
+      try { await openCamera(); } catch (err) {
+        setStatus("camera: " + err.message); document.body.dataset.lastError = "camera: " + err.message; return;
+      }
+    }
     const q = "?sdvg=1" + (token ? "&token=" + encodeURIComponent(token) : "");
     ws = new WebSocket((location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/session/" + sessionId + q);
     ws.binaryType = "blob";
     ws.onmessage = (e) => (typeof e.data === "string" ? onText(e.data) : draw(e.data));
-    ws.onclose = () => { running(false); if ($("status").textContent !== "completed") setStatus("disconnected"); };
+    ws.onclose = () => {
+      running(false); closeCamera();
+      if ($("status").textContent !== "completed") setStatus("disconnected");
+    };
     running(true);
   };
   $("stop").onclick = () => { if (ws) ws.close(); };
