@@ -419,32 +419,38 @@ def test_max_sessions_2_queues_the_third_and_refuses_beyond_the_queue(tiny_pipe,
     with running_server(tiny_pipe, tmp_path, max_sessions=2, max_queue=1) as (url, _):
         async def go():
             socks = []
-            for i in range(4):
-                ws = await websockets.connect(f"ws://{url}/session/q{i}?fmt=raw")
+            for i in range(4):  # the third speaks sdvg's superset: told when it gets its slot
+                ws = await websockets.connect(f"ws://{url}/session/q{i}?fmt=raw" + ("&sdvg=1" if i == 2 else ""))
                 await recv_json(ws, 30)
                 await ws.send(msgpack.packb(params(num_blocks=1)))
                 socks.append(ws)
                 await asyncio.sleep(0.3)
-            third = await recv_json(socks[2], 30)
+            third = [await recv_json(socks[2], 30) for _ in range(2)]  # queued, params (either order)
             fourth = await recv_json(socks[3], 30)
             try:
                 await asyncio.wait_for(socks[3].recv(), 30)
                 code = "open"
             except websockets.exceptions.ConnectionClosed as exc:
                 code = exc.rcvd.code
-            frames = 0
+            frames, running_before_frames = 0, None
             while True:  # the queued third runs once a slot frees
                 m = await asyncio.wait_for(socks[2].recv(), TIMEOUT)
                 if isinstance(m, bytes):
                     frames += 1
+                    running_before_frames = bool(running_before_frames)
+                elif json.loads(m)["status"] == "running":
+                    assert json.loads(m) == {"status": "running", "session_id": "q2"}
+                    running_before_frames = frames == 0
                 elif json.loads(m)["status"] == "completed":
                     break
             for ws in socks:
                 await ws.close()
-            return third, fourth, code, frames
+            return third, fourth, code, frames, running_before_frames
 
-        third, fourth, code, frames = asyncio.run(go())
-    assert third == {"status": "queued", "position": 1, "session_id": "q2"}
+        third, fourth, code, frames, running_before_frames = asyncio.run(go())
+    assert {"status": "queued", "position": 1, "session_id": "q2"} in third
+    assert any(t["status"] == "params" and t["state"] == "queued" for t in third)
+    assert running_before_frames is True  # {status: running} came before the first frame
     assert fourth["status"] == "error" and fourth["error"].startswith("busy") and code == 1013
     assert frames == 9
 
