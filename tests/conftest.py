@@ -1,4 +1,8 @@
 import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -82,3 +86,17 @@ def dit():
 def text(dit):
     """Its cross-attention K/V of a fixed random 512-token text embedding."""
     return dit.encode_text(torch.randn(1, 512, 32, generator=torch.Generator().manual_seed(1)))
+
+
+@pytest.fixture(scope="session")
+def tiny_onnx_build(tmp_path_factory):
+    """`python -m build_engines --preset tiny --format onnx --verify --out FOLDER` run once per session, as a
+    real process: every tiny stage exported (export_onnx), checked against eager in onnxruntime (verify_onnx)
+    and stored in the engine cache. `.out`: the folder; `.proc`: the finished process (its stdout has one
+    verification line per stage). Read-only for the tests (copy it to change it): test_stages,
+    test_engines and test_onnxruntime_backend share it instead of exporting every stage each."""
+    out = tmp_path_factory.mktemp("onnx-engines")
+    proc = subprocess.run([sys.executable, "-m", "build_engines", "--preset", "tiny", "--format", "onnx", "--verify",
+                           "--out", str(out)], capture_output=True, text=True, timeout=1200,
+                          cwd=Path(__file__).resolve().parents[1])
+    return SimpleNamespace(out=out, proc=proc)

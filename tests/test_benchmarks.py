@@ -170,3 +170,13 @@ def test_gpu_check_on_the_cpu_leaves_at_most_three_files(tmp_path):
     modes = [(x["mode"], x["run_ahead"]) for x in lat["runs"]]
     assert ("sdvg", True) in modes and ("target", True) not in modes  # no target-only run-ahead
     assert lat["warmup_s"]["eager, cpp"] > 0
+    # both steps ran in the one process; the stages step's eager numbers were kept whether or not its box ended
+    with tarfile.open(out / "results.tar.gz") as tar:
+        summary = json.loads(tar.extractfile("./summary.json").read())
+        st = json.loads(tar.extractfile("./stages.json").read())
+    assert list(summary["steps"]) == ["latency", "stages"], summary["steps"]
+    assert summary["steps"]["latency"]["status"] == "done", summary["steps"]
+    assert summary["steps"]["stages"]["status"] in ("done", "stopped at its time box (results so far kept)"), \
+        summary["steps"]
+    assert list(st["stages"]) == ["drafter_dit_3f_cached", "target_dit_3f_cached", "vae_decode", "reward_12f"]
+    assert all(row["eager_s"] > 0 for row in st["stages"].values()), st["stages"]

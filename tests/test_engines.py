@@ -1,6 +1,7 @@
 """build_engines: the CLI, the engine cache and its validation, TensorRT (marked)."""
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -112,16 +113,32 @@ def _cli(*args):
 
 
 @pytest.mark.slow
-def test_cli_onnx_verify_and_cache(tmp_path):
-    r = _cli("--preset", "tiny", "--format", "onnx", "--verify", "--stages", "target_dit,vae_decode",
-             "--out", str(tmp_path))
+def test_cli_onnx_verify_and_cache(tiny_onnx_build, tmp_path, capsys):
+    """The real command, one process (conftest's `tiny_onnx_build`: `python -m build_engines --preset tiny
+    --format onnx --verify --out DIR`, run once for the session): every stage verified and stored."""
+    r = tiny_onnx_build.proc
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count("(ok, tolerance 1e-04)") == 3  # the cached DiT stage checked at two sizes
-    manifests = sorted(tmp_path.glob("*/manifest.json"))
-    assert [m.parent.name.rsplit("-", 1)[0] for m in manifests] == ["target_dit_3f", "target_dit_3f_cached",
-                                                                     "vae_decode"]
-    m = json.loads(manifests[0].read_text())
-    assert m["key"]["artifact"] == "onnx" and m["rebuild_command"].startswith("python -m build_engines --preset tiny")
+    names = ["drafter_dit_3f", "drafter_dit_3f_cached", "reward_12f", "reward_9f", "target_dit_3f",
+             "target_dit_3f_cached", "vae_decode"]
+    assert r.stdout.count("(ok, tolerance 1e-04)") == 7  # one line a stage (a cached DiT stage checked at two sizes)
+    for name in names:
+        assert re.search(rf"^{name}: exported in .*onnxruntime vs eager max error .* \(ok, tolerance 1e-04\)",
+                         r.stdout, re.M), (name, r.stdout)
+    manifests = sorted(tiny_onnx_build.out.glob("*/manifest.json"))
+    assert [m.parent.name.rsplit("-", 1)[0] for m in manifests] == names
+    for path in manifests:
+        m = json.loads(path.read_text())
+        assert m["key"]["artifact"] == "onnx"
+        assert m["rebuild_command"].startswith("python -m build_engines --preset tiny")
+    # --stages takes several families, and the build plan holds their stages only (the export of a --stages
+    # subset: test_onnxruntime_backend's checkpoint test)
+    from build_engines.__main__ import main
+
+    assert main(["--preset", "tiny", "--format", "onnx", "--stages", "target_dit,vae_decode", "--dry-run",
+                 "--out", str(tmp_path)]) == 0
+    plan = capsys.readouterr().out
+    assert re.findall(r"^  (\S+)\s+cpu\s", plan, re.M) == ["target_dit_3f", "target_dit_3f_cached", "vae_decode"], plan
+    assert not list(tmp_path.iterdir())  # a dry run writes nothing
 
 
 def test_cli_bad_input(capsys):

@@ -123,7 +123,7 @@ def test_parse_source():
 
 
 @pytest.mark.slow
-def test_cli_resolves_repo_ids_offline(offline_cache, tmp_path):
+def test_cli_resolves_repo_ids_offline(offline_cache, tmp_path, capsys):
     home, _, _ = offline_cache
     env = dict(os.environ, HF_HOME=str(home), HF_HUB_OFFLINE="1")
     env.pop("HF_HUB_CACHE", None)
@@ -134,10 +134,15 @@ def test_cli_resolves_repo_ids_offline(offline_cache, tmp_path):
                         "--num-blocks", "1", "--quiet", "--out", str(tmp_path / "v.mp4")], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    r = subprocess.run([sys.executable, "-m", "sdvg.cli", "generate", "--preset", "tiny", *flags[:2],
-                        "--target", "test-org/target/missing.safetensors", "--prompt", PROMPT, "--quiet",
-                        "--out", str(tmp_path / "w.mp4")], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2 and "missing.safetensors" in r.stderr and "download" in r.stderr
+    # a file the cache lacks: through the command's main() in this process (offline_cache points the hub
+    # library at the same cache, offline, as HF_HOME and HF_HUB_OFFLINE did for the process above)
+    from sdvg.cli.main import main
+
+    capsys.readouterr()
+    code = main(["generate", "--preset", "tiny", *flags[:2], "--target", "test-org/target/missing.safetensors",
+                 "--prompt", PROMPT, "--quiet", "--out", str(tmp_path / "w.mp4")])
+    err = capsys.readouterr().err
+    assert code == 2 and "missing.safetensors" in err and "download" in err
 
 
 def test_published_repo_ids_give_their_preset(offline_cache):

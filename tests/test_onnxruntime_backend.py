@@ -33,13 +33,11 @@ KW = dict(num_blocks=3, seed=1, router="pattern", pattern=(False, True, False))
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    """Every tiny stage exported once for this module (in-process: `python -m build_engines --format onnx`)."""
-    from build_engines.__main__ import main
-
-    out = tmp_path_factory.mktemp("onnx-engines")
-    assert main(["--preset", "tiny", "--format", "onnx", "--out", str(out)]) == 0
-    return out
+def engines(tiny_onnx_build):
+    """Every tiny stage exported once for the session (`python -m build_engines --format onnx --verify`,
+    conftest's `tiny_onnx_build`); read-only here (a test that alters it works on a copy)."""
+    assert tiny_onnx_build.proc.returncode == 0, tiny_onnx_build.proc.stderr
+    return tiny_onnx_build.out
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +175,8 @@ def test_engines_built_from_checkpoints_load_for_the_same_checkpoints_only(tmp_p
     flags = {s: [a for role, p in paths[s].items() for a in (f"--{role.replace('_', '-')}", str(p))] for s in paths}
     out = tmp_path / "engines"
     assert build(["--preset", "tiny", *flags[0], "--format", "onnx", "--stages", "reward", "--out", str(out)]) == 0
+    # --stages builds the stages asked for and no others
+    assert sorted(m.parent.name.rsplit("-", 1)[0] for m in out.glob("*/manifest.json")) == ["reward_12f", "reward_9f"]
 
     def reward_stage(seed):
         pipe = SpeculativeVideoPipeline.from_pretrained("tiny", **paths[seed], drafter_device="cpu",

@@ -192,6 +192,20 @@ def _cli(*args, timeout=300):
                           timeout=timeout)
 
 
+def _in_process(capsys, *args):
+    """The same command line through `sdvg.cli.main(argv)` in this process (what `python -m sdvg.cli` runs,
+    without a new interpreter importing torch): its exit status (argparse's refusals exit 2), stdout, stderr."""
+    from sdvg.cli.main import main
+
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out.out, out.err)
+
+
 @pytest.mark.slow
 def test_cli_generate_writes_mp4_and_stats(tmp_path):
     from sdvg.io.video_writer import read_mp4_frames
@@ -211,44 +225,44 @@ def test_cli_generate_writes_mp4_and_stats(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_prompts_file_resume_and_bad_files(tmp_path):
+def test_cli_prompts_file_resume_and_bad_files(tmp_path, capsys):
     pf = tmp_path / "p.txt"
     pf.write_text("a cat\na dog\n")
     args = ["generate", "--preset", "tiny", "--prompts-file", str(pf), "--num-blocks", "1", "--out",
             str(tmp_path / "v.mp4"), "--stats", str(tmp_path / "s.jsonl"), "--quiet"]
-    assert _cli(*args).returncode == 0
+    assert _cli(*args).returncode == 0  # the real command; the rest through its main() in this process
     recs = [json.loads(x) for x in (tmp_path / "s.jsonl").read_text().splitlines()]
     assert [r["prompt_index"] for r in recs] == [0, 1]
     assert (tmp_path / "v_0000.mp4").is_file() and (tmp_path / "v_0001.mp4").is_file()
     pf.write_text("a cat\na dog\na bird\n")
-    assert _cli(*args, "--resume").returncode == 0
+    assert _in_process(capsys, *args, "--resume").returncode == 0
     recs = [json.loads(x) for x in (tmp_path / "s.jsonl").read_text().splitlines()]
     assert [r["prompt_index"] for r in recs] == [0, 1, 2]  # only the new prompt ran
     pf.write_text("a cat\n\na dog\n")
-    r = _cli(*args)
+    r = _in_process(capsys, *args)
     assert r.returncode != 0 and "blank lines at [2]" in r.stderr
     pf.write_bytes(b"a cat\n\xff\xfe bad\n")
-    r = _cli(*args)
+    r = _in_process(capsys, *args)
     assert r.returncode != 0 and "not valid UTF-8" in r.stderr
-    r = _cli("generate", "--preset", "tiny", "--prompt", "x", "--tau", "nan")
+    r = _in_process(capsys, "generate", "--preset", "tiny", "--prompt", "x", "--tau", "nan")
     assert r.returncode != 0 and "NaN" in r.stderr
-    r = _cli("generate", "--preset", "nope", "--prompt", "x", "--out", str(tmp_path / "n.mp4"))
+    r = _in_process(capsys, "generate", "--preset", "nope", "--prompt", "x", "--out", str(tmp_path / "n.mp4"))
     assert r.returncode != 0 and "unknown preset" in r.stderr
 
 
 @pytest.mark.slow
-def test_one_line_prompts_file_follows_the_prompts_file_rule(tmp_path):
+def test_one_line_prompts_file_follows_the_prompts_file_rule(tmp_path, capsys):
     pf = tmp_path / "one.txt"
     pf.write_text("a cat\n")
     args = ["generate", "--preset", "tiny", "--prompts-file", str(pf), "--num-blocks", "1", "--out",
             str(tmp_path / "v.mp4"), "--quiet", "--resume"]
-    assert _cli(*args).returncode == 0
+    assert _cli(*args).returncode == 0  # the real command; the rest through its main() in this process
     assert (tmp_path / "v_0000.mp4").is_file() and not (tmp_path / "v.mp4").exists()
     recs = [json.loads(x) for x in (tmp_path / "v.jsonl").read_text().splitlines()]  # JSON Lines, named .jsonl
     assert [r["prompt_index"] for r in recs] == [0]
-    r = _cli(*args)
+    r = _in_process(capsys, *args)
     assert r.returncode == 0 and "nothing to resume" in r.stderr  # resumed: nothing left to do (said before loading)
-    r = _cli("generate", "--preset", "tiny", "--prompt", "x", "--prompts-file", str(pf))
+    r = _in_process(capsys, "generate", "--preset", "tiny", "--prompt", "x", "--prompts-file", str(pf))
     assert r.returncode != 0 and "either --prompt TEXT or --prompts-file FILE" in r.stderr
 
 
@@ -283,23 +297,24 @@ def test_interrupt_leaves_playable_mp4_and_marked_stats(tmp_path, tiny_pipe, mon
 
 
 @pytest.mark.slow
-def test_memory_command_budget():
+def test_memory_command_budget(capsys):
     """The 14B target fits a 48 GB card (44.7 GiB) under Krea's recompute context and not under full."""
-    r = _cli("memory", "--preset", "wan2.1", "--budget-gib", "44.7")
+    r = _cli("memory", "--preset", "wan2.1", "--budget-gib", "44.7")  # the real command
     assert r.returncode == 0, r.stderr
     target = r.stdout.split("device cuda:1:")[1]
     assert "target KV cache                  7.14 GiB   (recompute: 6 frames x 1560 tokens x 40 layers" in target
     assert "total                           34.15 GiB   fits the budget of 44.7 GiB" in target
-    r = _cli("memory", "--preset", "wan2.1", "--budget-gib", "44.7", "--target-context", "full")
+    # the rest through its main() in this process
+    r = _in_process(capsys, "memory", "--preset", "wan2.1", "--budget-gib", "44.7", "--target-context", "full")
     assert r.returncode == 2  # the device, what it needs, the budget and the fix are named
     assert all(s in r.stderr for s in ("cuda:1", "59.14 GiB", "44.7 GiB", "recompute target context"))
-    r = _cli("memory", "--preset", "wan2.1", "--json", "--target-device", "cuda:0")
+    r = _in_process(capsys, "memory", "--preset", "wan2.1", "--json", "--target-device", "cuda:0")
     plan = json.loads(r.stdout)
     assert plan["kv_cache_gib_per_mode"]["target"]["full"] > 32 and plan["contexts"]["target"] == "recompute"
     assert list(plan["device_total_gib"]) == ["cuda:0"]  # one device: every component summed on it
     assert plan["device_total_gib"]["cuda:0"] == pytest.approx(sum(it["gib"] for it in plan["items"]))
     for bad in ("nan", "-1"):
-        assert _cli("memory", "--budget-gib", bad).returncode == 2
+        assert _in_process(capsys, "memory", "--budget-gib", bad).returncode == 2
 
 
 @pytest.mark.slow

@@ -147,14 +147,21 @@ def test_reward_step_equals_scorer(tiny_pipe):
 
 
 @pytest.mark.slow
-def test_onnx_export_of_every_stage_matches_eager(tiny_pipe, tmp_path):
-    from build_engines.export import export_onnx, verify_onnx
-    from sdvg.engines.signatures import component_signatures, stage_spec
+def test_onnx_export_of_every_stage_matches_eager(tiny_pipe, tiny_onnx_build):
+    """Every stage's ONNX file as export_onnx wrote it (the session's one `build_engines --format onnx`
+    run, conftest's `tiny_onnx_build`, exports each stage with it) run in onnxruntime against eager here."""
+    from build_engines.export import verify_onnx
+    from sdvg.engines.cache import EngineCache
+    from sdvg.engines.signatures import component_signatures, stage_key, stage_spec
 
+    assert tiny_onnx_build.proc.returncode == 0, tiny_onnx_build.proc.stderr
+    cache = EngineCache(tiny_onnx_build.out)
     errors = {}
     for sig in component_signatures(tiny_pipe.components):
         st = stage_spec(tiny_pipe.components, sig)
-        errors[st.name] = verify_onnx(st, export_onnx(st, tmp_path / st.name / "model.onnx"))
+        # the file exported for these very weights, shapes and precision (the cache validates the key and file)
+        onnx_file = cache.load(stage_key(sig, tiny_pipe.components, "onnx"), "python -m build_engines --preset tiny")
+        errors[st.name] = verify_onnx(st, onnx_file)
     assert set(errors) == {"drafter_dit_3f", "drafter_dit_3f_cached", "target_dit_3f", "target_dit_3f_cached",
                            "vae_decode", "reward_9f", "reward_12f"}
     # measured: DiT stages 2.6e-7 to 4.1e-7, VAE 2.1e-6, reward 7.8e-7
