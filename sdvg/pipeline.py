@@ -332,7 +332,7 @@ class SpeculativeVideoPipeline:
 
     def session(self, prompt: str, num_blocks: int | None = None, input_video=None, input_frames: bool = False,
                 input_timeout_s: float = 30.0, input_queue_frames: int = 1024, input_drop_oldest: bool = False,
-                **options) -> "LiveSession":
+                record_blocks: int | str | None = "auto", **options) -> "LiveSession":
         """A live session (docs/live.md): iterate it for each `BlockRecord`; `session.update(prompt=...,
         interp_blocks=..., seed=..., reset=..., tau=..., router=..., accept_prob=..., pattern=...,
         input_frames=...)` from any thread takes effect at the block it acknowledges; `session.close()` ends
@@ -341,7 +341,9 @@ class SpeculativeVideoPipeline:
         frames pushed with `update(input_frames=...)`, each block waiting up to `input_timeout_s` for its
         frames (the session ends when they do not come), at most `input_queue_frames` waiting (one more is
         refused, or with `input_drop_oldest` the oldest queued frame makes room); `strength` sets how much of
-        the input is kept. The other keywords are those of `stream`."""
+        the input is kept. `record_blocks`: the block entries (and their trace) `session.stats` keeps, the
+        oldest folded into the totals ('auto': all for a bounded session, the last 1000 for an unbounded one;
+        None: all). The other keywords are those of `stream`."""
         from sdvg.live import LiveSession
 
         unknown = sorted(set(options) - set(OPTION_NAMES))
@@ -359,7 +361,7 @@ class SpeculativeVideoPipeline:
             self.input_clip(None, opts)  # strength without an input is refused
         return LiveSession(self, prompt, opts, num_blocks, input_video=frames, input_frames=input_frames,
                            input_timeout_s=input_timeout_s, input_queue_frames=input_queue_frames,
-                           input_drop_oldest=input_drop_oldest)
+                           input_drop_oldest=input_drop_oldest, record_blocks=record_blocks)
 
     def input_clip(self, input_video, options: GenerationOptions, fit_blocks: bool = False,
                    max_bytes: int | None = None) -> tuple[GenerationOptions, object]:

@@ -182,3 +182,39 @@ def test_a_seed_sent_before_the_first_block_seeds_the_first_segment(tiny_pipe, m
     s = tiny_pipe.session("a", num_blocks=2, scheduler="reference", seed=1)
     assert s.update(seed=9).block == 0
     assert list(s) == [] and seeds == [9]
+
+
+class _Exits:
+    """A block's early-exit view, as `BlockExits.stats()` writes it."""
+
+    def __init__(self, k):
+        self.k = k
+
+    def stats(self):
+        role = {"forwards": self.k, "oracle_forwards": 1, "token_evals": 10 * self.k, "tokens": 10}
+        return {"mean_steps": self.k / 2, "max_steps": self.k, "exit": {"producer": "drafter", "drafter": role}}
+
+
+@pytest.mark.parametrize("early_exit", ["none", "drafter"])
+def test_stats_keeping_the_last_blocks_fold_the_rest_into_exact_totals(early_exit):
+    from sdvg.generation.types import BlockRecord, RunStats
+    from sdvg.options import GenerationOptions
+
+    opts = GenerationOptions(num_blocks=12, mode="sdvg", early_exit=early_exit)
+    every, last3 = RunStats("p", "tiny", opts), RunStats("p", "tiny", opts, keep_blocks=3)
+    for b in range(12):
+        decision = "forced" if b == 0 else ("accepted" if b % 3 else "rejected")
+        times = {k: 0.25 * (b + 1) for k in ("draft", "decode", "score", "target", "drafter_commit",
+                                               "target_commit", "commit")}
+        block = BlockRecord(b, decision, torch.zeros(1), torch.zeros((9 if b == 0 else 12, 2, 2, 3)), 0.5, [0.5],
+                            times, exits=_Exits(b % 4 + 1) if early_exit != "none" else None)
+        every.add(block), last3.add(block)
+    a, k = every.as_dict(), last3.as_dict()
+    assert [b["index"] for b in k["blocks"]] == [9, 10, 11] and k["blocks_dropped"] == 9 and a["blocks_dropped"] == 0
+    for key in ("frames", "acceptance_rate", "accepted_blocks", "blocks_done", "mean_steps", "max_steps",
+                "exit_roles", "stage_totals"):
+        assert k[key] == a[key], key  # quarters: every sum exact in any order
+    with pytest.raises(OptionError, match="record_blocks 0 must be a positive integer"):
+        from sdvg.live import LiveSession
+
+        LiveSession(None, "a", GenerationOptions(), num_blocks=2, record_blocks=0)

@@ -131,3 +131,32 @@ def test_a_long_accepted_run_holds_at_most_four_target_commits(tiny_pipe, schedu
     # block 0's commit, then blocks 1..14 committed past the cap during the run, 15..18 when the target runs
     assert session.stats.counters["skipped_target_commits"] == 1
     assert plain.stats.counters["skipped_target_commits"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheduler", ["reference", "cpp"])
+def test_an_unbounded_session_keeps_its_last_blocks_and_exact_totals(tiny_pipe, scheduler):
+    """record_blocks=3 on an unbounded session ended by close(): the statistics keep 3 block entries and their spans,
+    the rest folded into totals equal to those of every block the consumer received; the last segment's counters
+    are recorded (the loop's report is made when the consumer leaves); the reference loop keeps 3 blocks' times."""
+    session = tiny_pipe.session("a red fox", num_blocks=None, scheduler=scheduler, router="pattern", pattern="0110",
+                                seed=5, record_blocks=3, target_context="recompute", drafter_cache="recompute")
+    seen = []
+    for block in session:
+        seen.append((block.index, block.decision, block.frames.shape[0], block.live["segment"]))
+        if block.live["block"] == 3:
+            session.update(seed=7)  # a restart: the kept blocks may span two segments
+        if block.live["block"] == 8:
+            break
+    if scheduler == "reference":
+        assert len(session._calls.times) <= 3 + 1
+    stats = session.close().as_dict()
+    later = [s for s in seen if s[0] > 0]
+    assert stats["blocks_done"] == len(seen) == 9 and stats["blocks_dropped"] == 6
+    assert [(b["index"], b["live"]["segment"]) for b in stats["blocks"]] == [(s[0], s[3]) for s in seen[-3:]]
+    assert stats["frames"] == sum(s[2] for s in seen)
+    assert stats["accepted_blocks"] == sum(s[1] == "accepted" for s in later)
+    assert stats["acceptance_rate"] == stats["accepted_blocks"] / len(later)
+    assert stats["segments"] == 2 and stats["interrupted"] is False
+    assert stats["target_forwards"] > 0 and stats["drafter_forwards"] > 0  # every segment's counters, the last too
+    assert stats["trace"] and {s["block"] for s in stats["trace"]} <= {b["index"] for b in stats["blocks"]}

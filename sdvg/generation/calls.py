@@ -22,6 +22,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 
 import torch
 
@@ -52,8 +53,11 @@ class StageCalls(_C.StageCalls):
         self.transfer = LatentTransfer([self.drafter_dev, self.target_dev])
         self.waits = opts.stage_timing == "sync"
         self.events = StageEvents([self.drafter_dev, self.target_dev, self.vae_dev])
-        self.trace: list[dict] | None = [] if record_trace else None
+        self.trace: deque[dict] | None = deque() if record_trace else None
         self.times: dict[int, dict[str, float]] = {}  # record_trace: block -> seconds per stage
+        # record_trace: the blocks whose spans and times are kept (None: all; a long live session keeps the last few)
+        self.keep_blocks: int | None = None
+        self.stage_s = 0.0  # record_trace: seconds inside stage calls, every block (kept or not)
         self.block = 0  # record_trace: the block the loop is producing (its calls are charged to it)
         self.t_start = time.perf_counter()
         # live sessions (sdvg/live): block -> (role -> its text K/V, the prompt a score is judged against);
@@ -119,6 +123,11 @@ class StageCalls(_C.StageCalls):
         """The Python loop starts producing `block`: the calls that follow are charged to it."""
         self.block = block
         self.times[block] = {k: 0.0 for k in STAGE_NAMES}
+        if self.keep_blocks is not None:  # spans and times of the blocks before the kept ones
+            oldest = block - self.keep_blocks
+            self.times.pop(oldest, None)
+            while self.trace and self.trace[0]["block"] <= oldest:
+                self.trace.popleft()
 
     def _wait(self, device) -> None:
         if torch.device(device).type == "cuda":
@@ -138,6 +147,7 @@ class StageCalls(_C.StageCalls):
         if self.trace is not None:
             t1 = time.perf_counter()
             self.times[self.block][stage] += t1 - t0
+            self.stage_s += t1 - t0
             self.trace.append({"block": self.block, "stage": stage, "thread": "main",
                                "start_s": t0 - self.t_start, "end_s": t1 - self.t_start})
         return out

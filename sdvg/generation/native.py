@@ -99,8 +99,21 @@ def generate_blocks_native(comps: Components, prompt: str, opts: GenerationOptio
         finally:
             sink.put(_DONE)
 
+    def report_run() -> None:  # the scheduler is done (finished, failed or cancelled): what it did
+        device_times = stages.events.resolve()  # events: waits for every stage's last work (caches final)
+        if report is not None:
+            counters = sched.counters()
+            counters.drafter_forwards, counters.target_forwards = forwards.drafter_forwards, forwards.target_forwards
+            report.stage_device_s = device_times
+            report.counters = counters
+            report.trace = sched.trace()
+            report.final_times = sched.block_times()
+            report.drafter_cache = setup.drafter.cache if setup.drafter else None
+            report.target_cache = setup.target.cache if setup.target else None
+
     if not threaded:
         body()
+        report_run()
         while (item := sink.get()) is not _DONE:
             yield item
     else:
@@ -120,18 +133,9 @@ def generate_blocks_native(comps: Components, prompt: str, opts: GenerationOptio
                 except queue.Empty:
                     pass
             worker.join()
+            report_run()  # also when the consumer left early (a live session's close)
     if errors:  # a consumer that left early never gets here (GeneratorExit at its yield): the run's own error
         raise errors[0]
-    device_times = stages.events.resolve()  # events: waits for every stage's last work (caches final)
-    if report is not None:
-        counters = sched.counters()
-        counters.drafter_forwards, counters.target_forwards = forwards.drafter_forwards, forwards.target_forwards
-        report.stage_device_s = device_times
-        report.counters = counters
-        report.trace = sched.trace()
-        report.final_times = sched.block_times()
-        report.drafter_cache = setup.drafter.cache if setup.drafter else None
-        report.target_cache = setup.target.cache if setup.target else None
 
 
 def setup_slack(comps: Components, run_ahead: bool) -> int:

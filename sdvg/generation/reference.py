@@ -64,74 +64,78 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
         commit_target(pending)
         return calls.target(b)
 
-    for b in (range(opts.num_blocks) if plan is None else itertools.count()):
-        step = None if plan is None else plan.begin(b)
-        if step is not None and step.stop:
-            break
-        calls.begin_block(b)
-        last = b == opts.num_blocks - 1 if step is None else step.last
-        block_router = router if step is None or step.router is None else step.router
-        draft, score, frame_scores, emitted_scores = None, None, [], None
-        accepted = False
+    def produce() -> Iterator[BlockRecord]:
+        for b in (range(opts.num_blocks) if plan is None else itertools.count()):
+            step = None if plan is None else plan.begin(b)
+            if step is not None and step.stop:
+                break
+            calls.begin_block(b)
+            last = b == opts.num_blocks - 1 if step is None else step.last
+            block_router = router if step is None or step.router is None else step.router
+            draft, score, frame_scores, emitted_scores = None, None, [], None
+            accepted = False
 
-        if opts.mode == "target":
-            x_b = run_target(b)
-            pixels = calls.decode(x_b, "target", b)
-            decision = "target"
-        elif opts.mode == "draft":
-            x_b = draft = calls.draft(b)  # 1.
-            pixels = calls.decode(x_b, "drafter", b)
-            decision, accepted = "draft", True
-        else:
-            forced = (b == 0 and opts.force_first_reject) or (step is not None and step.forced)
-            if forced and opts.skips_first_draft:
-                counters.skipped_drafter_forwards += drafter.schedule.num_steps
-            else:
-                draft = calls.draft(b)  # 1. draft
-                snapshot = setup.vae_cache.snapshot()  # 2. decode + score
-                pixels_hat = calls.decode(draft, "drafter", b)
-                scored = calls.score(pixels_hat, "drafter", b)
-                if scored is not None:
-                    score, frame_scores = scored.score, list(scored.frame_scores)
-            accepted = not forced and block_router.accept(b, score, opts.seed)  # 3. route
-            if accepted:
-                decision, x_b, pixels = "accepted", draft, pixels_hat
-                emitted_scores = frame_scores
-            else:
-                decision = "forced" if forced else "rejected"
-                if draft is not None:
-                    setup.vae_cache.restore(snapshot)
-                x_b = run_target(b)  # 4. target on reject
+            if opts.mode == "target":
+                x_b = run_target(b)
                 pixels = calls.decode(x_b, "target", b)
-                if opts.score_emitted and (scored := calls.score(pixels, "target", b)) is not None:
-                    emitted_scores = list(scored.frame_scores)
+                decision = "target"
+            elif opts.mode == "draft":
+                x_b = draft = calls.draft(b)  # 1.
+                pixels = calls.decode(x_b, "drafter", b)
+                decision, accepted = "draft", True
+            else:
+                forced = (b == 0 and opts.force_first_reject) or (step is not None and step.forced)
+                if forced and opts.skips_first_draft:
+                    counters.skipped_drafter_forwards += drafter.schedule.num_steps
+                else:
+                    draft = calls.draft(b)  # 1. draft
+                    snapshot = setup.vae_cache.snapshot()  # 2. decode + score
+                    pixels_hat = calls.decode(draft, "drafter", b)
+                    scored = calls.score(pixels_hat, "drafter", b)
+                    if scored is not None:
+                        score, frame_scores = scored.score, list(scored.frame_scores)
+                accepted = not forced and block_router.accept(b, score, opts.seed)  # 3. route
+                if accepted:
+                    decision, x_b, pixels = "accepted", draft, pixels_hat
+                    emitted_scores = frame_scores
+                else:
+                    decision = "forced" if forced else "rejected"
+                    if draft is not None:
+                        setup.vae_cache.restore(snapshot)
+                    x_b = run_target(b)  # 4. target on reject
+                    pixels = calls.decode(x_b, "target", b)
+                    if opts.score_emitted and (scored := calls.score(pixels, "target", b)) is not None:
+                        emitted_scores = list(scored.frame_scores)
 
-        setup.observe(pixels)  # the emitted pixel window a recompute role re-encodes its first frame from
-        # 5. commit: the block enters the contexts that will read it
-        if not last:
-            if drafter is not None:
-                calls.drafter_commit(b, draft if (opts.drafter_context == "own" and draft is not None) else x_b)
-                if not drafter.context.recompute:
-                    drafter.cache.commit()  # this loop moves the write pointer
-            if target is not None:
-                pending.append((b, x_b))
-                if not (opts.lazy_target_commit and accepted and opts.mode == "sdvg"):
-                    commit_target(pending)
-                elif held_limit is not None and len(pending) > held_limit:
-                    commit_target([pending.pop(0)])  # the oldest, in order: the same cache, bitwise
-        else:
-            counters.skipped_target_commits += (target is not None) + len(pending)
-            counters.skipped_drafter_commits += drafter is not None
-            pending.clear()
-        yield calls.block_record(b, decision, x_b, pixels, draft if opts.mode == "sdvg" else None, score,
-                                 frame_scores, emitted_scores or [], calls.times[b])
+            setup.observe(pixels)  # the emitted pixel window a recompute role re-encodes its first frame from
+            # 5. commit: the block enters the contexts that will read it
+            if not last:
+                if drafter is not None:
+                    calls.drafter_commit(b, draft if (opts.drafter_context == "own" and draft is not None) else x_b)
+                    if not drafter.context.recompute:
+                        drafter.cache.commit()  # this loop moves the write pointer
+                if target is not None:
+                    pending.append((b, x_b))
+                    if not (opts.lazy_target_commit and accepted and opts.mode == "sdvg"):
+                        commit_target(pending)
+                    elif held_limit is not None and len(pending) > held_limit:
+                        commit_target([pending.pop(0)])  # the oldest, in order: the same cache, bitwise
+            else:
+                counters.skipped_target_commits += (target is not None) + len(pending)
+                counters.skipped_drafter_commits += drafter is not None
+                pending.clear()
+            yield calls.block_record(b, decision, x_b, pixels, draft if opts.mode == "sdvg" else None, score,
+                                     frame_scores, emitted_scores or [], calls.times[b])
 
-    device_times = calls.events.resolve() if not calls.waits else None  # events: waits for the last work
-    counters.scheduler_wall_s = time.perf_counter() - calls.t_start
-    counters.stage_call_s = counters.main_stage_s = sum(x["end_s"] - x["start_s"] for x in calls.trace)
-    if report is not None:
-        report.stage_device_s = device_times
-        report.counters = counters
-        report.trace = calls.trace
-        report.drafter_cache = drafter.cache if drafter else None
-        report.target_cache = target.cache if target else None
+    try:
+        yield from produce()
+    finally:  # also when the consumer stops early (a live session's close)
+        device_times = calls.events.resolve() if not calls.waits else None  # events: waits for the last work
+        counters.scheduler_wall_s = time.perf_counter() - calls.t_start
+        counters.stage_call_s = counters.main_stage_s = calls.stage_s
+        if report is not None:
+            report.stage_device_s = device_times
+            report.counters = counters
+            report.trace = list(calls.trace)
+            report.drafter_cache = drafter.cache if drafter else None
+            report.target_cache = target.cache if target else None

@@ -30,12 +30,13 @@ TOTAL_KEYS: tuple[str, ...] = ("draft", "decode", "score", "target", "commit")
 Counters = _C.Counters  # the native counters struct; the reference loop counts into the same type
 
 # The statistics file's schema (docs/stats.md). Bump on any change of a field's name or meaning.
-SCHEMA_VERSION = 5  # 2: early exit (the exit_* options, mean_steps, max_steps, exit_roles; block exit fields)
+SCHEMA_VERSION = 6  # 2: early exit (the exit_* options, mean_steps, max_steps, exit_roles; block exit fields)
 # 3: live sessions and prompt schedules (options interp_blocks, force_reject_after_switch; block `live`;
 #    top level `live`, `updates`, `prompts`, `segments`, `prompt_encodes`, `blocks_started` when live)
 # 4: `host` (thread settings, OpenMP wait policy, load average of the run's machine)
 # 5: video-to-video (option `strength`; top level `input_video`, and `input_ended` when live); re-cache (option
 #    `recache`; `recache_forwards` when live, block `live.recache_forwards`)
+# 6: `blocks_dropped` (the oldest block entries a long live session folded into the totals, `record_blocks`)
 
 
 def block_times(stage_seconds: Mapping[str, float]) -> dict[str, float]:
@@ -107,10 +108,15 @@ class RunStats(Mapping):
     stage_device_s: dict[str, float] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # set by the caller (video path, prompt index)
     host: dict[str, Any] = field(default_factory=host_state)  # threads, wait policy, load (sdvg/runtime.py)
+    # block entries kept (None: all); past it the oldest is folded into `dropped` (the totals stay exact)
+    keep_blocks: int | None = None
+    dropped: dict[str, Any] = field(default_factory=lambda: _folded())
     _t0: float = field(default_factory=time.perf_counter, repr=False)
 
     def add(self, block: BlockRecord) -> None:
         self.blocks.append(block.stats())
+        if self.keep_blocks is not None and len(self.blocks) > self.keep_blocks:
+            _fold(self.dropped, self.blocks.pop(0))
 
     def finish(self, report: LoopReport | None, interrupted: bool = False) -> "RunStats":
         if report is not None:
@@ -119,7 +125,8 @@ class RunStats(Mapping):
             self.trace = list(report.trace)
             self.stage_device_s = report.stage_device_s
             if report.final_times is not None:  # run-ahead: a drafter commit may end after its block is emitted
-                for b, final in zip(self.blocks, report.final_times):
+                first = self.dropped["blocks"]  # the kept entries' place among every block emitted
+                for b, final in zip(self.blocks, report.final_times[first:]):
                     b["times"] = block_times(final)
         self.wall_s = time.perf_counter() - self._t0
         self.interrupted = interrupted
@@ -128,17 +135,17 @@ class RunStats(Mapping):
     # ----------------------------------------------------------------- derived
     @property
     def frames(self) -> int:
-        return sum(b["frames"] for b in self.blocks)
+        return self.dropped["frames"] + sum(b["frames"] for b in self.blocks)
 
     @property
     def accepted_blocks(self) -> int:
-        return sum(b["decision"] == "accepted" for b in self.blocks if b["index"] > 0)
+        return self.dropped["accepted"] + sum(b["decision"] == "accepted" for b in self.blocks if b["index"] > 0)
 
     @property
     def acceptance_rate(self) -> float | None:
         """Accepted share of blocks 1..B-1 (block 0 is forced to the target); None outside sdvg mode."""
-        later = [b for b in self.blocks if b["index"] > 0]
-        return self.accepted_blocks / len(later) if later and self.options.mode == "sdvg" else None
+        later = self.dropped["later"] + sum(b["index"] > 0 for b in self.blocks)
+        return self.accepted_blocks / later if later and self.options.mode == "sdvg" else None
 
     def exit_summary(self) -> dict:
         """Early exit over the emitted video: `mean_steps` (k_bar over every emitted token; blocks have equal
@@ -146,26 +153,21 @@ class RunStats(Mapping):
         for an emitted block."""
         if self.options.early_exit == "none":
             return {"mean_steps": None, "max_steps": None, "exit_roles": {}}
-        done = [b for b in self.blocks if "mean_steps" in b]
-        out = {"mean_steps": sum(b["mean_steps"] for b in done) / len(done) if done else None,
-               "max_steps": max((b["max_steps"] for b in done), default=None)}
-        roles = {}
-        for b in done:
-            for role, r in b["exit"].items():
-                if role == "producer":
-                    continue
-                agg = roles.setdefault(role, {"denoises": 0, "forwards": 0, "oracle_forwards": 0, "token_evals": 0,
-                                              "tokens": 0})
-                agg["denoises"] += 1
-                for key in ("forwards", "oracle_forwards", "token_evals", "tokens"):
-                    agg[key] += r[key]
+        total = _folded()
+        for key in ("exit_blocks", "mean_steps_sum", "max_steps"):
+            total[key] = self.dropped[key]
+        total["exit_roles"] = {role: dict(agg) for role, agg in self.dropped["exit_roles"].items()}
+        for b in self.blocks:
+            _fold_exit(total, b)
+        n = total["exit_blocks"]
+        roles = total["exit_roles"]
         for agg in roles.values():
             agg["mean_steps"] = agg["token_evals"] / agg["tokens"]
-        out["exit_roles"] = roles
-        return out
+        return {"mean_steps": total["mean_steps_sum"] / n if n else None, "max_steps": total["max_steps"],
+                "exit_roles": roles}
 
     def stage_totals(self) -> dict[str, float]:
-        return {k: sum(b["times"].get(k, 0.0) for b in self.blocks) for k in TOTAL_KEYS}
+        return {k: self.dropped["times"][k] + sum(b["times"].get(k, 0.0) for b in self.blocks) for k in TOTAL_KEYS}
 
     def as_dict(self) -> dict:
         d: dict[str, Any] = {"schema_version": SCHEMA_VERSION, **self.provenance,
@@ -173,7 +175,7 @@ class RunStats(Mapping):
         d.update(self.options.as_dict())
         d.update(blocks=self.blocks, frames=self.frames, interrupted=self.interrupted,
                  acceptance_rate=self.acceptance_rate, accepted_blocks=self.accepted_blocks,
-                 blocks_done=len(self.blocks))
+                 blocks_done=self.dropped["blocks"] + len(self.blocks), blocks_dropped=self.dropped["blocks"])
         d.update({k: self.counters.get(k, 0) for k in COUNTER_NAMES})
         d.update(trace=self.trace, wall_s=self.wall_s, stage_totals=self.stage_totals(),
                  stage_device_s=self.stage_device_s, host=self.host)
@@ -196,3 +198,37 @@ class RunStats(Mapping):
 
     def __len__(self) -> int:
         return len(self.as_dict())
+
+
+def _folded() -> dict[str, Any]:
+    """The totals of block entries no longer kept (`RunStats.keep_blocks`)."""
+    return {"blocks": 0, "frames": 0, "later": 0, "accepted": 0, "times": {k: 0.0 for k in TOTAL_KEYS},
+            "exit_blocks": 0, "mean_steps_sum": 0.0, "max_steps": None, "exit_roles": {}}
+
+
+def _fold(total: dict, b: dict) -> None:
+    """One block entry into `total` (what every derived statistic reads of it)."""
+    total["blocks"] += 1
+    total["frames"] += b["frames"]
+    total["later"] += b["index"] > 0
+    total["accepted"] += b["index"] > 0 and b["decision"] == "accepted"
+    for k in TOTAL_KEYS:
+        total["times"][k] += b["times"].get(k, 0.0)
+    _fold_exit(total, b)
+
+
+def _fold_exit(total: dict, b: dict) -> None:
+    """Early exit: the block's mean and max steps and each role's calls and token evaluations."""
+    if "mean_steps" not in b:
+        return
+    total["exit_blocks"] += 1
+    total["mean_steps_sum"] += b["mean_steps"]
+    total["max_steps"] = b["max_steps"] if total["max_steps"] is None else max(total["max_steps"], b["max_steps"])
+    for role, r in b["exit"].items():
+        if role == "producer":
+            continue
+        agg = total["exit_roles"].setdefault(role, {"denoises": 0, "forwards": 0, "oracle_forwards": 0,
+                                                    "token_evals": 0, "tokens": 0})
+        agg["denoises"] += 1
+        for key in ("forwards", "oracle_forwards", "token_evals", "tokens"):
+            agg[key] += r[key]

@@ -40,6 +40,7 @@ _STOP = BlockStep(stop=True)
 # would pile up while every block is accepted, and a held block's conditioning must still be in the table
 MAX_HELD_COMMITS = 4
 assert MAX_HELD_COMMITS < ConditioningTable.KEEP
+RECORD_BLOCKS = 1000  # an unbounded session's default `record_blocks`: the block entries and trace kept
 
 
 class _SegmentConditioning:
@@ -116,8 +117,16 @@ class LiveSession:
 
     def __init__(self, pipe, prompt: str, options: GenerationOptions, num_blocks: int | None = None,
                  schedule: list | None = None, input_video=None, input_frames: bool = False,
-                 input_timeout_s: float = 30.0, input_queue_frames: int = 1024, input_drop_oldest: bool = False):
+                 input_timeout_s: float = 30.0, input_queue_frames: int = 1024, input_drop_oldest: bool = False,
+                 record_blocks: int | str | None = "auto"):
         check_prompt(prompt)
+        if record_blocks == "auto":  # every block of a bounded session, the last RECORD_BLOCKS of an unbounded one
+            record_blocks = None if num_blocks is not None else RECORD_BLOCKS
+        if record_blocks is not None and (isinstance(record_blocks, bool) or not isinstance(record_blocks, int)
+                                          or record_blocks < 1):
+            raise OptionError(f"record_blocks {record_blocks!r} must be a positive integer (the block entries the "
+                              "statistics keep, the oldest folded into the totals), None (all) or 'auto'")
+        self.record_blocks = record_blocks
         if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int)
                                        or num_blocks < 1):
             raise OptionError(f"num_blocks {num_blocks!r} must be a positive integer, or None for an unbounded session")
@@ -149,7 +158,7 @@ class LiveSession:
         self._recache_forwards = 0
         self._reports: list[LoopReport] = []
         self._records_live: dict[int, dict] = {}
-        self.stats = RunStats(prompt, pipe.preset.name, opts, pipe.provenance())
+        self.stats = RunStats(prompt, pipe.preset.name, opts, pipe.provenance(), keep_blocks=record_blocks)
         self.stats.extra.update(live=True, num_blocks=num_blocks, updates=[], prompts=self.table.prompts)
         self.finished = False
         self._source, self.input_timeout_s = _input_source(pipe, input_video, input_frames, input_timeout_s,
@@ -255,6 +264,7 @@ class LiveSession:
     # ------------------------------------------------------------ the loop's plan
     def attach(self, calls, setup) -> None:
         calls.conditioning = _SegmentConditioning(self.table, self._segment_start, setup)
+        calls.keep_blocks = self.record_blocks
         self._calls = calls
         for m in (setup.drafter, setup.target):  # re-cache reads the clean latents of the frames a full context sees
             if m is not None and self.opts.recache and not m.context.recompute:
@@ -395,6 +405,10 @@ class LiveSession:
                     total[k] = total.get(k, 0) + v
             self.stats.counters = total
             self.stats.trace = [span for r in done for span in r.trace]
+        if self.record_blocks is not None:  # the spans of the blocks whose entries are kept
+            kept = {(b["live"]["segment"], b["index"]) for b in self.stats.blocks}
+            self.stats.trace = [span for seg, r in enumerate(self._reports) if r.counters is not None
+                                for span in r.trace if (seg, span["block"]) in kept]
         self.stats.extra.update(segments=self._segments + 1, prompt_encodes=self.table.bank.encodes,
                                 blocks_started=self._started, recache_forwards=self._recache_forwards)
         if self.input_ended:
