@@ -1,7 +1,7 @@
 """Live memory: an unbounded live session must keep its memory flat once its window is full.
 
-Runs one unbounded session (`pipe.session(..., num_blocks=None)`, scheduler 'reference', mode sdvg) on
-the tiny preset per configuration (--configs):
+Runs one unbounded session (`pipe.session(..., num_blocks=None)`, --scheduler reference (default) or cpp
+(the native scheduler, --run-ahead optional), mode sdvg) on the tiny preset per configuration (--configs):
 
 - recompute: drafter and target under the recompute context (kv_cache_frames clean frames rebuilt
   before each block, Krea's inference): no block bound;
@@ -196,14 +196,25 @@ def _pending_list(setup):
     return None
 
 
+def _wait_until_at_rest(calls, timeout_s: float = 30.0, settle_s: float = 0.5) -> None:
+    """The native scheduler runs on its own threads: wait until its main thread waits to hand a block over (its
+    queue of one holds the next block and it is blocked putting the one after: a waiter on the queue's not_full
+    condition), then `settle_s` for its lane to finish the draft it may still be making, so each sample sees the
+    same blocks in flight."""
+    deadline = time.perf_counter() + timeout_s
+    while not calls.sink.not_full._waiters and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    time.sleep(settle_s)
+
+
 def run_config(pipe, name: str, args) -> dict:
     spec, updates = CONFIGS[name]
     spec = dict(spec)
     if spec.pop("window", False):
         spec.update(window_frames=args.window_frames, sink_frames=args.sink_frames)
     update_every = args.update_every if updates else 0
-    session = pipe.session(PROMPTS[0], num_blocks=None, scheduler="reference", mode=args.mode,
-                           interp_blocks=args.interp_blocks, seed=0, **spec)
+    session = pipe.session(PROMPTS[0], num_blocks=None, scheduler=args.scheduler, run_ahead=args.run_ahead,
+                           mode=args.mode, interp_blocks=args.interp_blocks, seed=0, **spec)
     horizon = session.limit  # None: no bound (recompute only); else the RoPE table's end
     blocks = args.blocks if horizon is None else min(args.blocks, horizon)
     held = {}
@@ -224,6 +235,8 @@ def run_config(pipe, name: str, args) -> dict:
         if "pending" not in held:
             held["pending"] = _pending_list(held["setup"])
         calls = held["calls"]
+        if args.scheduler == "cpp":  # sampled at rest: the scheduler holding the next block, its lane waiting
+            _wait_until_at_rest(calls)
         before = rss_mib()
         malloc_trim()
         kv = kv_state(held["setup"])
@@ -268,7 +281,8 @@ def summary_md(result: dict) -> str:
     lines = ["# Live memory (tiny preset, unbounded sessions)", "",
              f"`{result['command']}`", "",
              f"{p['date']}; torch {p['torch']}; commit `{p['commit']}`{' (dirty)' if p['dirty'] else ''}; "
-             f"{p['device_name']}, {result['torch_threads']} torch thread; scheduler reference, mode {result['mode']}; "
+             f"{p['device_name']}, {result['torch_threads']} torch thread; scheduler {result['scheduler']}"
+             f"{' (run-ahead)' if result.get('run_ahead') else ''}, mode {result['mode']}; "
              f"prompt updates every {result['update_every']} blocks (3 prompts, interp_blocks "
              f"{result['interp_blocks']}) unless -no-updates; window {result['window_frames']} frames with "
              f"{result['sink_frames']} sinks; tolerance {result['tolerance']:.0%}. After every block: RSS after "
@@ -321,6 +335,10 @@ def main(argv=None) -> int:
     ap.add_argument("--window-frames", type=int, default=6)
     ap.add_argument("--sink-frames", type=int, default=3)
     ap.add_argument("--mode", default="sdvg", choices=("sdvg", "draft", "target"))
+    ap.add_argument("--scheduler", default="reference", choices=("reference", "cpp"),
+                    help="cpp: the native scheduler (its own threads, sampled at rest: once it holds the next block; "
+                         "the trace, per-block times and pending commits are the scheduler's, not read here)")
+    ap.add_argument("--run-ahead", action="store_true", help="with --scheduler cpp: the drafter's lane drafts ahead")
     ap.add_argument("--tolerance", type=float, default=0.05)
     ap.add_argument("--out", type=Path, default=Path("results/live-memory-tiny"))
     args = ap.parse_args(argv)
@@ -339,7 +357,8 @@ def main(argv=None) -> int:
     pipe = SpeculativeVideoPipeline.from_preset("tiny")
     command = "python benchmarks/live_memory.py " + shlex.join(sys.argv[1:] if argv is None else list(argv))
     runs = [run_config(pipe, name, args) for name in configs]
-    result = {"command": command.strip(), "preset": "tiny", "scheduler": "reference", "mode": args.mode,
+    result = {"command": command.strip(), "preset": "tiny", "scheduler": args.scheduler, "run_ahead": args.run_ahead,
+              "mode": args.mode,
               "blocks": args.blocks, "warm": args.warm, "update_every": args.update_every,
               "interp_blocks": args.interp_blocks, "window_frames": args.window_frames,
               "sink_frames": args.sink_frames, "tolerance": args.tolerance,

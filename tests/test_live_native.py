@@ -81,11 +81,13 @@ def test_a_native_video_to_video_session_equals_the_reference_loop(tiny_pipe):
 
 
 @pytest.mark.slow
-def test_updates_sent_while_the_native_scheduler_runs_ahead_replay_bitwise(tiny_pipe):
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_updates_sent_while_the_native_scheduler_runs_ahead_replay_bitwise(tiny_pipe, run_ahead):
     """The scheduler may have started blocks the consumer has not seen: every ack names the block the update
-    really took effect at, and the recorded schedule replays the video on the reference loop."""
+    really took effect at, and the recorded schedule replays the video on the reference loop and on the native
+    scheduler."""
     kw = {**KW, "router": "reward", "tau": -0.7, "drafter_context": "committed"}
-    session = tiny_pipe.session("a red fox", num_blocks=8, scheduler="cpp", run_ahead=True, **kw)
+    session = tiny_pipe.session("a red fox", num_blocks=8, scheduler="cpp", run_ahead=run_ahead, **kw)
     acks, seen = [], []
     for b in session:
         seen.append(b)
@@ -99,10 +101,11 @@ def test_updates_sent_while_the_native_scheduler_runs_ahead_replay_bitwise(tiny_
     assert started == 8 and len(seen) == 8
     blocks = [a.block for a in acks]
     assert blocks == sorted(blocks) and blocks[0] >= 1  # each at a block not yet started when it was sent
-    replay = tiny_pipe(prompt_schedule=[(0, "a red fox")] + session.stats.extra["updates"], num_blocks=8,
-                       output_type="latent", scheduler="reference", **kw)
-    assert torch.equal(torch.cat([b.latents for b in seen], dim=2), replay.latents)
-    assert [b.live for b in seen] == [b.live for b in replay.blocks[0]]
+    for run in ({"scheduler": "reference"}, {"scheduler": "cpp", "run_ahead": run_ahead}):
+        replay = tiny_pipe(prompt_schedule=[(0, "a red fox")] + session.stats.extra["updates"], num_blocks=8,
+                           output_type="latent", **run, **kw)
+        assert torch.equal(torch.cat([b.latents for b in seen], dim=2), replay.latents), run
+        assert [b.live for b in seen] == [b.live for b in replay.blocks[0]], run
     assert all(b.decision in ("forced", "rejected") for b in seen if b.live["block"] >= acks[2].block)
 
 

@@ -15,9 +15,11 @@ def _video(blocks):
     return torch.cat([b.latents for b in blocks], dim=2), torch.cat([b.frames for b in blocks])
 
 
-def test_a_session_without_updates_equals_pipe_bitwise(tiny_pipe):
-    out = tiny_pipe("a red fox", num_blocks=3, output_type="uint8", **KW)
-    session = tiny_pipe.session("a red fox", num_blocks=3, **KW)
+@pytest.mark.parametrize("run", [{}, {"scheduler": "cpp"}, {"scheduler": "cpp", "run_ahead": True}],
+                         ids=["reference", "cpp", "cpp-run-ahead"])
+def test_a_session_without_updates_equals_pipe_bitwise(tiny_pipe, run):
+    out = tiny_pipe("a red fox", num_blocks=3, output_type="uint8", **{**KW, **run})
+    session = tiny_pipe.session("a red fox", num_blocks=3, **{**KW, **run})
     blocks = list(session)
     latents, frames = _video(blocks)
     assert torch.equal(latents, out.latents) and torch.equal(frames, out.frames[0])  # one prompt: a batch of one
@@ -103,9 +105,13 @@ def test_close_from_another_thread_ends_after_the_block_in_progress(tiny_pipe):
         session.update(prompt="an owl")
 
 
-def test_every_stage_sees_its_blocks_own_conditioning(tiny_pipe, monkeypatch):
-    """For every drafter and target denoise, the text K/V it used equals the DiT's encoding of Krea's blend
-    for that block, computed here independently from the prompts' embeddings."""
+@pytest.mark.parametrize("run", [{}, {"scheduler": "cpp", "run_ahead": True, "drafter_context": "committed"},
+                                 {"scheduler": "cpp", "run_ahead": True, "drafter_context": "own"}],
+                         ids=["reference", "cpp-run-ahead-committed", "cpp-run-ahead-own"])
+def test_every_stage_sees_its_blocks_own_conditioning(tiny_pipe, monkeypatch, run):
+    """For every drafter and target denoise (every draft of a block under run-ahead, redrafts too), the text K/V
+    it used equals the DiT's encoding of Krea's blend for that block, computed here independently from the
+    prompts' embeddings: no block is drafted under a conditioning other than its own."""
     from sdvg.generation.prepare import RoleModel
 
     seen = []
@@ -116,14 +122,15 @@ def test_every_stage_sees_its_blocks_own_conditioning(tiny_pipe, monkeypatch):
         return denoise(self, noise, block, frame0, seed)
 
     monkeypatch.setattr(RoleModel, "denoise", recording)
-    session = tiny_pipe.session("a red fox", num_blocks=4, interp_blocks=3, **KW)
+    session = tiny_pipe.session("a red fox", num_blocks=8, interp_blocks=3, **{**KW, **run})
     next(session)
-    session.update(prompt="an owl at night")  # blocks 1, 2, 3 at weights 0, 0.5, 1
+    a = session.update(prompt="an owl at night").block  # blocks a, a+1, a+2 at weights 0, 0.5, 1
+    assert a == 1 or run  # the reference loop: the next block; the native scheduler may have started more
     list(session)
     enc = tiny_pipe.components.text_encoder
     fox, owl = enc.encode("a red fox"), enc.encode("an owl at night")
-    want = {0: fox, 1: fox, 2: torch.lerp(fox, owl, torch.tensor(0.5)), 3: owl}
-    assert {b for _, b, _ in seen} == {0, 1, 2, 3}
+    want = {b: fox if b <= a else torch.lerp(fox, owl, torch.tensor(0.5)) if b == a + 1 else owl for b in range(8)}
+    assert {b for _, b, _ in seen} == set(range(8)) and a + 2 < 8
     for role, block, kv in seen:
         expected = getattr(tiny_pipe.components, role).encode_text(want[block])
         for got, ref in ((kv.keys, expected.keys), (kv.values, expected.values)):
