@@ -93,7 +93,7 @@ class StageCalls(_C.StageCalls):
             done = [b for b in self._recaches if b <= block]
             return sum(self._recaches.pop(b) for b in done)
 
-    def recaches(self, block: int) -> bool:
+    def drafter_recaches(self, block: int) -> bool:
         """Whether the drafter will re-cache before block `block`: its conditioning differs from the block
         before's (a live session's table), re-cache is on and the drafter keeps a full context."""
         drafter = self.setup.drafter
@@ -111,9 +111,9 @@ class StageCalls(_C.StageCalls):
         opts, router = self.opts, step.router
         return _C.BlockPlan(
             last=step.last, forced=(block == 0 and opts.force_first_reject) or step.forced,
-            recache=self.recaches(block), router=router.kind, tau=router.tau, accept_prob=router.accept_prob,
+            recache=self.drafter_recaches(block), router=router.kind, tau=router.tau, accept_prob=router.accept_prob,
             uniform=router.uniform(block, opts.seed) if router.kind == "random" else 0.0,
-            pattern_accept=router.kind == "pattern" and bool(router.pattern[block % len(router.pattern)]))
+            pattern_accept=router.kind == "pattern" and router.accept(block, None, opts.seed))
 
     def _score_prompt(self, block: int) -> str:
         return self.prompt if self.conditioning is None else self.conditioning.prompt(block)
