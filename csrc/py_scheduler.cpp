@@ -86,6 +86,11 @@ class StageCalls {
     throw std::logic_error("sdvg scheduler: config.live asks StageCalls.plan(" + std::to_string(block) +
                            "), but this StageCalls does not override plan");
   }
+  // A live video's drafter takes block b's conditioning (re-caching under it) ahead of b's commit.
+  virtual void drafter_recache(int block) {
+    throw std::logic_error("sdvg scheduler: a live plan asks StageCalls.drafter_recache(" + std::to_string(block) +
+                           "), but this StageCalls does not override drafter_recache");
+  }
 };
 
 // pybind11's trampoline: a Python subclass's methods are the overrides.
@@ -112,6 +117,7 @@ class PyStageCalls : public StageCalls {
   }
   void emit(const EmittedBlock& block) override { PYBIND11_OVERRIDE_PURE(void, StageCalls, emit, block); }
   BlockPlan plan(int block) override { PYBIND11_OVERRIDE(BlockPlan, StageCalls, plan, block); }
+  void drafter_recache(int block) override { PYBIND11_OVERRIDE(void, StageCalls, drafter_recache, block); }
 };
 
 const char* lane_name(Lane r) { return r == Lane::Drafter ? "drafter" : r == Lane::Target ? "target" : "vae"; }
@@ -329,6 +335,11 @@ class PyExecutor : public Executor {
   BlockPlan plan(int b) override {
     py::gil_scoped_acquire gil;
     return stages_->plan(b);
+  }
+  void drafter_recache(int b) override {
+    LaneScope scope(streams_, Lane::Drafter);
+    py::gil_scoped_acquire gil;
+    stages_->drafter_recache(b);
   }
 
  private:
@@ -680,7 +691,9 @@ void register_scheduler(py::module_& m) {
       .def("vae_restore", &StageCalls::vae_restore, py::arg("snapshot"))
       .def("emit", &StageCalls::emit, py::arg("block"))
       .def("plan", &StageCalls::plan, py::arg("block"),
-           "config.live: block b's BlockPlan, asked once per block in order (may wait for live input)");
+           "config.live: block b's BlockPlan, asked once per block in order (may wait for live input)")
+      .def("drafter_recache", &StageCalls::drafter_recache, py::arg("block"),
+           "config.live, run-ahead: the drafter takes block b's conditioning (its re-cache) before b's commit");
 
   py::class_<PyScheduler>(m, "Scheduler")
       .def(py::init<const SchedulerConfig&, py::object, py::object, py::object, at::Device, at::Device, bool>(),

@@ -64,6 +64,11 @@ BlockPlan Executor::plan(int block) {
                          "'s plan, but this executor plans no blocks");
 }
 
+void Executor::drafter_recache(int block) {
+  throw std::logic_error("sdvg scheduler: a live plan re-caches the drafter for block " + std::to_string(block) +
+                         ", but this executor does not implement drafter_recache");
+}
+
 Scheduler::Scheduler(SchedulerConfig config, Executor& executor) : cfg_(std::move(config)), ex_(executor) {
   cfg_.validate();
 }
@@ -270,6 +275,12 @@ void Scheduler::drafter_loop() {
     if (forced && cfg_.skips_first_draft()) {  // no draft: the block's target output is committed
       if (speculative_prev) resolve_speculative_commit(b - 1);
       speculative_prev = false;
+      if (plan.recache && !plan.last) {  // re-cache now, beside the target's block; main waits for it
+        timed(b, Stage::DrafterCommit, false, [&] { ex_.drafter_recache(b); });
+        std::lock_guard<std::mutex> lk(mu_);
+        slot(b).recached = true;
+        cv_.notify_all();
+      }
       Handle x;
       wait_decision(b, &x);
       if (!plan.last) drafter_commit(b, x);
@@ -440,6 +451,12 @@ void Scheduler::run_main() {
       std::lock_guard<std::mutex> lk(mu_);
       snapshot = rec;
       rec.latents = rec.frames = rec.draft_latents = nullptr;  // the block's tensors go with the emitted copy
+    }
+    if (cfg_.run_ahead && cfg_.mode == Mode::Sdvg && plan.forced && cfg_.skips_first_draft() && plan.recache &&
+        !last) {  // the block is emitted with the drafter's re-cache for it made (as the sequential order has it)
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return slot(b).recached || cancelled_.load(); });
+      if (!slot(b).recached) throw Cancelled();
     }
     ex_.emit(snapshot);
     std::lock_guard<std::mutex> lk(mu_);

@@ -228,6 +228,9 @@ class Executor {
   // config.live: the plan of block b, asked once per block, in block order, from the thread that
   // reaches b first (the drafter's lane under run-ahead); it may wait (a live input's frames).
   virtual BlockPlan plan(int block);
+  // config.live, run-ahead: the drafter takes block b's conditioning (re-caching its context under
+  // it) before b's commit, on its lane, while the target makes b (a forced block it does not draft).
+  virtual void drafter_recache(int block);
 };
 
 class Scheduler {
@@ -279,6 +282,7 @@ class Scheduler {
     bool draft_ready = false;
     int decided = -1;       // -1 unknown, 0 rejected / forced, 1 accepted
     Handle emitted;         // the emitted block's latents (what a committed drafter takes on a rejection)
+    bool recached = false;  // run-ahead: the lane's drafter re-cached for this undrafted block
   };
   Slot& slot(int b);         // (under mu_) made on first use
   BlockRecord& record(int b);  // (under mu_) made on first use

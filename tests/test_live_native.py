@@ -3,6 +3,7 @@ with the prompt, router and seed changing between blocks, re-cache on, run-ahead
 contexts; updates sent from another thread while the scheduler runs ahead replay bitwise from the recorded
 schedule (docs/live.md)."""
 import threading
+import time
 
 import pytest
 import torch
@@ -51,6 +52,30 @@ def test_a_native_session_equals_the_reference_loop_on_a_short_switch(tiny_pipe)
     assert [b.live["recache_forwards"] for b in ref.blocks[0]] == [0, 0, 1]  # the drafter's, for block 2
     # no speculative draft of block 2 over block 1's commit, so nothing was rolled back or drafted twice
     assert native.stats.counters["speculative_drafts"] == 0 and native.stats.counters["redrafts"] == 0
+
+
+def test_a_forced_switch_block_is_emitted_with_the_drafters_recache(tiny_pipe, monkeypatch):
+    """Committed run-ahead, a forced switch block (no draft): the lane re-caches the drafter for it beside the
+    target's block, and the block waits for that re-cache before it is emitted, so its record counts both
+    roles' re-cache forwards as the reference loop's does, however slow the drafter's re-cache (made slow here;
+    before, it landed on the next block's record whenever the block was emitted first)."""
+    from sdvg.generation.prepare import RoleModel
+
+    recache = RoleModel.recache
+
+    def slow_recache(self):
+        if self.role == "drafter":
+            time.sleep(0.5)
+        recache(self)
+
+    monkeypatch.setattr(RoleModel, "recache", slow_recache)
+    schedule = [(0, "a red fox"), {"block": 2, "prompt": "an owl", "interp_blocks": 1}]
+    kw = dict(num_blocks=4, schedule=schedule, pattern="0111", drafter_context="committed")
+    ref = _run(tiny_pipe, scheduler="reference", **kw)
+    native = _run(tiny_pipe, scheduler="cpp", run_ahead=True, **kw)
+    _assert_same_video(native, ref)
+    assert [b.decision for b in ref.blocks[0]] == ["forced", "accepted", "forced", "accepted"]
+    assert [b.live["recache_forwards"] for b in native.blocks[0]] == [0, 0, 2, 0]  # the target's and the drafter's
 
 
 @pytest.mark.slow

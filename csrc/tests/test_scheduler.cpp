@@ -565,6 +565,49 @@ static void test_live_run_ahead_waits_before_a_recache() {
   CHECK(latents(f) == latents(g) && f.drafter.committed == g.drafter.committed);
 }
 
+// Under `committed` run-ahead, a forced block that re-caches (a prompt switch) is not drafted: the
+// lane re-caches the drafter for it beside the target's block, and the block is emitted only once
+// that re-cache is made, as the sequential order has it (a live record counts its re-cache forwards).
+static void test_live_run_ahead_recaches_an_undrafted_block_before_its_emission() {
+  struct Recaching : Planned {
+    int recache_sleep_ms = 0;
+    void drafter_recache(int b) override {
+      if (recache_sleep_ms) std::this_thread::sleep_for(std::chrono::milliseconds(recache_sleep_ms));
+      note("drecache " + std::to_string(b));  // made (logged when done)
+    }
+    void emit(const BlockRecord& r) override {
+      note("emit " + std::to_string(r.index));
+      Planned::emit(r);
+    }
+  };
+  auto plans = [] {
+    std::vector<BlockPlan> v = {pattern_plan(true), pattern_plan(true), pattern_plan(true), pattern_plan(true),
+                                pattern_plan(true, true)};
+    v[0].forced = true;
+    v[2].forced = v[2].recache = true;  // the first block under a new prompt
+    v[4].forced = v[4].recache = true;  // the last block: never committed, nothing to re-cache for
+    return v;
+  };
+  Recaching f;
+  f.plans = plans();
+  f.recache_sleep_ms = 100;  // slower than the target's block and its decode
+  Scheduler s(live_cfg(true, false), f);
+  s.run();
+  const auto at = [&](const std::string& line) {
+    return std::find(f.log.begin(), f.log.end(), line) - f.log.begin();
+  };
+  CHECK(at("drecache 2") < at("emit 2") && at("drecache 2") < at("dcommit 2"));
+  CHECK(std::count(f.log.begin(), f.log.end(), std::string("drecache 2")) == 1);
+  CHECK(at("drecache 4") == static_cast<long>(f.log.size()));  // none for the last block
+  CHECK(at("draft 2") == static_cast<long>(f.log.size()));
+  Recaching g;  // sequential: the drafter's commit re-caches, on the main thread; the same video
+  g.plans = plans();
+  Scheduler q(live_cfg(false, false), g);
+  q.run();
+  CHECK(latents(f) == latents(g) && f.drafter.committed == g.drafter.committed);
+  CHECK(std::count(g.log.begin(), g.log.end(), std::string("drecache 2")) == 0);
+}
+
 // An unbounded video holds at most max_held_target_commits lazy commits: the oldest is committed
 // past it, the target's cache ends up the same.
 static void test_held_target_commits_are_capped() {
@@ -641,6 +684,7 @@ int main() {
   test_live_plans_equal_the_config_plan();
   test_live_per_block_plan_and_stop();
   test_live_run_ahead_waits_before_a_recache();
+  test_live_run_ahead_recaches_an_undrafted_block_before_its_emission();
   test_held_target_commits_are_capped();
   test_long_live_video_holds_bounded_state();
   test_live_config();

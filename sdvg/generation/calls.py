@@ -115,6 +115,13 @@ class StageCalls(_C.StageCalls):
             uniform=router.uniform(block, opts.seed) if router.kind == "random" else 0.0,
             pattern_accept=router.kind == "pattern" and router.accept(block, None, opts.seed))
 
+    def drafter_recache(self, block: int) -> None:
+        """The native scheduler's run-ahead lane, before the commit of a forced block it did not draft: the
+        drafter takes block `block`'s conditioning now (its re-cache, `_condition`), beside the target's
+        block rather than after it; the commit that follows finds it done. The same forwards in the same
+        order on the drafter's cache as the sequential loop's commit makes."""
+        self._condition(self.setup.drafter, block)
+
     def _score_prompt(self, block: int) -> str:
         return self.prompt if self.conditioning is None else self.conditioning.prompt(block)
 
