@@ -218,3 +218,41 @@ def test_stats_keeping_the_last_blocks_fold_the_rest_into_exact_totals(early_exi
         from sdvg.live import LiveSession
 
         LiveSession(None, "a", GenerationOptions(), num_blocks=2, record_blocks=0)
+
+
+@pytest.mark.parametrize("scheduler", ["reference", "cpp"])
+def test_a_restart_lets_the_finished_segments_caches_go(tiny_pipe, monkeypatch, scheduler):
+    """Each restart (a new seed: a reset on the server) starts a segment with new KV caches; the finished
+    segment's report is folded into the session's totals at once and nothing holds its caches (before, every
+    segment's report kept its caches until the session ended: a long session with resets grew by two KV caches
+    per reset). The counters and the trace still cover every segment."""
+    import gc
+    import weakref
+
+    from sdvg.live import LiveSession
+
+    buffers = []
+    attach = LiveSession.attach
+
+    def recording_attach(self, calls, setup):
+        buffers.append(weakref.ref(setup.target.cache.buffer))
+        attach(self, calls, setup)
+
+    monkeypatch.setattr(LiveSession, "attach", recording_attach)
+    s = tiny_pipe.session("a red fox", num_blocks=None, scheduler=scheduler, target_context="full",
+                          drafter_cache="full", window_frames=6, sink_frames=3, router="pattern", pattern="01")
+    for n, _ in enumerate(s, start=1):
+        if n % 2 == 0:
+            s.update(seed=n)  # a restart at the next block
+        if n == 8:
+            break
+    gc.collect()
+    assert len(buffers) == 4
+    assert [ref() is None for ref in buffers] == [True, True, True, False]  # only the running segment's
+    stats = s.close()
+    assert stats.extra["segments"] == 4 and len(stats.blocks) == 8  # (the native pace may shift the restarts)
+    assert stats.counters["target_forwards"] > 0
+    assert {span["block"] for span in stats.trace} == {b["index"] for b in stats.blocks}
+    # one target span per block the target made, in every segment (none of a block left in flight at close)
+    made_by_target = [b for b in stats.blocks if b["decision"] in ("forced", "rejected")]
+    assert sum(span["stage"] == "target" for span in stats.trace) == len(made_by_target) >= 4

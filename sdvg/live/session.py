@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from sdvg.generation.routers import Router
 from sdvg.generation.video_input import InputEnded
-from sdvg.generation.types import LoopReport, RunStats
+from sdvg.generation.types import LoopReport, RunStats, block_times
 from sdvg.live.conditioning import ConditioningTable, PromptBank
 from sdvg.live.updates import Update, UpdateAck, UpdateError, check_prompt
 from sdvg.options import GenerationOptions, OptionError
@@ -156,7 +156,12 @@ class LiveSession:
         self._segment_start, self._segments = 0, 0
         self._calls = None  # the running segment's stage calls (`attach`)
         self._recache_forwards = 0
-        self._reports: list[LoopReport] = []
+        # the running segment's report; a finished one is folded into the session's totals at once, so a long
+        # session with many restarts holds one segment's report (and no finished segment's KV caches)
+        self._report: LoopReport | None = None
+        self._counter_totals: dict[str, float] = {}
+        self._spans: list[tuple[int, dict]] = []  # (segment, span) of the finished segments
+        self._stage_device_s: dict[str, float] | None = None
         self._records_live: dict[int, dict] = {}
         self.stats = RunStats(prompt, pipe.preset.name, opts, pipe.provenance(), keep_blocks=record_blocks)
         self.stats.extra.update(live=True, num_blocks=num_blocks, updates=[], prompts=self.table.prompts)
@@ -309,6 +314,28 @@ class LiveSession:
             last = self.limit is not None and g == self.limit - 1
             return BlockStep(False, last, forced_by_update, self._router)
 
+    def _fold_segment(self) -> None:
+        """The finished segment's report into the session's totals: counters summed, device seconds summed,
+        the native scheduler's final per-block times onto its kept entries, its spans (those of kept entries
+        when `record_blocks` bounds them); then the report, with its KV caches, is let go."""
+        report, self._report = self._report, None
+        if report is None or report.counters is None:  # none running, or a segment that never ran
+            return
+        for k, v in report.counters.as_dict().items():
+            self._counter_totals[k] = self._counter_totals.get(k, 0) + v
+        if report.stage_device_s is not None:
+            total = self._stage_device_s or {}
+            self._stage_device_s = {k: total.get(k, 0.0) + v for k, v in report.stage_device_s.items()}
+        seg = self._segments
+        if report.final_times is not None:  # run-ahead: a drafter commit may end after its block is emitted
+            for b in self.stats.blocks:
+                if b["live"]["segment"] == seg and (final := report.final_times.get(b["index"])) is not None:
+                    b["times"] = block_times(final)
+        self._spans.extend((seg, span) for span in report.trace)
+        if self.record_blocks is not None:  # the spans of the blocks whose entries are kept
+            kept = {(b["live"]["segment"], b["index"]) for b in self.stats.blocks}
+            self._spans = [(sg, span) for sg, span in self._spans if (sg, span["block"]) in kept]
+
     def _stops(self, b: int, g: int) -> bool:
         """(under the lock) Session block g (segment block b) is not produced: closed, past the last block,
         or a restart is due there (the segment ends; the next one starts at g)."""
@@ -333,8 +360,7 @@ class LiveSession:
                     self._segments += 1
                 self._segment_start = self._started
                 prompt = self.table._current.prompt if self._started else self.table.prompts[0]
-            report = LoopReport()
-            self._reports.append(report)
+            report = self._report = LoopReport()
             self._records_live = {}
             opts = self.opts.replace(seed=self._seed)
             if self._source is not None:
@@ -350,6 +376,7 @@ class LiveSession:
                 record.live["recache_forwards"] = self._calls.take_recaches(record.index)
                 self._recache_forwards += record.live["recache_forwards"]
                 yield record
+            self._fold_segment()
             if self._closed or self.input_ended or (self.limit is not None and self._started >= self.limit):
                 break
 
@@ -392,23 +419,11 @@ class LiveSession:
         self.finished = True
         with self._lock:
             self._closed = True
-        done = [r for r in self._reports if r.counters is not None]
-        final = done[-1] if done else None
-        if final is not None and len(done) > 1 and all(r.final_times is not None for r in done):
-            # the native scheduler's final per-block times, segment after segment (stats.blocks' order)
-            final = dataclasses.replace(final, final_times=[t for r in done for t in r.final_times])
-        self.stats.finish(final, interrupted=interrupted)
-        if len(done) > 1:  # counters and trace of every segment
-            total = {}
-            for r in done:
-                for k, v in r.counters.as_dict().items():
-                    total[k] = total.get(k, 0) + v
-            self.stats.counters = total
-            self.stats.trace = [span for r in done for span in r.trace]
-        if self.record_blocks is not None:  # the spans of the blocks whose entries are kept
-            kept = {(b["live"]["segment"], b["index"]) for b in self.stats.blocks}
-            self.stats.trace = [span for seg, r in enumerate(self._reports) if r.counters is not None
-                                for span in r.trace if (seg, span["block"]) in kept]
+        self._fold_segment()  # the last segment (its loop filled the report when the consumer left)
+        self.stats.finish(None, interrupted=interrupted)
+        self.stats.counters = dict(self._counter_totals)
+        self.stats.trace = [span for _, span in self._spans]
+        self.stats.stage_device_s = self._stage_device_s
         self.stats.extra.update(segments=self._segments + 1, prompt_encodes=self.table.bank.encodes,
                                 blocks_started=self._started, recache_forwards=self._recache_forwards)
         if self.input_ended:
