@@ -585,6 +585,7 @@ class PyScheduler {
   py::list trace() const {
     py::list out;
     for (const auto& sp : scheduler_.trace()) {
+      if (sp.block < scheduler_.first_record()) continue;  // a dropped block's span left in place
       py::dict d;
       d["block"] = sp.block;
       d["stage"] = stage_name(sp.stage);
@@ -595,6 +596,7 @@ class PyScheduler {
     }
     return out;
   }
+  int first_record() const { return scheduler_.first_record(); }
   py::list block_times() const {
     py::list out;
     for (const auto& r : scheduler_.records()) {
@@ -705,6 +707,8 @@ void register_scheduler(py::module_& m) {
       .def("run", &PyScheduler::run, "Run the whole video (releases the GIL; stages re-enter Python)")
       .def("cancel", &PyScheduler::cancel, "Stop after the stage in flight (thread-safe)")
       .def("counters", &PyScheduler::counters, "What the last run did (a Counters)")
+      .def("first_record", [](const PyScheduler& p) { return p.first_record(); },
+           "the block of block_times()[0] (config.record_blocks drops older records)")
       .def("block_times", &PyScheduler::block_times,
            "Each block's final seconds per stage (STAGE_NAMES), after the run")
       .def("trace", &PyScheduler::trace,

@@ -43,6 +43,7 @@ void SchedulerConfig::validate() const {
   if (live && num_blocks != 0)
     os << "num_blocks " << num_blocks << " must be 0 for a live video (its plan says where it stops); ";
   if (max_held_target_commits < 0) os << "max_held_target_commits " << max_held_target_commits << " must be >= 0; ";
+  if (record_blocks < 0) os << "record_blocks " << record_blocks << " must be >= 0 (0: every block's record); ";
   if (frames_per_block < 1) os << "frames_per_block " << frames_per_block << " must be >= 1; ";
   if (drafter_steps < 1) os << "drafter_steps " << drafter_steps << " must be >= 1; ";
   if (run_ahead_blocks < 1) os << "run_ahead_blocks " << run_ahead_blocks << " must be >= 1; ";
@@ -96,9 +97,11 @@ auto Scheduler::timed(int block, Stage stage, bool main_thread, F&& fn) -> declt
     const auto t1 = Clock::now();
     const double dt = std::chrono::duration<double>(t1 - t0).count();
     std::lock_guard<std::mutex> lk(mu_);
-    record(block).times[static_cast<int>(stage)] += dt;
-    trace_.push_back({block, stage, main_thread, std::chrono::duration<double>(t0 - start_).count(),
-                      std::chrono::duration<double>(t1 - start_).count()});
+    if (block >= records_base_) {  // (a dropped block's record and spans are not kept)
+      record(block).times[static_cast<int>(stage)] += dt;
+      trace_.push_back({block, stage, main_thread, std::chrono::duration<double>(t0 - start_).count(),
+                        std::chrono::duration<double>(t1 - start_).count()});
+    }
     counters_.stage_call_s += dt;
     if (main_thread) counters_.main_stage_s += dt;
   };
@@ -127,17 +130,26 @@ bool Scheduler::route(const BlockPlan& p, const Scored& s) const {
 Scheduler::Slot& Scheduler::slot(int b) { return slots_[b]; }
 
 BlockRecord& Scheduler::record(int b) {
-  while (static_cast<int>(records_.size()) <= b) {
+  if (b < records_base_)
+    throw std::logic_error("sdvg scheduler: block " + std::to_string(b) + "'s record was dropped (record_blocks)");
+  while (records_base_ + static_cast<int>(records_.size()) <= b) {
     records_.emplace_back();
-    records_.back().index = static_cast<int>(records_.size()) - 1;
+    records_.back().index = records_base_ + static_cast<int>(records_.size()) - 1;
   }
-  return records_[b];
+  return records_[b - records_base_];
 }
 
 void Scheduler::prune() {
   // the main thread reads a block's slot until it emits it; the lane reads block L's and L-1's
   const int keep_from = std::min(emitted_upto_, lane_at_ == INT_MAX ? INT_MAX : lane_at_ - 1);
   while (!slots_.empty() && slots_.begin()->first < keep_from) slots_.erase(slots_.begin());
+  if (cfg_.record_blocks <= 0) return;
+  // the records (and spans) of emitted blocks past the last record_blocks, none a thread still reads
+  while (!records_.empty() && records_base_ < keep_from - cfg_.record_blocks) {
+    records_.pop_front();
+    ++records_base_;
+  }
+  while (!trace_.empty() && trace_.front().block < records_base_) trace_.pop_front();
 }
 
 BlockPlan Scheduler::config_plan(int b) const {
@@ -189,6 +201,7 @@ void Scheduler::run() {
     std::lock_guard<std::mutex> lk(mu_);
     trace_.clear();
     records_.clear();
+    records_base_ = 0;
     slots_.clear();
     pending_target_commits_.clear();
     planned_ = consumed_ = emitted_upto_ = 0;

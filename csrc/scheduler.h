@@ -106,7 +106,8 @@ RouterKind parse_router(const std::string& name);
   X(bool, run_ahead, "a drafter thread drafts ahead while the current block is decoded, scored and committed") \
   X(int, run_ahead_blocks, "run-ahead: drafts the drafter may hold beyond the block being decided (>= 1)")   \
   X(bool, live, "blocks planned one at a time by the executor (stop, last, forced, router); num_blocks: 0")   \
-  X(int, max_held_target_commits, "lazy target commits held at most, the oldest committed past it (0: no cap)")
+  X(int, max_held_target_commits, "lazy target commits held at most, the oldest committed past it (0: no cap)") \
+  X(int, record_blocks, "the records and trace spans of the last N emitted blocks kept, older ones dropped (0: all)")
 
 struct SchedulerConfig {
 #define SDVG_CONFIG_MEMBER_(type, name, doc) type name{};
@@ -243,10 +244,13 @@ class Scheduler {
   void cancel();
   bool cancelled() const { return cancelled_.load(); }
   const Counters& counters() const { return counters_; }
-  // One record per planned block; the handles of an emitted block are dropped (read them in emit).
+  // One record per planned block from first_record() on (config.record_blocks drops older ones as the
+  // video goes); the handles of an emitted block are dropped (read them in emit).
   const std::deque<BlockRecord>& records() const { return records_; }
-  // Every stage call, in the order they ended (both threads); read after run() returns.
-  const std::vector<Span>& trace() const { return trace_; }
+  int first_record() const { return records_base_; }
+  // The stage calls, in the order they ended (both threads); read after run() returns. Under
+  // config.record_blocks, those of blocks before first_record() are dropped (skip any left in place).
+  const std::deque<Span>& trace() const { return trace_; }
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -291,8 +295,9 @@ class Scheduler {
   SchedulerConfig cfg_;
   Executor& ex_;
   Counters counters_;
-  std::deque<BlockRecord> records_;  // one per planned block (handles dropped once emitted)
-  std::vector<Span> trace_;
+  std::deque<BlockRecord> records_;  // blocks records_base_.. (handles dropped once emitted)
+  int records_base_ = 0;             // the block of records_.front()
+  std::deque<Span> trace_;
   Clock::time_point start_{};
   std::vector<std::pair<int, Handle>> pending_target_commits_;
 

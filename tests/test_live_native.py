@@ -188,3 +188,35 @@ def test_an_unbounded_session_keeps_its_last_blocks_and_exact_totals(tiny_pipe, 
     assert stats["segments"] == 2 and stats["interrupted"] is False
     assert stats["target_forwards"] > 0 and stats["drafter_forwards"] > 0  # every segment's counters, the last too
     assert stats["trace"] and {s["block"] for s in stats["trace"]} <= {b["index"] for b in stats["blocks"]}
+
+
+@pytest.mark.slow
+def test_the_native_scheduler_keeps_the_records_of_the_last_blocks_only(tiny_pipe, monkeypatch):
+    """record_blocks=4 reaches the native scheduler (SchedulerConfig.record_blocks): over a 20-block segment it
+    holds the records and spans of the last few blocks only, and the kept entries get their final times."""
+    from sdvg.live import LiveSession
+
+    seen = {}
+    fold = LiveSession._fold_segment
+
+    def recording_fold(self):
+        if self._report is not None and self._report.final_times is not None:
+            seen["final"] = dict(self._report.final_times)
+            seen["span_blocks"] = {span["block"] for span in self._report.trace}
+        fold(self)
+
+    monkeypatch.setattr(LiveSession, "_fold_segment", recording_fold)
+    session = tiny_pipe.session("a red fox", num_blocks=None, scheduler="cpp", run_ahead=True, router="pattern",
+                                pattern="0110", record_blocks=4, target_context="recompute",
+                                drafter_cache="full", window_frames=6, sink_frames=3)
+    for block in session:
+        if block.index == 19:
+            break
+    stats = session.close()
+    kept = [b["index"] for b in stats.blocks]
+    assert kept == [16, 17, 18, 19]
+    assert min(seen["final"]) >= 19 - 4 - 2 and max(seen["final"]) <= 19 + 2  # (+ blocks in flight at close)
+    assert seen["span_blocks"] and min(seen["span_blocks"]) >= min(seen["final"])
+    for b in stats.blocks:  # the scheduler's final times, derived `commit` included
+        assert b["times"]["draft"] == seen["final"][b["index"]]["draft"]
+        assert b["times"]["commit"] == b["times"]["drafter_commit"] + b["times"]["target_commit"]

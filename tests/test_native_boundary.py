@@ -11,7 +11,8 @@ FIELDS = dict(mode="sdvg", num_blocks=5, frames_per_block=3, drafter_steps=4,
               drafter_recompute=False, target_recompute=False, router="random", tau=-0.25,
               accept_prob=0.5, uniforms=[0.125, 0.75, 0.5, 0.25, 1.0], pattern=[False, True, True],
               force_first_reject=True, own_context=False, skip_first_draft=True, lazy_target_commit=False,
-              score_emitted=True, run_ahead=True, run_ahead_blocks=2, live=False, max_held_target_commits=0)
+              score_emitted=True, run_ahead=True, run_ahead_blocks=2, live=False, max_held_target_commits=0,
+              record_blocks=0)
 
 
 def _config(**changes):
@@ -60,6 +61,8 @@ def test_a_live_config_has_no_block_count_and_a_non_negative_cap():
         _config(live=True)
     with pytest.raises(ValueError, match="max_held_target_commits -1 must be >= 0"):
         _config(max_held_target_commits=-1)
+    with pytest.raises(ValueError, match="record_blocks -2 must be >= 0"):
+        _config(record_blocks=-2)
 
 
 def test_block_plan_fields_are_typed_keywords():

@@ -391,7 +391,7 @@ static void test_names() {
   }
   CHECK(why == "unknown router 'oracle'; choose reward, random or pattern");
   CHECK(std::size(kCounterNames) == 10 && std::string(kCounterNames[7]) == "scheduler_wall_s");
-  CHECK(std::size(kConfigFieldNames) == 20 && std::string(kConfigFieldNames[0]) == "mode");
+  CHECK(std::size(kConfigFieldNames) == 21 && std::string(kConfigFieldNames[0]) == "mode");
   CHECK(std::size(kPlanFieldNames) == 9 && std::string(kPlanFieldNames[0]) == "stop");
 }
 
@@ -661,6 +661,44 @@ static void test_long_live_video_holds_bounded_state() {
   }
 }
 
+// config.record_blocks keeps the records and spans of the last N emitted blocks (a long live video's
+// times and trace stay bounded); the video and the kept records are those of a run that keeps all.
+static void test_record_blocks_bounds_records_and_trace() {
+  for (bool run_ahead : {false, true}) {
+    for (bool own : {false, true}) {
+      auto plans = [] {
+        std::vector<BlockPlan> v;
+        for (int b = 0; b < 200; ++b) {
+          v.push_back(pattern_plan(b % 3 != 1, b == 199));
+          v.back().forced = b == 0;
+        }
+        return v;
+      };
+      Planned all, kept;
+      all.plans = kept.plans = plans();
+      Scheduler sa(live_cfg(run_ahead, own), all);
+      sa.run();
+      SchedulerConfig c = live_cfg(run_ahead, own);
+      c.record_blocks = 8;
+      Scheduler sk(c, kept);
+      sk.run();
+      CHECK(latents(all) == latents(kept));
+      CHECK(sa.first_record() == 0 && sa.records().size() == 200);
+      CHECK(sk.first_record() >= 200 - 8 - 2 && sk.first_record() <= 200 - 8);
+      CHECK(sk.records().size() == static_cast<size_t>(200 - sk.first_record()));
+      for (size_t i = 0; i < sk.records().size(); ++i) {
+        const BlockRecord& r = sk.records()[i];
+        CHECK(r.index == sk.first_record() + static_cast<int>(i));
+        CHECK(r.decision == sa.records()[r.index].decision);
+      }
+      size_t spans = 0;
+      for (const Span& sp : sk.trace()) spans += sp.block >= sk.first_record();
+      CHECK(sk.trace().size() <= spans + 8);  // a few dropped spans may wait behind later ones
+      CHECK(spans < sa.trace().size() / 10);
+    }
+  }
+}
+
 static void test_live_config() {
   SchedulerConfig c = live_cfg(false, false);
   CHECK(config_error(c).empty());
@@ -669,6 +707,9 @@ static void test_live_config() {
   c = base_cfg(3);
   c.max_held_target_commits = -1;
   CHECK(contains(config_error(c), "max_held_target_commits -1 must be >= 0"));
+  c = base_cfg(3);
+  c.record_blocks = -1;
+  CHECK(contains(config_error(c), "record_blocks -1 must be >= 0"));
   Fake f;  // an executor without plans, asked for one: a clear error
   Scheduler s(live_cfg(false, false), f);
   std::string why;
@@ -687,6 +728,7 @@ int main() {
   test_live_run_ahead_recaches_an_undrafted_block_before_its_emission();
   test_held_target_commits_are_capped();
   test_long_live_video_holds_bounded_state();
+  test_record_blocks_bounds_records_and_trace();
   test_live_config();
   test_sequential_call_order();
   test_trailing_accepts_cost_the_target_nothing();

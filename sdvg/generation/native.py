@@ -34,19 +34,21 @@ LIVE_QUEUED_BLOCKS = 1  # a live session's emitted blocks waiting for the consum
 
 def scheduler_config(opts: GenerationOptions, frames_per_block: int, drafter_steps: int,
                      drafter_recompute: bool = False, target_recompute: bool = False, live: bool = False,
-                     max_held_target_commits: int = 0):
+                     max_held_target_commits: int = 0, record_blocks: int = 0):
     """The native scheduler's config: every field by name (the C++ side has no defaults and refuses an
     unknown or missing field). `drafter_steps`: the drafter's model calls per denoise (counted as skipped
     when block 0's draft is not made); `*_recompute`: the role's context is rebuilt before each block
     (its commits only record latents, no pointer moves); `live`: each block planned by `StageCalls.plan`
     (no block count, no per-video router draws); `max_held_target_commits`: lazy target commits held at most
-    (0: no cap)."""
+    (0: no cap); `record_blocks`: the scheduler keeps the records and trace spans of the last N emitted blocks
+    (a live session's `record_blocks`; 0: all)."""
     router = Router.from_options(opts)
     uniforms = [router.uniform(b, opts.seed) for b in range(opts.num_blocks)] \
         if opts.router == "random" and not live else []
     return _C.SchedulerConfig(
         mode=opts.mode, num_blocks=0 if live else opts.num_blocks, frames_per_block=frames_per_block,
         drafter_steps=drafter_steps, live=live, max_held_target_commits=max_held_target_commits,
+        record_blocks=record_blocks,
         drafter_recompute=drafter_recompute, target_recompute=target_recompute,
         router=opts.router, tau=opts.tau, accept_prob=opts.accept_prob, uniforms=uniforms,
         pattern=list(opts.pattern), force_first_reject=opts.force_first_reject,
@@ -55,12 +57,13 @@ def scheduler_config(opts: GenerationOptions, frames_per_block: int, drafter_ste
         run_ahead_blocks=opts.run_ahead_blocks)
 
 
-def setup_scheduler_config(opts: GenerationOptions, setup, live: bool = False, max_held_target_commits: int = 0):
+def setup_scheduler_config(opts: GenerationOptions, setup, live: bool = False, max_held_target_commits: int = 0,
+                           record_blocks: int = 0):
     """`scheduler_config` for a prepared video (each role's schedule and context mode)."""
     d, t = setup.drafter, setup.target
     return scheduler_config(opts, setup.frames_per_block, d.schedule.num_steps if d else 1,
                             bool(d and d.context.recompute), bool(t and t.context.recompute), live,
-                            max_held_target_commits)
+                            max_held_target_commits, record_blocks)
 
 
 def generate_blocks_native(comps: Components, prompt: str, opts: GenerationOptions, report: LoopReport | None = None,
@@ -85,8 +88,10 @@ def generate_blocks_native(comps: Components, prompt: str, opts: GenerationOptio
         plan.attach(stages, setup)
         stages.block_plan = plan
     held = getattr(plan, "max_held_commits", None) or 0
+    kept = getattr(plan, "record_blocks", None) or 0
     sched = _C.Scheduler(
-        setup_scheduler_config(opts, setup, live=plan is not None, max_held_target_commits=held), stages,
+        setup_scheduler_config(opts, setup, live=plan is not None, max_held_target_commits=held,
+                               record_blocks=kept), stages,
         setup.drafter.cache if setup.drafter else None, setup.target.cache if setup.target else None,
         comps.drafter_device, comps.target_device)
     errors: list[BaseException] = []
@@ -107,7 +112,7 @@ def generate_blocks_native(comps: Components, prompt: str, opts: GenerationOptio
             report.stage_device_s = device_times
             report.counters = counters
             report.trace = sched.trace()
-            report.final_times = sched.block_times()
+            report.final_times = dict(enumerate(sched.block_times(), start=sched.first_record()))
             report.drafter_cache = setup.drafter.cache if setup.drafter else None
             report.target_cache = setup.target.cache if setup.target else None
 

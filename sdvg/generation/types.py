@@ -84,7 +84,8 @@ class LoopReport:
 
     counters: Any = None  # _C.Counters
     trace: list[dict] = field(default_factory=list)  # every stage call: block, stage, thread, start_s, end_s
-    final_times: list[dict[str, float]] | None = None  # per-block stage times once every call has ended
+    # block -> its stage times once every call has ended (the native scheduler's; those it kept)
+    final_times: dict[int, dict[str, float]] | None = None
     stage_device_s: dict[str, float] | None = None  # stage_timing "events" on CUDA: device seconds per stage
     drafter_cache: Any = None
     target_cache: Any = None
@@ -125,9 +126,9 @@ class RunStats(Mapping):
             self.trace = list(report.trace)
             self.stage_device_s = report.stage_device_s
             if report.final_times is not None:  # run-ahead: a drafter commit may end after its block is emitted
-                first = self.dropped["blocks"]  # the kept entries' place among every block emitted
-                for b, final in zip(self.blocks, report.final_times[first:]):
-                    b["times"] = block_times(final)
+                for b in self.blocks:
+                    if (final := report.final_times.get(b["index"])) is not None:
+                        b["times"] = block_times(final)
         self.wall_s = time.perf_counter() - self._t0
         self.interrupted = interrupted
         return self
