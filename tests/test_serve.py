@@ -584,6 +584,81 @@ def test_an_uploaded_input_video_drives_a_session_and_a_broken_one_is_refused_at
     assert "could not start" in error["error"] and "cannot be read" in error["error"], error
 
 
+def _write_clip(path, frames=21, seed=3):
+    import imageio_ffmpeg
+
+    writer = imageio_ffmpeg.write_frames(str(path), (80, 48), fps=16, quality=None, output_params=["-crf", "0"],
+                                         macro_block_size=1)
+    writer.send(None)
+    rng = np.random.default_rng(seed)
+    for _ in range(frames):
+        writer.send(rng.integers(0, 256, size=(48, 80, 3), dtype=np.uint8).tobytes())
+    writer.close()
+
+
+def test_an_input_video_is_read_off_the_worker_and_its_upload_outlives_its_ttl_while_claimed(tiny_pipe, tmp_path,
+                                                                                            monkeypatch):
+    """A session's uploaded input video is read on its own thread: while the read is held, another session runs to
+    completion and an update to the reading session is refused by name. The upload is claimed by the session that
+    names it: queued behind a busy slot past the upload's TTL (1 s), it still starts; once its socket closes the
+    upload goes. An unclaimed upload expires after its TTL as before."""
+    import threading
+
+    from sdvg.serve.engine import Engine
+
+    src = tmp_path / "in.mp4"
+    _write_clip(src)
+    held, reading = threading.Event(), threading.Event()
+    read_input = Engine.read_input
+
+    def held_read(self, spec):
+        reading.set()
+        assert held.wait(TIMEOUT)
+        return read_input(self, spec)
+
+    monkeypatch.setattr(Engine, "read_input", held_read)
+    with running_server(tiny_pipe, tmp_path / "srv", max_sessions=2, upload_ttl_s=1.0) as (url, app):
+        uploads = app.state.uploads
+        _, body = upload(url, "/upload_video", src.read_bytes(), "in.mp4")
+        _, unclaimed = upload(url, "/upload_video", src.read_bytes(), "in.mp4")
+
+        async def go():
+            vid = await websockets.connect(f"ws://{url}/session/rd1?fmt=raw&sdvg=1")
+            await recv_json(vid, 30)
+            await vid.send(msgpack.packb({"prompt": PROMPT, "seed": 5, "input_video": body["id"], "strength": 0.6}))
+            assert await asyncio.to_thread(reading.wait, TIMEOUT)
+            other = await run_session(url, params(num_blocks=1), fmt="raw", session_id="rd2")  # not held back
+            await vid.send(msgpack.packb({"tau": 0.5}))
+            refused = None
+            while refused is None:
+                msg = await recv_json(vid, TIMEOUT)
+                if msg.get("status") == "error":
+                    refused = msg
+            await asyncio.sleep(1.5)  # past the TTL: the claimed upload stays, the unclaimed one goes
+            _, again = upload(url, "/upload_video", b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 64)  # (expires others)
+            kept = (uploads.known(body["id"]), uploads.known(unclaimed["id"]))
+            held.set()
+            frames = 0
+            while True:
+                m = await asyncio.wait_for(vid.recv(), TIMEOUT)
+                if isinstance(m, bytes):
+                    frames += 1
+                elif json.loads(m)["status"] == "completed":
+                    break
+            await vid.close()
+            return other, refused, kept, frames
+
+        other, refused, kept, frames = asyncio.run(go())
+        deadline = time.monotonic() + 10
+        while uploads.known(body["id"]) and time.monotonic() < deadline:  # released when its socket closed
+            time.sleep(0.05)
+        gone = not uploads.known(body["id"])
+    assert len(other["frames"]) == 9 and other["texts"][-1]["status"] == "completed"
+    assert refused["field"] == "tau" and "still being read" in refused["error"]
+    assert kept == (True, False)
+    assert frames == 21 and gone
+
+
 def test_a_webcam_reset_with_a_pending_seed_stays_a_webcam_session_and_odd_images_are_refused(server):
     """A `seed` update applies at the next reset (Krea); the reset keeps the session's video input. Webcam frames
     are JPEG/PNG/WebP only (a BMP or GIF is refused by name, PIL opens no other format)."""

@@ -187,6 +187,8 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
             await receive_loop(websocket, session)
         finally:
             manager.release(session)
+            if session.upload is not None:
+                uploads.release(session.upload)
             if not sender.done():
                 outbox.close(1000)
                 try:
@@ -264,7 +266,8 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
 
     async def start(session: Session, obj) -> None:
         params = parse_params(obj, cfg.max_prompt_chars)
-        spec = engine.spec(params, cfg.max_blocks, uploads.known, uploads.path)
+        spec = engine.spec(params, cfg.max_blocks, uploads.known, uploads.claim)
+        session.upload = params.input_video  # claimed: kept past its TTL until this socket closes
         admitted(session, spec)
 
     def admitted(session: Session, spec) -> None:

@@ -55,7 +55,8 @@ class Engine:
 
     # ------------------------------------------------------------------ parameters -> options
     def spec(self, params: KreaParams, max_blocks: int, upload_known, upload_path=None) -> SessionSpec:
-        """The session's options; a field sdvg cannot honour raises ProtocolError naming it."""
+        """The session's options; a field sdvg cannot honour raises ProtocolError naming it. `upload_path(id)`:
+        an upload's server-side file or None (the server passes `UploadStore.claim`: the session keeps it)."""
         height, width = self.size
         for name, value, ours in (("width", params.width, width), ("height", params.height, height)):
             if value is not None and value != ours:
@@ -128,15 +129,21 @@ class Engine:
         return SessionSpec(params.prompt, options, params.request_id, bool(params.webcam_mode), path)
 
     # ------------------------------------------------------------------ generation
-    def start(self, spec: SessionSpec) -> Iterator:
-        """The blocks of one generation (run on the generation worker's thread only)."""
+    def read_input(self, spec: SessionSpec) -> tuple[GenerationOptions, Any]:
+        """An uploaded input video's frames, read (ffmpeg) and fitted: (options with num_blocks capped by the
+        clip, as in Krea, uint8 frames). It touches no model, so it runs off the generation worker."""
+        return self.pipe.input_clip(spec.input_video, spec.options, fit_blocks=True,
+                                    max_bytes=self.max_input_video_bytes)
+
+    def start(self, spec: SessionSpec, clip: tuple[GenerationOptions, Any] | None = None) -> Iterator:
+        """The blocks of one generation (run on the generation worker's thread only). `clip`: the input video
+        `read_input` read (read here when not given)."""
         if self.live:
             keywords = _keywords(spec.options)
             num_blocks = keywords.pop("num_blocks")
             frames = None
             if spec.input_video is not None:  # Krea's rule: the video's length caps num_blocks
-                options, frames = self.pipe.input_clip(spec.input_video, spec.options, fit_blocks=True,
-                                                       max_bytes=self.max_input_video_bytes)
+                options, frames = clip if clip is not None else self.read_input(spec)
                 num_blocks = options.num_blocks
             return self.pipe.session(spec.prompt, num_blocks=num_blocks, input_video=frames,
                                      input_frames=spec.webcam, input_timeout_s=3600.0,

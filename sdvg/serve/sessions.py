@@ -85,12 +85,14 @@ class Session:
                  outbox: Outbox):
         self.id, self.fmt, self.superset, self.loop, self.outbox = session_id, fmt, superset, loop, outbox
         self.spec: SessionSpec | None = None
+        self.upload: str | None = None  # the input_video upload this socket claimed (released when it closes)
         self.state = "new"  # new | queued | running | done | closed
         self.paused = False
         self.commands: collections.deque = collections.deque()  # for the worker (under the manager's lock)
         self.run = 0  # bumped by every (re)start: blocks of an older run are not sent
         self.next_seed: int | None = None  # Krea: a `seed` update applies at the next reset
         self.generation: Any = None  # (worker)
+        self.reading = False  # (worker) the run's input video is being read (off the worker)
         self.writer: Any = None  # (worker)
         self.blocks_done = 0  # (worker) blocks of the current run
         self.frames_done = 0  # (worker)
@@ -283,16 +285,28 @@ class SessionManager:
         if cmd[0] == "start":
             self._end(s, reason="restart")
             run, spec = cmd[1], cmd[2]
-            try:
-                s.generation = self.engine.start(spec)
-                s.writer = self.videos.writer(s.id)
-            except Exception as exc:  # e.g. a memory budget refusal
-                s.post_text({"status": "error", "error": f"could not start: {exc}", "field": None})
+            s.gen_run = run
+            s.reading = spec.input_video is not None and self.engine.live
+            if s.reading:  # read off the worker: the other sessions' blocks go on meanwhile
+                threading.Thread(target=self._read_input, args=(s, run, spec), name=f"sdvg-serve-read-{s.id}",
+                                 daemon=True).start()
+                return
+            self._begin(s, spec, None)
+        elif cmd[0] == "input":  # an uploaded video read for run cmd[1] (or why it could not be)
+            run, spec, clip = cmd[1], cmd[2], cmd[3]
+            if run != s.gen_run:  # a reset came while it was read: that run's own read follows
+                return
+            s.reading = False
+            if isinstance(clip, Exception):
+                s.post_text({"status": "error", "error": f"could not start: {clip}", "field": None})
                 self._finished(s)
                 return
-            s.gen_run = run
-            s.blocks_done = s.frames_done = s.accepted = s.later = 0
+            self._begin(s, spec, clip)
         elif cmd[0] == "update":  # live sessions only (engine.live)
+            if s.reading:  # its input video is still being read
+                s.post_text({"status": "error", "error": f"{cmd[2]}: the session's input video is still being "
+                             "read; send it once the first frames came", "field": cmd[2]})
+                return
             changes, field, request_id = cmd[1], cmd[2], cmd[3]
             try:
                 block = self.engine.update(s.generation, **changes)
@@ -301,6 +315,25 @@ class SessionManager:
                 return
             if s.superset and field != "image":  # webcam frames are not acknowledged (Krea sends nothing)
                 s.post_text({"status": "ack", "field": field, "block": block, "request_id": request_id})
+
+    def _begin(self, s: Session, spec: SessionSpec, clip) -> None:
+        """The run's generation and MP4 (worker); `clip`: its input video, already read."""
+        try:
+            s.generation = self.engine.start(spec, clip) if clip is not None else self.engine.start(spec)
+            s.writer = self.videos.writer(s.id)
+        except Exception as exc:  # e.g. a memory budget refusal, an unreadable video
+            s.post_text({"status": "error", "error": f"could not start: {exc}", "field": None})
+            self._finished(s)
+            return
+        s.blocks_done = s.frames_done = s.accepted = s.later = 0
+
+    def _read_input(self, s: Session, run: int, spec: SessionSpec) -> None:
+        """(its own thread) Read the run's input video, then hand it to the worker as an `input` command."""
+        try:
+            clip = self.engine.read_input(spec)
+        except Exception as exc:
+            clip = exc
+        self.command(s, "input", run, spec, clip)
 
     def _step(self, s: Session) -> None:
         gen = s.generation

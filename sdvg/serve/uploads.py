@@ -2,8 +2,9 @@
 
 Each upload is checked by its first bytes (MP4/MOV/WebM for videos; JPEG/PNG/WebP for images,
 which are also decoded under a pixel limit), capped in size while it is read, stored under the
-server's own folder with a name made from the id, and deleted `upload_ttl_s` after its POST (whether
-or not a session named it; a session that starts later finds it gone) or when the server stops.
+server's own folder with a name made from the id, and deleted `upload_ttl_s` after its POST or when the
+server stops. A session that names an upload claims it: a claimed upload outlives its TTL (a queued
+session, a reset) until every socket that claimed it has closed.
 Webcam frames (`decode_frame`) are not uploads: they are decoded from the message itself."""
 from __future__ import annotations
 
@@ -67,6 +68,7 @@ class UploadStore:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.ttl_s = ttl_s
         self._items: dict[str, tuple[Path, float, str]] = {}  # id -> (file, created, kind)
+        self._claims: dict[str, int] = {}  # id -> sessions holding it (kept past its TTL while > 0)
         self._lock = threading.Lock()
 
     def add(self, data: bytes, kind: str) -> str:
@@ -88,6 +90,23 @@ class UploadStore:
             item = self._items.get(upload_id)
         return None if item is None else item[0]
 
+    def claim(self, upload_id: str) -> Path | None:
+        """A session names the upload: its file (None when unknown or expired), kept until `release`."""
+        with self._lock:
+            item = self._items.get(upload_id)
+            if item is None:
+                return None
+            self._claims[upload_id] = self._claims.get(upload_id, 0) + 1
+        return item[0]
+
+    def release(self, upload_id: str) -> None:
+        """The session that claimed the upload is gone: past its TTL and unclaimed, it is deleted."""
+        with self._lock:
+            left = self._claims.pop(upload_id, 0) - 1
+            if left > 0:
+                self._claims[upload_id] = left
+        self.expire()
+
     def delete(self, upload_id: str) -> None:
         with self._lock:
             item = self._items.pop(upload_id, None)
@@ -97,13 +116,14 @@ class UploadStore:
     def expire(self) -> None:
         now = time.monotonic()
         with self._lock:
-            old = [k for k, (_, t, _) in self._items.items() if now - t > self.ttl_s]
+            old = [k for k, (_, t, _) in self._items.items() if now - t > self.ttl_s and k not in self._claims]
         for k in old:
             self.delete(k)
 
     def clear(self) -> None:
         with self._lock:
             ids = list(self._items)
+            self._claims.clear()
         for k in ids:
             self.delete(k)
 
