@@ -220,6 +220,7 @@ def test_stats_keeping_the_last_blocks_fold_the_rest_into_exact_totals(early_exi
         LiveSession(None, "a", GenerationOptions(), num_blocks=2, record_blocks=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheduler", ["reference", "cpp"])
 def test_a_restart_lets_the_finished_segments_caches_go(tiny_pipe, monkeypatch, scheduler):
     """Each restart (a new seed: a reset on the server) starts a segment with new KV caches; the finished
@@ -242,17 +243,16 @@ def test_a_restart_lets_the_finished_segments_caches_go(tiny_pipe, monkeypatch, 
     s = tiny_pipe.session("a red fox", num_blocks=None, scheduler=scheduler, target_context="full",
                           drafter_cache="full", window_frames=6, sink_frames=3, router="pattern", pattern="01")
     for n, _ in enumerate(s, start=1):
-        if n % 2 == 0:
-            s.update(seed=n)  # a restart at the next block
-        if n == 8:
+        s.update(seed=n)  # a restart at the first block not started (the native pace may make it later)
+        if n == 5:
             break
     gc.collect()
-    assert len(buffers) == 4
-    assert [ref() is None for ref in buffers] == [True, True, True, False]  # only the running segment's
+    assert len(buffers) >= 3
+    assert [ref() is None for ref in buffers] == [True] * (len(buffers) - 1) + [False]  # the running segment's only
     stats = s.close()
-    assert stats.extra["segments"] == 4 and len(stats.blocks) == 8  # (the native pace may shift the restarts)
+    assert stats.extra["segments"] == len(buffers) and len(stats.blocks) == 5
     assert stats.counters["target_forwards"] > 0
     assert {span["block"] for span in stats.trace} == {b["index"] for b in stats.blocks}
     # one target span per block the target made, in every segment (none of a block left in flight at close)
     made_by_target = [b for b in stats.blocks if b["decision"] in ("forced", "rejected")]
-    assert sum(span["stage"] == "target" for span in stats.trace) == len(made_by_target) >= 4
+    assert sum(span["stage"] == "target" for span in stats.trace) == len(made_by_target) >= 3

@@ -596,6 +596,7 @@ def _write_clip(path, frames=21, seed=3):
     writer.close()
 
 
+@pytest.mark.slow
 def test_an_input_video_is_read_off_the_worker_and_its_upload_outlives_its_ttl_while_claimed(tiny_pipe, tmp_path,
                                                                                             monkeypatch):
     """A session's uploaded input video is read on its own thread: while the read is held, another session runs to
