@@ -532,9 +532,14 @@ def test_webcam_frames_drive_a_video_to_video_session_without_stalling_others(se
                 texts.append(msg)
                 if msg["status"] in ("completed", "error"):
                     break
+            # a frame still in flight when `completed` came is dropped without a reply; the socket goes on
+            await ws.send(msgpack.packb({"image": jpegs[0]}))
+            await ws.send(msgpack.packb({"action": "ping", "request_id": "after"}))
+            texts.append(await recv_json(ws, 30))
             return other, frames, texts
 
     other, frames, texts = asyncio.run(go())
+    assert texts.pop() == {"status": "pong", "request_id": "after", "timestamp": None}  # no error before it
     assert any(t.get("status") == "completed" for t in other["texts"]) and len(other["frames"]) == 9
     assert texts[-1]["status"] == "completed", texts
     assert not [t for t in texts if t["status"] == "ack"]  # webcam frames are not acknowledged

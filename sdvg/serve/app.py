@@ -321,13 +321,19 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
                 raise ProtocolError("image", f"{len(u.image)} bytes; at most {cfg.max_image_bytes}")
             if not session.spec.webcam:
                 raise ProtocolError("image", "this session takes no webcam frames: start it with webcam_mode: true")
+            if session.state == "done":  # sent before the client heard `completed`: nothing more is read
+                metrics.refused.labels("image_after_end").inc()
+                return
             if session.state != "running":
                 raise ProtocolError("image", f"the session is {session.state}; send webcam frames once it runs")
             try:  # off the event loop (other sockets go on); this socket's next message waits: its order holds
                 frame = await asyncio.to_thread(decode_frame, u.image, cfg.max_webcam_pixels)
             except UploadError as exc:
                 raise ProtocolError("image", str(exc)) from None
-            if session.state != "running":  # reset (queued again) or ended while it was decoded
+            if session.state == "done":  # the run ended while it was decoded
+                metrics.refused.labels("image_after_end").inc()
+                return
+            if session.state != "running":  # reset (queued again) while it was decoded
                 raise ProtocolError("image", f"the session is {session.state}; send webcam frames once it runs")
             # (a `strength` sent with it changes nothing, as in Krea's server, whose schedule is fixed at the start)
             manager.command(session, "update", {"input_frames": frame[None]}, "image", u.request_id)
