@@ -244,6 +244,10 @@ void Scheduler::drafter_commit(int b, const Handle& latents) {
   ex_.drafter_cache_commit();
 }
 
+bool Scheduler::lane_recaches(const BlockPlan& p) const {
+  return cfg_.run_ahead && cfg_.mode == Mode::Sdvg && p.forced && cfg_.skips_first_draft() && p.recache && !p.last;
+}
+
 bool Scheduler::wait_decision(int b, Handle* emitted) {
   std::unique_lock<std::mutex> lk(mu_);
   cv_.wait(lk, [&] { return slot(b).decided >= 0 || cancelled_.load(); });
@@ -288,7 +292,7 @@ void Scheduler::drafter_loop() {
     if (forced && cfg_.skips_first_draft()) {  // no draft: the block's target output is committed
       if (speculative_prev) resolve_speculative_commit(b - 1);
       speculative_prev = false;
-      if (plan.recache && !plan.last) {  // re-cache now, beside the target's block; main waits for it
+      if (lane_recaches(plan)) {  // re-cache now, beside the target's block; main waits for it
         timed(b, Stage::DrafterCommit, false, [&] { ex_.drafter_recache(b); });
         std::lock_guard<std::mutex> lk(mu_);
         slot(b).recached = true;
@@ -465,8 +469,7 @@ void Scheduler::run_main() {
       snapshot = rec;
       rec.latents = rec.frames = rec.draft_latents = nullptr;  // the block's tensors go with the emitted copy
     }
-    if (cfg_.run_ahead && cfg_.mode == Mode::Sdvg && plan.forced && cfg_.skips_first_draft() && plan.recache &&
-        !last) {  // the block is emitted with the drafter's re-cache for it made (as the sequential order has it)
+    if (lane_recaches(plan)) {  // the block is emitted with the drafter's re-cache for it made (sequential order)
       std::unique_lock<std::mutex> lk(mu_);
       cv_.wait(lk, [&] { return slot(b).recached || cancelled_.load(); });
       if (!slot(b).recached) throw Cancelled();

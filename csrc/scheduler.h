@@ -275,6 +275,9 @@ class Scheduler {
   // The speculative commit of block b (committed context) is checked: on a rejection it is rolled
   // back and the emitted block committed instead. Returns whether it was rolled back.
   bool resolve_speculative_commit(int b);
+  // Run-ahead: a forced block the lane does not draft, under a new conditioning, not the last: the lane
+  // re-caches the drafter for it before its commit, and the main thread emits it only after that re-cache.
+  bool lane_recaches(const BlockPlan& p) const;
   // shared state (guarded by mu_)
   bool wait_decision(int b, Handle* emitted);
 

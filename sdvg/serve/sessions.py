@@ -319,7 +319,7 @@ class SessionManager:
     def _begin(self, s: Session, spec: SessionSpec, clip) -> None:
         """The run's generation and MP4 (worker); `clip`: its input video, already read."""
         try:
-            s.generation = self.engine.start(spec, clip) if clip is not None else self.engine.start(spec)
+            s.generation = self.engine.start(spec, clip)
             s.writer = self.videos.writer(s.id)
         except Exception as exc:  # e.g. a memory budget refusal, an unreadable video
             s.post_text({"status": "error", "error": f"could not start: {exc}", "field": None})
