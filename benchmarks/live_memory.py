@@ -257,6 +257,7 @@ def run_config(pipe, name: str, args) -> dict:
             break
     stats = session.close().as_dict()
     held.clear()
+    del session.attach  # `catch` holds the bound method: a cycle the next config's samples would see collected
     summary = summarize(rows, args.warm, args.tolerance)
     return {"config": name, "options": spec, "update_every": update_every, "horizon": horizon,
             "blocks_asked": args.blocks, "blocks_run": len(rows),
@@ -356,7 +357,10 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     pipe = SpeculativeVideoPipeline.from_preset("tiny")
     command = "python benchmarks/live_memory.py " + shlex.join(sys.argv[1:] if argv is None else list(argv))
-    runs = [run_config(pipe, name, args) for name in configs]
+    runs = []
+    for name in configs:
+        gc.collect()  # each config starts from a collected heap: its samples count its own objects only
+        runs.append(run_config(pipe, name, args))
     result = {"command": command.strip(), "preset": "tiny", "scheduler": args.scheduler, "run_ahead": args.run_ahead,
               "mode": args.mode,
               "blocks": args.blocks, "warm": args.warm, "update_every": args.update_every,

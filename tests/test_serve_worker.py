@@ -27,7 +27,7 @@ class FakeEngine:
     def __init__(self, blocks: int):
         self.blocks, self.order, self.running = blocks, [], threading.Lock()
 
-    def start(self, spec):
+    def start(self, spec, clip=None):  # the Engine.start signature (clip: an input video read off the worker)
         def gen():
             for b in range(self.blocks):
                 assert self.running.acquire(blocking=False), "two generations ran at once"

@@ -119,6 +119,7 @@ def generate_blocks_native(comps: Components, prompt: str, opts: GenerationOptio
     if not threaded:
         body()
         report_run()
+        failed, errors[:] = errors[:], []
         while (item := sink.get()) is not _DONE:
             yield item
     else:
@@ -139,8 +140,13 @@ def generate_blocks_native(comps: Components, prompt: str, opts: GenerationOptio
                     pass
             worker.join()
             report_run()  # also when the consumer left early (a live session's close)
-    if errors:  # a consumer that left early never gets here (GeneratorExit at its yield): the run's own error
-        raise errors[0]
+            # taken out of `errors`: an error's traceback holds body's frame, the frame its function, whose cells
+            # hold `errors` (a cycle) and `sched` (the stage calls, the KV caches). Emptied, the scheduler and its
+            # caches go by reference counting with the error, not at the next garbage collection (a live session's
+            # close or restart would hold GPU memory for an unknown time)
+            failed, errors[:] = errors[:], []
+    if failed:  # a consumer that left early never gets here (GeneratorExit at its yield): the run's own error
+        raise failed[0]
 
 
 def setup_slack(comps: Components, run_ahead: bool) -> int:

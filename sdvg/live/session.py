@@ -319,6 +319,7 @@ class LiveSession:
         the native scheduler's final per-block times onto its kept entries, its spans (those of kept entries
         when `record_blocks` bounds them); then the report, with its KV caches, is let go."""
         report, self._report = self._report, None
+        self._calls = None  # the segment's stage calls hold its setup (the KV caches)
         if report is None or report.counters is None:  # none running, or a segment that never ran
             return
         for k, v in report.counters.as_dict().items():
@@ -420,6 +421,8 @@ class LiveSession:
         with self._lock:
             self._closed = True
         self._fold_segment()  # the last segment (its loop filled the report when the consumer left)
+        with self._lock:
+            self._video = None  # its encoder's caches: a closed session holds no tensors of its run
         self.stats.finish(None, interrupted=interrupted)
         self.stats.counters = dict(self._counter_totals)
         self.stats.trace = [span for _, span in self._spans]
