@@ -416,22 +416,40 @@ def test_killed_client_frees_its_session_and_others_finish(server, refs):
 
 @pytest.mark.slow
 def test_max_sessions_2_queues_the_third_and_refuses_beyond_the_queue(tiny_pipe, refs, tmp_path):
+    """Two paused sessions hold both slots (a paused generation stays admitted), so the order is not a race with
+    how fast a block runs: the third is queued, the fourth refused `busy`; resuming the two frees a slot and the
+    queued third runs to the end."""
     with running_server(tiny_pipe, tmp_path, max_sessions=2, max_queue=1) as (url, _):
+        async def until(ws, status):
+            while True:
+                m = await asyncio.wait_for(ws.recv(), TIMEOUT)
+                if isinstance(m, str) and json.loads(m)["status"] == status:
+                    return json.loads(m)
+
         async def go():
             socks = []
-            for i in range(4):  # the third speaks sdvg's superset: told when it gets its slot
+            for i in range(2):  # the slot holders: started, then paused before their block (or after it)
+                ws = await websockets.connect(f"ws://{url}/session/q{i}?fmt=raw&sdvg=1")
+                await recv_json(ws, 30)
+                await ws.send(msgpack.packb(params(num_blocks=2)))
+                await ws.send(msgpack.packb({"action": "pause"}))
+                await until(ws, "ack")
+                socks.append(ws)
+            for i in (2, 3):  # the third speaks sdvg's superset: told when it gets its slot
                 ws = await websockets.connect(f"ws://{url}/session/q{i}?fmt=raw" + ("&sdvg=1" if i == 2 else ""))
                 await recv_json(ws, 30)
                 await ws.send(msgpack.packb(params(num_blocks=1)))
                 socks.append(ws)
-                await asyncio.sleep(0.3)
-            third = [await recv_json(socks[2], 30) for _ in range(2)]  # queued, params (either order)
+                if i == 2:
+                    third = [await recv_json(ws, 30) for _ in range(2)]  # queued, params (either order)
             fourth = await recv_json(socks[3], 30)
             try:
                 await asyncio.wait_for(socks[3].recv(), 30)
                 code = "open"
             except websockets.exceptions.ConnectionClosed as exc:
                 code = exc.rcvd.code
+            for ws in socks[:2]:
+                await ws.send(msgpack.packb({"action": "resume"}))
             frames, running_before_frames = 0, None
             while True:  # the queued third runs once a slot frees
                 m = await asyncio.wait_for(socks[2].recv(), TIMEOUT)
@@ -443,6 +461,8 @@ def test_max_sessions_2_queues_the_third_and_refuses_beyond_the_queue(tiny_pipe,
                     running_before_frames = frames == 0
                 elif json.loads(m)["status"] == "completed":
                     break
+            for ws in socks[:2]:
+                await until(ws, "completed")
             for ws in socks:
                 await ws.close()
             return third, fourth, code, frames, running_before_frames
