@@ -46,6 +46,64 @@ def running_server(pipe, tmp_path, **config):
         thread.join(60)
 
 
+class BlockGate:
+    """Holds a session's blocks after its first one on the server's worker until its client's mid-stream messages
+    (updates, resets) have reached the session manager, so that a test's update cannot lose a race with the end of
+    a short generation on a fast machine. `session_id` None: the first session that reaches block 1; `messages`:
+    how many of its messages open the gate (each `update` command and each reset counts). Once open it stays open.
+    `timed_out` says the messages never came (the worker went on after TIMEOUT)."""
+
+    def __init__(self, session_id: str | None = None, messages: int = 1):
+        self.session_id, self.messages = session_id, messages
+        self.seen = 0
+        self.timed_out = False
+        self.open = threading.Event()
+
+    def _mine(self, s) -> bool:
+        if self.session_id is None:
+            self.session_id = s.id
+        return s.id == self.session_id
+
+    def _told(self, s) -> None:
+        if self._mine(s):
+            self.seen += 1
+            if self.seen >= self.messages:
+                self.open.set()
+
+
+@contextmanager
+def block_gate(session_id: str | None = None, messages: int = 1):
+    """Installs a `BlockGate` on the in-process server's `SessionManager` (restored on exit; the gate opens)."""
+    from sdvg.serve.sessions import SessionManager
+
+    gate = BlockGate(session_id, messages)
+    step, command, admit = SessionManager._step, SessionManager.command, SessionManager.admit
+
+    def gated_step(manager, s):
+        if s.blocks_done >= 1 and not gate.open.is_set() and gate._mine(s):
+            gate.timed_out = not gate.open.wait(TIMEOUT)
+        return step(manager, s)
+
+    def counted_command(manager, s, *cmd):
+        command(manager, s, *cmd)
+        if cmd[0] == "update":
+            gate._told(s)
+
+    def counted_admit(manager, s, spec):
+        reset = s.state == "running"
+        state = admit(manager, s, spec)
+        if reset:
+            gate._told(s)
+        return state
+
+    SessionManager._step, SessionManager.command, SessionManager.admit = gated_step, counted_command, counted_admit
+    try:
+        yield gate
+    finally:
+        SessionManager._step, SessionManager.command, SessionManager.admit = step, command, admit
+        gate.open.set()
+
+
 def decode_jpeg(data: bytes) -> np.ndarray:
     from PIL import Image
 
@@ -60,16 +118,20 @@ async def recv_json(ws, timeout: float = TIMEOUT) -> dict:
 
 
 async def run_session(url: str, params: dict, fmt: str = "jpeg", superset: bool = False, session_id: str = "s1",
-                      token: str | None = None, on_frame=None, stop_on_field_error: bool = True) -> dict:
+                      token: str | None = None, on_frame=None, stop_on_field_error: bool = True,
+                      after_ready=None) -> dict:
     """One session to `completed`: {'ready', 'frames' (decoded uint8 [H, W, 3] in order), 'texts', 'blocks'
     (msgpack/raw block indices per frame)}. An error naming a field ends it (refused parameters) unless
-    `stop_on_field_error` is False (a refused mid-stream update: the session goes on)."""
+    `stop_on_field_error` is False (a refused mid-stream update: the session goes on). `after_ready`: awaited
+    between `ready` and the parameters (e.g. until other sockets are connected too)."""
     import websockets
 
     q = f"?fmt={fmt}" + ("&sdvg=1" if superset else "") + (f"&token={token}" if token else "")
     out = {"frames": [], "texts": [], "blocks": [], "frame_ids": []}
     async with websockets.connect(f"ws://{url}/session/{session_id}{q}", max_size=2**26) as ws:
         out["ready"] = await recv_json(ws, 30)
+        if after_ready is not None:
+            await after_ready()
         await ws.send(msgpack.packb(params))
         while True:
             m = await asyncio.wait_for(ws.recv(), TIMEOUT)

@@ -251,7 +251,8 @@ def test_a_restart_lets_the_finished_segments_caches_go(tiny_pipe, monkeypatch, 
             s.update(seed=n)  # a restart at the first block not started (the native pace may make it later)
             if n == 5:
                 break
-        assert len(buffers) >= 3
+        # the reference loop restarts at every next block; the native thread may have started a block ahead
+        assert len(buffers) >= (3 if scheduler == "reference" else 2)
         assert [ref() is None for ref in buffers] == [True] * (len(buffers) - 1) + [False]  # the running segment's
         stats = s.close()
         assert [ref() is None for ref in buffers] == [True] * len(buffers)  # a closed session holds no cache

@@ -97,8 +97,10 @@ def test_close_from_another_thread_ends_after_the_block_in_progress(tiny_pipe):
     for b in session:
         blocks.append(b)
         if len(blocks) == 2:
-            threading.Thread(target=session.close).start()
-            threading.Event().wait(0.2)
+            closer = threading.Thread(target=session.close)
+            closer.start()
+            closer.join(60)  # closed from another thread, between two blocks
+            assert not closer.is_alive()
     assert len(blocks) == 2 and session.finished
     assert session.stats.as_dict()["blocks_started"] == 2
     with pytest.raises(RuntimeError, match="closed"):

@@ -227,8 +227,10 @@ def test_signal_mid_video_closes_the_mp4_and_marks_the_stats(tmp_path, sig, code
 
 @pytest.mark.slow
 def test_ctrl_c_before_the_first_block_leaves_no_video(tmp_path):
+    from sdvg.io.locks import lock_path
+
     proc = _spawn(tmp_path, "--num-blocks", "2")
-    time.sleep(0.5)  # importing / loading
+    _wait_for(lock_path(tmp_path / "v.mp4"), proc)  # the outputs are locked once the signal handler is in: loading
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     if proc.returncode == 0:

@@ -15,7 +15,7 @@ pytest.importorskip("fastapi")
 msgpack = pytest.importorskip("msgpack")
 websockets = pytest.importorskip("websockets")
 
-from serve_harness import TIMEOUT, recv_json, run_session, running_server  # noqa: E402
+from serve_harness import TIMEOUT, block_gate, recv_json, run_session, running_server  # noqa: E402
 
 PROMPT = "a red fox running through fresh snow"
 SEEDS = (5, 7)
@@ -140,7 +140,9 @@ def test_reset_restarts_at_block_0(server, refs):
                     reset_at = len(frames)
                     await ws.send(msgpack.packb({"action": "reset", "request_id": "x"}))
 
-    frames, texts, reset_at = asyncio.run(go())
+    with block_gate("reset1") as gate:  # block 1 waits for the reset: the run cannot end before it arrives
+        frames, texts, reset_at = asyncio.run(go())
+    assert not gate.timed_out and gate.seen == 1
     assert {"status": "ack", "field": "action", "block": 0, "request_id": "x", "action": "reset"} in texts
     # after the reset: a new run from block 0 and frame 0, equal to a fresh stream
     restart = max(i for i, d in enumerate(frames) if d["frame"] == 0)
@@ -237,8 +239,10 @@ def test_live_prompt_and_tau_updates_are_acked_blended_and_replay_bitwise(server
             await ws.send(msgpack.packb({"tau": 0.25, "request_id": "u2"}))
             await ws.send(msgpack.packb({"router": "pattern"}))  # no pattern to go with it: refused, nothing changes
 
-    out = asyncio.run(run_session(url, params(num_blocks=n_blocks), fmt="raw", superset=True, session_id="live1",
-                                  on_frame=on_frame, stop_on_field_error=False))
+    with block_gate("live1", messages=3) as gate:  # block 1 waits for the three updates: none can miss the run
+        out = asyncio.run(run_session(url, params(num_blocks=n_blocks), fmt="raw", superset=True,
+                                      session_id="live1", on_frame=on_frame, stop_on_field_error=False))
+    assert not gate.timed_out and gate.seen == 3
     acks = {m["field"]: m for m in out["texts"] if m["status"] == "ack"}
     assert set(acks) == {"prompt", "tau"} and acks["prompt"]["request_id"] == "u1"
     assert 1 <= acks["prompt"]["block"] <= acks["tau"]["block"] < n_blocks

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("fastapi")
 websockets = pytest.importorskip("websockets")
 
-from serve_harness import free_port, running_server  # noqa: E402
+from serve_harness import block_gate, free_port, running_server  # noqa: E402
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -76,7 +76,10 @@ def test_page_in_headless_chromium(tiny_pipe, tmp_path):
                     pass
                 assert time.monotonic() < deadline and browser.poll() is None, "chromium did not start"
                 time.sleep(0.5)
-            shot = asyncio.run(drive(pages[0]["webSocketDebuggerUrl"], tmp_path))
+            # the page's first session waits after block 0 for its mid-stream update (it cannot end before the click)
+            with block_gate() as gate:
+                shot = asyncio.run(drive(pages[0]["webSocketDebuggerUrl"], tmp_path))
+            assert not gate.timed_out and gate.seen >= 1
         finally:
             browser.terminate()
             browser.wait(30)

@@ -38,10 +38,17 @@ def test_two_sessions_on_two_replicas(tmp_path):
 
         async def both():
             params = {"prompt": "a fox", "num_blocks": 1, "seed": 3}
-            return await asyncio.gather(run_session(f"127.0.0.1:{port}", params, fmt="raw", superset=True,
-                                                    session_id="ray-a"),
-                                        run_session(f"127.0.0.1:{port}", params, fmt="raw", superset=True,
-                                                    session_id="ray-b"))
+            ready, both_ready = [], asyncio.Event()
+
+            async def after_ready():  # both sockets held before either generates: neither can end first
+                ready.append(1)
+                if len(ready) == 2:
+                    both_ready.set()
+                await asyncio.wait_for(both_ready.wait(), 120)
+
+            return await asyncio.gather(*(run_session(f"127.0.0.1:{port}", params, fmt="raw", superset=True,
+                                                      session_id=sid, after_ready=after_ready)
+                                          for sid in ("ray-a", "ray-b")))
 
         a, b = asyncio.run(both())
     finally:

@@ -30,7 +30,8 @@ def test_sigterm_completes_every_socket_and_finishes_every_mp4(tmp_path):
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "sdvg.cli", "serve", "--preset", "tiny", "--port", str(port),
-                             "--video-dir", str(tmp_path), "--quiet"], cwd=ROOT, env=env,
+                             "--video-dir", str(tmp_path), "--quiet",
+                             "--send-buffer-frames", "4096"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 300

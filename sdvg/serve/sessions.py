@@ -340,17 +340,17 @@ class SessionManager:
         t0 = time.perf_counter()
         try:
             block = next(gen)
-        except StopIteration:
+        except StopIteration:  # the slot is free before the client hears of the end (it may start again at once)
             self._end(s, reason="completed")
-            s.post_text({"session_id": s.id, "status": "completed"})
             self._finished(s)
+            s.post_text({"session_id": s.id, "status": "completed"})
             return
         except Exception as exc:
             traceback.print_exc()
             self._end(s, reason="error")
+            self._finished(s)
             s.post_text({"status": "error", "error": f"generation failed at block {s.blocks_done}: "
                                                               f"{type(exc).__name__}: {exc}", "field": None})
-            self._finished(s)
             return
         self.metrics.block_latency.observe(time.perf_counter() - t0)
         self.metrics.block(block.index, block.decision)
