@@ -104,7 +104,12 @@ def generate_blocks_native(comps: Components, prompt: str, opts: GenerationOptio
         finally:
             sink.put(_DONE)
 
-    def report_run() -> None:  # the scheduler is done (finished, failed or cancelled): what it did
+    def finish_run() -> list[BaseException]:
+        """The scheduler is done (finished, failed or cancelled): report what it did; returns its error, taken
+        out of `errors`: an error's traceback holds body's frame, the frame its function, whose cells hold
+        `errors` (a cycle) and `sched` (the stage calls, the KV caches). Emptied, the scheduler and its caches go
+        by reference counting with the error, not at the next garbage collection (a live session's close or
+        restart would hold GPU memory for an unknown time)."""
         device_times = stages.events.resolve()  # events: waits for every stage's last work (caches final)
         if report is not None:
             counters = sched.counters()
@@ -115,11 +120,12 @@ def generate_blocks_native(comps: Components, prompt: str, opts: GenerationOptio
             report.final_times = dict(enumerate(sched.block_times(), start=sched.first_record()))
             report.drafter_cache = setup.drafter.cache if setup.drafter else None
             report.target_cache = setup.target.cache if setup.target else None
+        failed, errors[:] = errors[:], []
+        return failed
 
     if not threaded:
         body()
-        report_run()
-        failed, errors[:] = errors[:], []
+        failed = finish_run()
         while (item := sink.get()) is not _DONE:
             yield item
     else:
@@ -139,12 +145,7 @@ def generate_blocks_native(comps: Components, prompt: str, opts: GenerationOptio
                 except queue.Empty:
                     pass
             worker.join()
-            report_run()  # also when the consumer left early (a live session's close)
-            # taken out of `errors`: an error's traceback holds body's frame, the frame its function, whose cells
-            # hold `errors` (a cycle) and `sched` (the stage calls, the KV caches). Emptied, the scheduler and its
-            # caches go by reference counting with the error, not at the next garbage collection (a live session's
-            # close or restart would hold GPU memory for an unknown time)
-            failed, errors[:] = errors[:], []
+            failed = finish_run()  # also when the consumer left early (a live session's close)
     if failed:  # a consumer that left early never gets here (GeneratorExit at its yield): the run's own error
         raise failed[0]
 
