@@ -45,6 +45,7 @@ void SchedulerConfig::validate() const {
   if (max_held_target_commits < 0) os << "max_held_target_commits " << max_held_target_commits << " must be >= 0; ";
   if (record_blocks < 0) os << "record_blocks " << record_blocks << " must be >= 0 (0: every block's record); ";
   if (frames_per_block < 1) os << "frames_per_block " << frames_per_block << " must be >= 1; ";
+  if (prefix_frames < 0) os << "prefix_frames " << prefix_frames << " must be >= 0; ";
   if (drafter_steps < 1) os << "drafter_steps " << drafter_steps << " must be >= 1; ";
   if (run_ahead_blocks < 1) os << "run_ahead_blocks " << run_ahead_blocks << " must be >= 1; ";
   if (run_ahead && drafter_recompute && !own_context && mode == Mode::Sdvg)
@@ -261,7 +262,7 @@ bool Scheduler::resolve_speculative_commit(int b) {
   Handle emitted;
   if (wait_decision(b, &emitted)) return false;
   // the guess was wrong: undo it, commit the emitted (target's) block
-  ex_.drafter_cache_rollback(static_cast<int64_t>(b) * cfg_.frames_per_block);
+  ex_.drafter_cache_rollback(cfg_.prefix_frames + static_cast<int64_t>(b) * cfg_.frames_per_block);
   drafter_commit(b, emitted);
   return true;
 }

@@ -90,6 +90,7 @@ RouterKind parse_router(const std::string& name);
   X(Mode, mode, "sdvg | target | draft")                                                                   \
   X(int, num_blocks, "blocks in the video (>= 1)")                                                         \
   X(int, frames_per_block, "latent frames per block (>= 1)")                                               \
+  X(int, prefix_frames, "latent frames before block 0 (a start frame's; >= 0): block b starts at prefix + b F") \
   X(int, drafter_steps, "drafter model calls per block denoise (>= 1; counted as skipped when not run)")   \
   X(bool, drafter_recompute, "drafter context rebuilt before each block (one more forward); commits record") \
   X(bool, target_recompute, "target context rebuilt before each block (one more forward); commits record")   \

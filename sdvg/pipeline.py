@@ -332,7 +332,7 @@ class SpeculativeVideoPipeline:
 
     def session(self, prompt: str, num_blocks: int | None = None, input_video=None, input_frames: bool = False,
                 input_timeout_s: float = 30.0, input_queue_frames: int = 1024, input_drop_oldest: bool = False,
-                record_blocks: int | str | None = "auto", **options) -> "LiveSession":
+                record_blocks: int | str | None = "auto", start_frame=None, **options) -> "LiveSession":
         """A live session (docs/live.md): iterate it for each `BlockRecord`; `session.update(prompt=...,
         interp_blocks=..., seed=..., reset=..., tau=..., router=..., accept_prob=..., pattern=...,
         input_frames=...)` from any thread takes effect at the block it acknowledges; `session.close()` ends
@@ -343,7 +343,9 @@ class SpeculativeVideoPipeline:
         refused, or with `input_drop_oldest` the oldest queued frame makes room); `strength` sets how much of
         the input is kept. `record_blocks`: the block entries (and their trace) `session.stats` keeps, the
         oldest folded into the totals ('auto': all for a bounded session, the last 1000 for an unbounded one;
-        None: all). The other keywords are those of `stream`."""
+        None: all). `start_frame`: an image (a path, a PIL image or uint8 [H, W, 3]) every role sees as clean
+        context before block 0 of every segment (Krea's `start_frame`; docs/live.md). The other keywords are those
+        of `stream`."""
         from sdvg.live import LiveSession
 
         unknown = sorted(set(options) - set(OPTION_NAMES))
@@ -359,9 +361,10 @@ class SpeculativeVideoPipeline:
             num_blocks = resolved.num_blocks
         elif not input_frames:
             self.input_clip(None, opts)  # strength without an input is refused
+        image = _start_image(start_frame)
         return LiveSession(self, prompt, opts, num_blocks, input_video=frames, input_frames=input_frames,
                            input_timeout_s=input_timeout_s, input_queue_frames=input_queue_frames,
-                           input_drop_oldest=input_drop_oldest, record_blocks=record_blocks)
+                           input_drop_oldest=input_drop_oldest, record_blocks=record_blocks, start_frame=image)
 
     def input_clip(self, input_video, options: GenerationOptions, fit_blocks: bool = False,
                    max_bytes: int | None = None) -> tuple[GenerationOptions, object]:
@@ -414,12 +417,28 @@ class SpeculativeVideoPipeline:
         return VideoInput(ClipFrames(frames, v.height, v.width), StreamingVAEEncoder(self.components.vae.vae),
                           v.frames_per_block)
 
+    def start_latents(self, image, options: GenerationOptions):
+        """A start frame's clean latents for `options` ([1, z, kv_cache_frames, h, w]), or None without one; a
+        start frame the options cannot take is refused here, before any work."""
+        if image is None:
+            return None
+        from sdvg.generation.prepare import start_frame_conflict
+        from sdvg.generation.start_frame import start_latents
+
+        opts = self.resolve(options)
+        why = start_frame_conflict(opts)
+        if why:
+            raise OptionError(why)
+        return start_latents(image, self.components.vae.vae, self.preset, opts.kv_cache_frames)
+
     def run(self, prompt: str | None, options: GenerationOptions, threaded: bool = True,
-            prompt_schedule=None, input_video=None) -> BlockStream:
+            prompt_schedule=None, input_video=None, start_frame=None) -> BlockStream:
         """The blocks of one video for explicit options (what `stream` and `__call__` call). A
         `prompt_schedule` (sdvg.live.parse_schedule's formats) replaces `prompt`: the video is a live
         session fed those updates at those blocks (docs/live.md). `input_video` (a path or uint8 frames
-        [N, H, W, 3] at 16 frames/s) makes it video-to-video, noised to `strength` (`input_clip`)."""
+        [N, H, W, 3] at 16 frames/s) makes it video-to-video, noised to `strength` (`input_clip`). `start_frame`
+        (an image's path, a PIL image or uint8 [H, W, 3]): Krea's start frame, encoded as `kv_cache_frames` clean
+        latent frames that every role sees before block 0 (sdvg/generation/start_frame.py)."""
         from sdvg.live.updates import ScheduledPrompt
 
         if prompt_schedule is None and isinstance(prompt, ScheduledPrompt):  # the CLI's --prompt-schedule
@@ -434,13 +453,16 @@ class SpeculativeVideoPipeline:
             if not isinstance(options, GenerationOptions):
                 raise TypeError(f"options must be a sdvg.GenerationOptions, got {type(options).__name__}")
             opts, frames = self.input_clip(input_video, options)
-            return LiveSession(self, schedule[0][1], options, opts.num_blocks, schedule=schedule, input_video=frames)
+            return LiveSession(self, schedule[0][1], options, opts.num_blocks, schedule=schedule, input_video=frames,
+                               start_frame=_start_image(start_frame))
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
         if not isinstance(options, GenerationOptions):
             raise TypeError(f"options must be a sdvg.GenerationOptions, got {type(options).__name__}; "
                             "e.g. GenerationOptions(tau=-0.7, num_blocks=9)")
         opts, frames = self.input_clip(input_video, options)
+        image = _start_image(start_frame)
+        latents = self.start_latents(image, opts)
         video_input = self.video_input(frames, opts)
         runners = self.runners(opts.backend)
         report = LoopReport()
@@ -449,15 +471,18 @@ class SpeculativeVideoPipeline:
 
             blocks = generate_blocks_native(self.components, prompt, opts, report, runners=runners,
                                             threaded=threaded, memory_budget_gib=self.memory_budget_gib,
-                                            video_input=video_input)
+                                            video_input=video_input, start_latents=latents)
         else:
             from sdvg.generation.reference import generate_blocks
 
             blocks = generate_blocks(self.components, prompt, opts, report, runners=runners,
-                                     memory_budget_gib=self.memory_budget_gib, video_input=video_input)
+                                     memory_budget_gib=self.memory_budget_gib, video_input=video_input,
+                                     start_latents=latents)
         stats = RunStats(prompt, self.preset.name, opts, self.provenance())
         if frames is not None:
             stats.extra["input_video"] = input_summary(input_video, frames)
+        if image is not None:
+            stats.extra["start_frame"] = start_summary(start_frame, image, latents)
         return BlockStream(blocks, stats, report)
 
     def stream(self, prompt: str | None = None, *, mode: str = D.mode, tau: float = D.tau, num_blocks: int | None = D.num_blocks,
@@ -477,7 +502,8 @@ class SpeculativeVideoPipeline:
                score_emitted: bool = D.score_emitted, scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead,
                run_ahead_blocks: int = D.run_ahead_blocks, cuda_graphs: bool = D.cuda_graphs,
                fast_vae: bool = D.fast_vae, stage_timing: str = D.stage_timing,
-               backend: str | None = D.backend, prompt_schedule=None, input_video=None) -> BlockStream:
+               backend: str | None = D.backend, prompt_schedule=None, input_video=None,
+               start_frame=None) -> BlockStream:
         """Yield each block as soon as its frames are final; the returned stream's `.stats` is
         complete once it is exhausted. The keywords are the generation options
         (`sdvg.options.GenerationOptions`, whose field docs say what each does):
@@ -501,7 +527,8 @@ class SpeculativeVideoPipeline:
         (None: the preset's; docs/method.md). stage_timing: sync | events (no per-stage waits).
         backend: eager | compile | tensorrt | onnxruntime | torch-tensorrt (None: the pipeline's)."""
         options = _options(locals())
-        return self.run(prompt, options, prompt_schedule=prompt_schedule, input_video=input_video)
+        return self.run(prompt, options, prompt_schedule=prompt_schedule, input_video=input_video,
+                        start_frame=start_frame)
 
     def __call__(self, prompt: str | list[str] | None = None, *, mode: str = D.mode, tau: float = D.tau,
                  num_blocks: int | None = D.num_blocks, seed: int = D.seed, router: str = D.router,
@@ -520,7 +547,7 @@ class SpeculativeVideoPipeline:
                  score_emitted: bool = D.score_emitted, scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead,
                  run_ahead_blocks: int = D.run_ahead_blocks,
                  cuda_graphs: bool = D.cuda_graphs, fast_vae: bool = D.fast_vae, stage_timing: str = D.stage_timing,
-                 backend: str | None = D.backend, prompt_schedule=None, input_video=None,
+                 backend: str | None = D.backend, prompt_schedule=None, input_video=None, start_frame=None,
                  num_videos_per_prompt: int | None = 1,
                  generator: torch.Generator | list[torch.Generator] | None = None, output_type: str = "np",
                  return_dict: bool = True,
@@ -547,6 +574,8 @@ class SpeculativeVideoPipeline:
             raise ValueError(f"unknown output_type {output_type!r}; choose one of {', '.join(OUTPUT_TYPES)}")
         prompts = [None] if prompt_schedule is not None and prompt is None else _prompt_list(prompt)
         options, frames = self.input_clip(input_video, _options(locals()))  # all checked before the first video
+        image = _start_image(start_frame)
+        self.start_latents(image, options)  # refused before the first video
         per_prompt = _videos_per_prompt(num_videos_per_prompt)
         batch = [p for p in prompts for _ in range(per_prompt)]
         seeds = _video_seeds(generator, options.seed, len(batch), len(prompts), per_prompt)
@@ -556,9 +585,11 @@ class SpeculativeVideoPipeline:
         with self._progress_bar(len(batch) * options.num_blocks) as bar:
             for p, s in zip(batch, seeds):
                 blocks, run_stats = self._video(p, options.replace(seed=s), callback_on_block_end, bar,
-                                                prompt_schedule, frames)
+                                                prompt_schedule, frames, image)
                 if frames is not None:
                     run_stats.extra["input_video"] = input_summary(input_video, frames)
+                if image is not None:
+                    run_stats.extra["start_frame"]["source"] = start_summary(start_frame, image)["source"]
                 videos.append(blocks)
                 stats.append(run_stats)
                 if self._interrupt:
@@ -568,7 +599,7 @@ class SpeculativeVideoPipeline:
 
     def generate(self, prompt: str | None, options: GenerationOptions, output_type: str = "uint8",
                  callback_on_block_end: Callable | None = None, prompt_schedule=None,
-                 input_video=None) -> VideoOutput:
+                 input_video=None, start_frame=None) -> VideoOutput:
         """One whole video for explicit options, unbatched: frames uint8 [F, H, W, 3] (or `output_type`'s
         frames of one video), latents [1, z, T, h, w], its RunStats and BlockRecords. The scheduler runs
         on this thread (nothing to stream)."""
@@ -576,7 +607,8 @@ class SpeculativeVideoPipeline:
             raise ValueError(f"unknown output_type {output_type!r}; choose one of {', '.join(OUTPUT_TYPES)}")
         check_callback(callback_on_block_end)
         self._interrupt = False
-        blocks, stats = self._video(prompt, options, callback_on_block_end, None, prompt_schedule, input_video)
+        blocks, stats = self._video(prompt, options, callback_on_block_end, None, prompt_schedule, input_video,
+                                    start_frame)
         if not blocks:
             return VideoOutput(frames=None, latents=None, stats=stats, blocks=blocks)
         frames = torch.cat([b.frames for b in blocks])
@@ -584,10 +616,11 @@ class SpeculativeVideoPipeline:
                            latents=torch.cat([b.latents for b in blocks], dim=2), stats=stats, blocks=blocks)
 
     def _video(self, prompt: str | None, options: GenerationOptions, callback, bar,
-               prompt_schedule=None, input_video=None) -> tuple[list[BlockRecord], RunStats]:
-        """The blocks of one video on this thread (`prompt_schedule`, `input_video`: see `run`); stops after a
+               prompt_schedule=None, input_video=None, start_frame=None) -> tuple[list[BlockRecord], RunStats]:
+        """The blocks of one video on this thread (`prompt_schedule`, `input_video`, `start_frame`: see `run`); stops after a
         block when `interrupt` was set."""
-        stream = self.run(prompt, options, threaded=False, prompt_schedule=prompt_schedule, input_video=input_video)
+        stream = self.run(prompt, options, threaded=False, prompt_schedule=prompt_schedule, input_video=input_video,
+                          start_frame=start_frame)
         blocks = []
         for block in stream:
             blocks.append(block)
@@ -626,6 +659,24 @@ class SpeculativeVideoPipeline:
 
         config = {"desc": "blocks", "unit": "block", **self._progress_bar_config}
         return tqdm(total=total, **config)
+
+
+def _start_image(start_frame):
+    """`start_frame` as uint8 [H, W, 3] (an image file's path, a PIL image, pixels), or None."""
+    if start_frame is None:
+        return None
+    from sdvg.generation.start_frame import start_frame_image
+
+    return start_frame_image(start_frame)
+
+
+def start_summary(start_frame, image, latents=None) -> dict:
+    """What the stats record of a start frame: its file (or that pixels were given), its size, its latent frames."""
+    source = os.fspath(start_frame) if isinstance(start_frame, (str, os.PathLike)) else "pixels"
+    out = {"source": source, "height": int(image.shape[0]), "width": int(image.shape[1])}
+    if latents is not None:
+        out["latent_frames"] = int(latents.shape[2])
+    return out
 
 
 def input_summary(input_video, frames) -> dict:

@@ -43,23 +43,25 @@ def _context_mask(n_ctx: int, n_block: int, frames_per_block: int, tpf: int) -> 
     return allowed.repeat_interleave(tpf, 0).repeat_interleave(tpf, 1)
 
 
-def krea_reference(comps, prompt: str, num_blocks: int, kv_frames: int, keep_first_frame: bool, seed: int):
-    """Target-only video under Krea's rule -> the emitted latents of each block."""
+def krea_reference(comps, prompt: str, num_blocks: int, kv_frames: int, keep_first_frame: bool, seed: int,
+                   start: torch.Tensor | None = None):
+    """Target-only video under Krea's rule -> the emitted latents of each block. `start`: a start frame's clean
+    latents [1, C, kv, h, w], Krea's `resume_latents`: latent frames 0 .. kv - 1 before block 0."""
     dit, vae, p = comps.target, comps.vae, comps.preset
     F = p.video.frames_per_block
     lh, lw = p.video.latent_hw(p.vae)
     tpf = p.video.tokens_per_frame(p.vae, dit.config)
     text = dit.encode_text(comps.text_encoder.encode(prompt))
     sigmas = [table_sigma(t, p.shift) for t in KREA_TIMESTEPS]
-    frames: list[torch.Tensor] = []  # every emitted latent frame, [1, C, 1, h, w]
+    frames: list[torch.Tensor] = [] if start is None else list(start.split(1, dim=2))  # [1, C, 1, h, w] each
     pixels: deque = deque(maxlen=1 + (kv_frames - 1) * 4)  # Krea's frame_context_cache
     vae_cache = vae.new_cache()
     out = []
     for b in range(num_blocks):
-        if b == 0:
+        if not frames:  # block 0 without a start frame
             context = []
-        else:
-            earlier = frames[1:3 * b][-(kv_frames - 1):] if kv_frames > 1 else []
+        else:  # Krea's all_latents[:, :current_start_frame]: frame 0, then the last kv - 1 after it
+            earlier = frames[1:][-(kv_frames - 1):] if kv_frames > 1 else []
             if keep_first_frame or (b - 1) * F < kv_frames:
                 context = [frames[0]] + earlier
             else:

@@ -7,7 +7,7 @@ import torch
 
 from sdvg._native import _C
 
-FIELDS = dict(mode="sdvg", num_blocks=5, frames_per_block=3, drafter_steps=4,
+FIELDS = dict(mode="sdvg", num_blocks=5, frames_per_block=3, prefix_frames=0, drafter_steps=4,
               drafter_recompute=False, target_recompute=False, router="random", tau=-0.25,
               accept_prob=0.5, uniforms=[0.125, 0.75, 0.5, 0.25, 1.0], pattern=[False, True, True],
               force_first_reject=True, own_context=False, skip_first_draft=True, lazy_target_commit=False,
@@ -52,6 +52,12 @@ def test_repr_names_every_field():
     for name in FIELDS:
         assert f"{name}=" in r
     assert "router='random'" in r and "pattern=[False, True, True]" in r
+
+
+def test_a_start_frames_prefix_is_a_non_negative_frame_count():
+    assert _config(prefix_frames=3).prefix_frames == 3
+    with pytest.raises(ValueError, match="prefix_frames -1 must be >= 0"):
+        _config(prefix_frames=-1)
 
 
 def test_a_live_config_has_no_block_count_and_a_non_negative_cap():

@@ -41,7 +41,7 @@ def test_api_keywords_match_the_declaration(method):
     params = list(inspect.signature(getattr(SpeculativeVideoPipeline, method)).parameters.values())
     assert [p.name for p in params[:2]] == ["self", "prompt"]
     keywords = params[2:]
-    extra = ["prompt_schedule", "input_video"] + (list(API_KEYWORDS) if method == "__call__" else [])  # not options
+    extra = ["prompt_schedule", "input_video", "start_frame"] + (list(API_KEYWORDS) if method == "__call__" else [])  # not options
     assert [p.name for p in keywords] == list(OPTION_NAMES) + extra
     keywords = keywords[:len(OPTION_NAMES)]
     for p in keywords:

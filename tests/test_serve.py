@@ -355,6 +355,35 @@ def test_uploads_return_ids_and_check_type_and_size(server):
     assert post("/upload_start_frame", b"\xff\xd8\xff" + b"\x00" * 64)[0] == 400  # JPEG magic, not an image
 
 
+@pytest.mark.slow
+def test_a_start_frame_upload_starts_the_video_from_the_image(server, tiny_pipe, refs):
+    """Krea's `start_frame`, as an upload id: the image is every model's clean context before block 0, and the
+    stream equals, bitwise, `pipe.stream(start_frame=...)` with the same decoded pixels (a lossless PNG). An id
+    that is not an image upload, or no upload at all, is refused naming `start_frame`."""
+    import io
+
+    from PIL import Image
+
+    url, _ = server
+    image = np.random.default_rng(4).integers(0, 256, size=(64, 64, 3), dtype=np.uint8)
+    png = io.BytesIO()
+    Image.fromarray(image).save(png, format="PNG")
+    status, body = upload(url, "/upload_start_frame", png.getvalue(), "start.png")
+    assert status == 200
+    _, video = upload(url, "/upload_video", b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 64)
+    out = asyncio.run(run_session(url, params(start_frame=body["id"]), fmt="raw", superset=True, session_id="sf1"))
+    bad = asyncio.run(run_session(url, params(start_frame=video["id"]), fmt="raw", session_id="sf2"))
+    unknown = asyncio.run(run_session(url, params(start_frame="up_" + "1" * 32), fmt="raw", session_id="sf3"))
+    ref = list(tiny_pipe.stream(PROMPT, num_blocks=2, seed=5, kv_cache_frames=3, keep_first_frame=False,
+                                start_frame=image, scheduler="reference"))
+    assert out["texts"][-1]["status"] == "completed"
+    assert np.array_equal(np.stack(out["frames"]), np.concatenate([b.frames.numpy() for b in ref]))
+    assert not np.array_equal(np.stack(out["frames"]), refs[5]["frames"])  # the same session without it differs
+    refused = bad["texts"][-1]
+    assert refused["field"] == "start_frame" and "JPEG, PNG or WebP" in refused["error"] and not bad["frames"]
+    assert unknown["texts"][-1]["field"] == "start_frame" and "no such upload" in unknown["texts"][-1]["error"]
+
+
 def test_metrics_are_prometheus_text(server):
     url, _ = server
     asyncio.run(run_session(url, params(num_blocks=1), session_id="metrics1"))

@@ -19,6 +19,7 @@ TOP, BLOCK, TRACE = documented("Top-level fields"), documented("Block fields"), 
 CLI_ONLY = {k for k, v in TOP.items() if v.startswith("CLI only")}
 LIVE_ONLY = {k for k, v in TOP.items() if v.startswith("Live only")}
 V2V_ONLY = {k for k, v in TOP.items() if v.startswith("Video-to-video only")}
+START_ONLY = {k for k, v in TOP.items() if v.startswith("With a start frame only")}
 OPTIONAL = {"input_ended"}  # written only when it happened
 
 
@@ -29,6 +30,8 @@ def _check(stats: dict, cli: bool = False):
         want -= LIVE_ONLY
     if "input_video" not in stats:
         want -= V2V_ONLY
+    if "start_frame" not in stats:
+        want -= START_ONLY
     want -= OPTIONAL - set(stats)
     if cli and "prompt_index" not in stats:
         want.discard("prompt_index")

@@ -238,6 +238,20 @@ static void test_run_ahead_rolls_back_on_rejection() {
   CHECK(f.drafter.committed == g.drafter.committed);
 }
 
+static void test_run_ahead_rolls_back_past_a_start_frames_prefix() {
+  Fake f;
+  SchedulerConfig c = pattern_cfg({false, true, false, true}, true, false, 4);
+  c.prefix_frames = 3;  // a start frame's 3 latent frames before block 0: block 2 starts at frame 3 + 2 * 3
+  Scheduler s(c, f);
+  s.run();
+  bool rolled = false, unshifted = false;
+  for (auto& l : f.log) {
+    rolled |= l == "rollback 9";
+    unshifted |= l == "rollback 6";
+  }
+  CHECK(rolled && !unshifted);
+}
+
 static void test_reward_router_and_records() {
   Fake f;
   SchedulerConfig c = base_cfg(4);
@@ -391,7 +405,7 @@ static void test_names() {
   }
   CHECK(why == "unknown router 'oracle'; choose reward, random or pattern");
   CHECK(std::size(kCounterNames) == 10 && std::string(kCounterNames[7]) == "scheduler_wall_s");
-  CHECK(std::size(kConfigFieldNames) == 21 && std::string(kConfigFieldNames[0]) == "mode");
+  CHECK(std::size(kConfigFieldNames) == 22 && std::string(kConfigFieldNames[0]) == "mode");
   CHECK(std::size(kPlanFieldNames) == 9 && std::string(kPlanFieldNames[0]) == "stop");
 }
 
@@ -735,6 +749,7 @@ int main() {
   test_run_ahead_equals_sequential(false);
   test_run_ahead_equals_sequential(true);
   test_run_ahead_rolls_back_on_rejection();
+  test_run_ahead_rolls_back_past_a_start_frames_prefix();
   test_recompute_target_counts();
   test_run_ahead_queue_is_bounded();
   test_reward_router_and_records();

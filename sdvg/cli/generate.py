@@ -28,6 +28,9 @@ def add_parser(sub, config: dict | None) -> None:
     g.add_argument("--input-video", metavar="FILE",
                    help="video-to-video: the input video, resampled to 16 frames/s, scaled and centre-cropped to the "
                         "preset's size, noised to --strength (docs/live.md)")
+    g.add_argument("--start-frame", metavar="IMAGE",
+                   help="an image (JPEG, PNG or WebP) every model sees as clean context before block 0, encoded as "
+                        "--kv-cache-frames latent frames (Krea's start_frame; docs/live.md)")
     g.add_argument("--offset", type=count(0), default=0, help="skip the first N prompts of --prompts-file")
     g.add_argument("--limit", type=count(0), default=0, help="at most N prompts (0 = all)")
     g.add_argument("--out", default="video.mp4", help="the MP4 (with --prompts-file: <stem>_<line>.mp4 per prompt)")
@@ -87,7 +90,8 @@ def run(args, load_pipeline) -> int:
         announce_protocol(args, pipe.preset, opts)
         maps: list = []
         stats = run_one(pipe, prompts[0], opts, out, progress=not args.quiet, fps=args.fps, crf=args.crf,
-                        on_block=outputs.exit_map_collector(args, maps), input_video=args.input_video)
+                        on_block=outputs.exit_map_collector(args, maps), input_video=args.input_video,
+                        start_frame=args.start_frame)
         stats.extra.update(record_fields(args.protocol, pipe.resolve(opts).as_dict()))
         write_text_atomic(stats_path, stats.to_json(indent=2))
         outputs.timeline(args, stats, 0, many=False)
@@ -97,11 +101,15 @@ def run(args, load_pipeline) -> int:
 
 
 def _check_input_video(args, opts) -> None:
-    """--input-video and --strength, before any model loads: the file is there; strength needs an input."""
+    """--input-video, --strength and --start-frame, before any model loads: the files are there; strength needs
+    an input."""
+    if args.input_video is None and opts.strength != 1.0:
+        raise ValueError(f"--strength {opts.strength} sets how much of an input video is kept; give "
+                         "--input-video FILE (or leave --strength at 1.0)")
+    if args.start_frame is not None and not Path(args.start_frame).is_file():
+        raise ValueError(f"--start-frame {args.start_frame} does not exist or is not a file; give an image file "
+                         "(JPEG, PNG or WebP)")
     if args.input_video is None:
-        if opts.strength != 1.0:
-            raise ValueError(f"--strength {opts.strength} sets how much of an input video is kept; give "
-                             "--input-video FILE (or leave --strength at 1.0)")
         return
     if not Path(args.input_video).is_file():
         raise ValueError(f"--input-video {args.input_video} does not exist or is not a file; give a video file "
@@ -139,7 +147,7 @@ def _generate_many(args, load_pipeline, prompts: list[str], first: int, out: Pat
             maps: list = []
             stats = run_one(pipe, prompt, opts, video_path(out, i, True), progress=not args.quiet, fps=args.fps,
                             crf=args.crf, on_block=outputs.exit_map_collector(args, maps), nested=True,
-                            input_video=args.input_video)
+                            input_video=args.input_video, start_frame=args.start_frame)
             stats.extra["prompt_index"] = i
             stats.extra.update(record_fields(args.protocol, resolved))
             stats.extra["prompt_sha256"] = prompt_sha256(prompt)

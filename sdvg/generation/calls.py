@@ -175,7 +175,7 @@ class StageCalls(_C.StageCalls):
         def run():
             drafter = self.setup.drafter
             self._condition(drafter, block)
-            x = drafter.denoise(self._noise(drafter, block), block, block * self.frames_per_block, self.opts.seed)
+            x = drafter.denoise(self._noise(drafter, block), block, drafter.frame_of(block), self.opts.seed)
             if self.setup.target is not None:
                 self.transfer.prefetch(x, self.target_dev)  # an accepted draft goes into the target's cache
             return self.guard.draft(x, block)
@@ -186,7 +186,7 @@ class StageCalls(_C.StageCalls):
         def run():
             target = self.setup.target
             self._condition(target, block)
-            x = target.denoise(self._noise(target, block), block, block * self.frames_per_block, self.opts.seed)
+            x = target.denoise(self._noise(target, block), block, target.frame_of(block), self.opts.seed)
             self.transfer.prefetch(x, self.vae_dev)  # decoded, and committed into the drafter, over there
             return self.guard.target(x, block)
         return self._call("target", self.target_dev, run)
@@ -196,13 +196,13 @@ class StageCalls(_C.StageCalls):
         drafter = self.setup.drafter
         self._condition(drafter, block)
         self._call("drafter_commit", self.drafter_dev, lambda: drafter.commit_forward(
-            self.transfer.get(latents, self.drafter_dev), block * self.frames_per_block))
+            self.transfer.get(latents, self.drafter_dev), drafter.frame_of(block)))
 
     def target_commit(self, block: int, latents: torch.Tensor) -> None:
         target = self.setup.target
         self._condition(target, block)
         self._call("target_commit", self.target_dev, lambda: target.commit_forward(
-            self.transfer.get(latents, self.target_dev), block * self.frames_per_block))
+            self.transfer.get(latents, self.target_dev), target.frame_of(block)))
 
     def decode(self, latents: torch.Tensor, producer: str, block: int) -> torch.Tensor:
         """The VAE decodes `producer`'s latents of `block` (advances the VAE cache)."""

@@ -34,21 +34,22 @@ LIVE_QUEUED_BLOCKS = 1  # a live session's emitted blocks waiting for the consum
 
 def scheduler_config(opts: GenerationOptions, frames_per_block: int, drafter_steps: int,
                      drafter_recompute: bool = False, target_recompute: bool = False, live: bool = False,
-                     max_held_target_commits: int = 0, record_blocks: int = 0):
+                     max_held_target_commits: int = 0, record_blocks: int = 0, prefix_frames: int = 0):
     """The native scheduler's config: every field by name (the C++ side has no defaults and refuses an
     unknown or missing field). `drafter_steps`: the drafter's model calls per denoise (counted as skipped
     when block 0's draft is not made); `*_recompute`: the role's context is rebuilt before each block
     (its commits only record latents, no pointer moves); `live`: each block planned by `StageCalls.plan`
     (no block count, no per-video router draws); `max_held_target_commits`: lazy target commits held at most
     (0: no cap); `record_blocks`: the scheduler keeps the records and trace spans of the last N emitted blocks
-    (a live session's `record_blocks`; 0: all)."""
+    (a live session's `record_blocks`; 0: all); `prefix_frames`: a start frame's latent frames before block 0 (a
+    rollback to block b goes to frame prefix_frames + b * frames_per_block)."""
     router = Router.from_options(opts)
     uniforms = [router.uniform(b, opts.seed) for b in range(opts.num_blocks)] \
         if opts.router == "random" and not live else []
     return _C.SchedulerConfig(
         mode=opts.mode, num_blocks=0 if live else opts.num_blocks, frames_per_block=frames_per_block,
         drafter_steps=drafter_steps, live=live, max_held_target_commits=max_held_target_commits,
-        record_blocks=record_blocks,
+        record_blocks=record_blocks, prefix_frames=prefix_frames,
         drafter_recompute=drafter_recompute, target_recompute=target_recompute,
         router=opts.router, tau=opts.tau, accept_prob=opts.accept_prob, uniforms=uniforms,
         pattern=list(opts.pattern), force_first_reject=opts.force_first_reject,
@@ -63,15 +64,15 @@ def setup_scheduler_config(opts: GenerationOptions, setup, live: bool = False, m
     d, t = setup.drafter, setup.target
     return scheduler_config(opts, setup.frames_per_block, d.schedule.num_steps if d else 1,
                             bool(d and d.context.recompute), bool(t and t.context.recompute), live,
-                            max_held_target_commits, record_blocks)
+                            max_held_target_commits, record_blocks, d.prefix_frames if d else 0)
 
 
 def generate_blocks_native(comps: Components, prompt: str, opts: GenerationOptions, report: LoopReport | None = None,
                            runners=None, threaded: bool = True,
                            memory_budget_gib: float | None = None, video_input=None,
-                           plan=None) -> Iterator[BlockRecord]:
-    """Same contract as `reference.generate_blocks` (`plan`: a live session, as there), run by the native
-    scheduler.
+                           plan=None, start_latents=None) -> Iterator[BlockRecord]:
+    """Same contract as `reference.generate_blocks` (`plan`: a live session, `start_latents`: a start frame's
+    latents, as there), run by the native scheduler.
 
     threaded=True runs the scheduler on a worker thread and yields each block as it is emitted;
     threaded=False runs it on the calling thread and yields the blocks at the end (CPU compute on a
@@ -81,7 +82,7 @@ def generate_blocks_native(comps: Components, prompt: str, opts: GenerationOptio
         raise ValueError("a live session's native scheduler runs on its own thread (threaded=True)")
     forwards = Counters()  # the models count their forwards here; the scheduler counts the rest
     setup = prepare(comps, prompt, opts, forwards, slack_frames=setup_slack(comps, opts.run_ahead), runners=runners,
-                    memory_budget_gib=memory_budget_gib)
+                    memory_budget_gib=memory_budget_gib, start_latents=start_latents)
     sink: queue.Queue = queue.Queue(maxsize=0 if plan is None else LIVE_QUEUED_BLOCKS)
     stages = StageCalls(comps, prompt, opts, setup, sink=sink, video_input=video_input)
     if plan is not None:

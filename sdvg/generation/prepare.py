@@ -56,12 +56,31 @@ class RoleModel:
         self.keep_clean = exit_verifier is not None
         self.recache_forwards = 0
         self.text_key = None  # live sessions: the key of the conditioning `text_kv` holds (StageCalls._condition)
+        self.prefix_frames = 0  # clean latent frames before block 0 (a start frame's; `start_from`)
 
     @property
     def committed_frames(self) -> int:
         """Latent frames committed so far: the native cache's write pointer (full; the native scheduler
         may move it back) or the frames recorded (recompute)."""
         return self.recorded_frames if self.context.recompute else self.cache.committed_frames
+
+    def frame_of(self, block: int) -> int:
+        """Block `block`'s first latent frame: after the start frame's frames, if any."""
+        return self.prefix_frames + block * self.frames_per_block
+
+    def start_from(self, latents: torch.Tensor) -> None:
+        """A start frame's clean latents [1, C, n, h, w] become frames 0 .. n - 1 before block 0 (Krea's
+        `resume_latents`): recorded as the context (recompute) or written by one t = 0 forward and committed
+        (full; their clean latents kept for a re-cache on a switch). Call once, on a fresh cache."""
+        if self.committed_frames or self.prefix_frames:
+            raise RuntimeError(f"{self.role}: a start frame goes into a fresh cache, before block 0")
+        keep = self.keep_clean
+        self.keep_clean = True  # a live session's re-cache needs them; set on the model only after prepare
+        self.commit_forward(latents, 0)
+        self.keep_clean = keep
+        if not self.context.recompute:
+            self.cache.commit()
+        self.prefix_frames = latents.shape[2]
 
     def forward(self, x, t, frame0: int, attn_mask=None, active=None, hidden=None):
         return self.runners.dit_forward(self.role, self.dit, x, t, self.text_kv, frame0, self.cache,
@@ -219,7 +238,7 @@ class RoleModel:
         """Reset the cache and fill it with one t = 0 forward over the clean context frames, positioned from
         0, block-causal among them. Returns the new block's position (the context length)."""
         self.cache.rollback(0)
-        if block == 0:
+        if self.committed_frames == 0:  # block 0 of a video without a start frame: no context
             return 0
         frames = self.context_frames(block)
         if self.exit_verifier is not None:
@@ -282,16 +301,16 @@ def context_mask(num_frames: int, frames_per_block: int, tokens_per_frame: int, 
 
 
 def cache_spec(comps: Components, dit, context: RoleContext, num_blocks: int, slack_frames: int = 0,
-               runners=None) -> KVCacheSpec:
+               runners=None, prefix_frames: int = 0) -> KVCacheSpec:
     """The KV cache one role gets for a video (what `allocate_cache` allocates and the budget check counts).
     Every backend uses the same cache: the static stages take the visible cache length as a dynamic
     dimension (sdvg/engines/stages.py), so both context modes run on all of them."""
-    return KVCacheSpec.for_context(comps.preset, dit.config, context, num_blocks, slack_frames)
+    return KVCacheSpec.for_context(comps.preset, dit.config, context, num_blocks, slack_frames, prefix_frames)
 
 
 def allocate_cache(comps: Components, dit, device, context: RoleContext, num_blocks: int, slack_frames: int = 0,
-                   runners=None):
-    return cache_spec(comps, dit, context, num_blocks, slack_frames, runners).allocate(dit.dtype, device)
+                   runners=None, prefix_frames: int = 0):
+    return cache_spec(comps, dit, context, num_blocks, slack_frames, runners, prefix_frames).allocate(dit.dtype, device)
 
 
 def _roles(comps: Components, opts: GenerationOptions) -> list[tuple[str, object, torch.device]]:
@@ -299,7 +318,8 @@ def _roles(comps: Components, opts: GenerationOptions) -> list[tuple[str, object
     return [(role, getattr(comps, role), getattr(comps, f"{role}_device")) for role in opts.roles]
 
 
-def video_memory(comps: Components, opts: GenerationOptions, slack_frames: int = 0, runners=None) -> list[MemoryItem]:
+def video_memory(comps: Components, opts: GenerationOptions, slack_frames: int = 0, runners=None,
+                 prefix_frames: int = 0) -> list[MemoryItem]:
     """What `prepare` allocates for one video, per device: each role's KV cache (the very spec it
     allocates; `KVCacheSpec.nbytes`) and its prompt K/V. `opts` are resolved options."""
     items = []
@@ -307,8 +327,8 @@ def video_memory(comps: Components, opts: GenerationOptions, slack_frames: int =
     for role, dit, device in _roles(comps, opts):
         context = opts.role_context(role)
         slack = slack_frames if role == "drafter" else 0
-        nbytes, how = kv_arithmetic(cache_spec(comps, dit, context, opts.num_blocks, slack, runners), context,
-                                    dit.dtype)
+        nbytes, how = kv_arithmetic(cache_spec(comps, dit, context, opts.num_blocks, slack, runners, prefix_frames),
+                                    context, dit.dtype)
         dev = device_key(device)
         items.append(MemoryItem(dev, f"{role} KV cache", nbytes, how))
         items.append(MemoryItem(dev, f"{role} prompt K/V", *prompt_kv_bytes(dit.config, text_len, dit.dtype)))
@@ -348,7 +368,8 @@ def text_encoder_visit(comps: Components, prompt: str | None) -> list[MemoryItem
 
 
 def check_memory(comps: Components, opts: GenerationOptions, slack_frames: int = 0, runners=None,
-                 memory_budget_gib: float | None = None, prompt: str | None = None) -> list[MemoryItem]:
+                 memory_budget_gib: float | None = None, prompt: str | None = None,
+                 prefix_frames: int = 0) -> list[MemoryItem]:
     """The budget check of one video, before anything of it is allocated (the weights are already
     resident): with `memory_budget_gib` None, what this video allocates against each device's free
     memory now; with a budget, the resident weights plus this video against it. An offloaded text
@@ -360,7 +381,7 @@ def check_memory(comps: Components, opts: GenerationOptions, slack_frames: int =
         check_budget(visit, memory_budget_gib, resident, "keep the text encoder off this device "
                      "(TextEncoder.enable_offload with an execution device that has room), free memory on it, or a "
                      "larger budget (memory_budget_gib=... / --memory-budget-gib)")
-    needs = video_memory(comps, opts, slack_frames, runners)
+    needs = video_memory(comps, opts, slack_frames, runners, prefix_frames)
     check_budget(needs, memory_budget_gib, resident, _fixes(opts))
     return needs
 
@@ -419,12 +440,15 @@ class Setup:
 
 
 def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, slack_frames: int = 0,
-            runners=None, memory_budget_gib: float | None = None, exit_verifiers: dict | None = None) -> Setup:
+            runners=None, memory_budget_gib: float | None = None, exit_verifiers: dict | None = None,
+            start_latents: torch.Tensor | None = None) -> Setup:
     """`opts` are resolved options (num_blocks set); `counters` a `Counters` that the models count into.
     Before anything is allocated, the video's KV caches and prompt K/V are checked against each
     device's free memory, or against `memory_budget_gib` (`check_memory`; `MemoryBudgetError`).
     `exit_verifiers` (role -> verifier) replaces the verifier the options make for a role that exits
-    early (the recording verifier of sdvg/evaluation/exit_calibration.py); other roles are refused."""
+    early (the recording verifier of sdvg/evaluation/exit_calibration.py); other roles are refused.
+    `start_latents` ([1, z, n, h, w], `sdvg.generation.start_frame`): a start frame's clean latents, frames
+    0 .. n - 1 of every role before block 0 (`RoleModel.start_from`)."""
     if opts.num_blocks is None:
         raise ValueError("prepare() needs resolved options: call opts.resolved(preset) first")
     if runners is None:
@@ -449,7 +473,13 @@ def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, s
             raise ValueError(f"exit verifiers given for {unknown}, which do not exit early under early_exit "
                              f"{opts.early_exit!r} and mode {opts.mode!r}")
         verifiers.update(exit_verifiers)
-    check_memory(comps, opts, slack_frames, runners, memory_budget_gib, prompt)
+    prefix = 0
+    if start_latents is not None:
+        why = start_frame_conflict(opts)
+        if why:
+            raise ValueError(why)
+        prefix = start_latents.shape[2]
+    check_memory(comps, opts, slack_frames, runners, memory_budget_gib, prompt, prefix)
     emb = comps.text_encoder.encode(prompt)
     zf = p.video.frames_per_block
     contexts = {role: opts.role_context(role) for role in opts.roles}
@@ -466,7 +496,7 @@ def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, s
             spec = cache_spec(comps, dit, context, opts.num_blocks, slack, runners)
             cache = graphs.cache(dit, spec, dit.dtype, device)
         else:
-            cache = allocate_cache(comps, dit, device, context, opts.num_blocks, slack, runners)
+            cache = allocate_cache(comps, dit, device, context, opts.num_blocks, slack, runners, prefix)
         schedule = role_schedule(p, context, opts.strength)
         return RoleModel(dit, role, cache, dit.encode_text(emb), device, context, schedule, counters, runners,
                          zf, p.video.tokens_per_frame(p.vae, dit.config), comps.vae, emitted_pixels,
@@ -474,6 +504,9 @@ def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, s
 
     drafter = role_model("drafter", comps.drafter, comps.drafter_device, slack_frames) if "drafter" in contexts else None
     target = role_model("target", comps.target, comps.target_device, 0) if "target" in contexts else None
+    for model in (drafter, target):
+        if model is not None and start_latents is not None:
+            model.start_from(start_latents.to(model.device))
     lh, lw = p.video.latent_hw(p.vae)
     for model in (drafter, target):  # every graph captured here, before either scheduler starts
         if graphs is not None and model is not None and model.exit_verifier is None:
@@ -481,6 +514,17 @@ def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, s
                                model.graph_plan(opts.num_blocks))
     return Setup(Aggregator(opts.aggregation), drafter, target, comps.vae.new_cache(opts.vae_decoder), zf,
                  (1, p.vae.z_dim, zf, lh, lw), runners, emitted_pixels, StageGuard(opts))
+
+
+def start_frame_conflict(opts: GenerationOptions) -> str | None:
+    """Why a start frame cannot go with `opts` (resolved), or None: what is not built with it yet."""
+    if opts.cuda_graphs:
+        return ("start_frame with cuda_graphs: the graphs are captured per block position from frame 0, not yet "
+                "after a start frame's frames; run it with cuda_graphs=False")
+    if opts.early_exit != "none":
+        return ("start_frame with early_exit: the exit verifiers' history does not hold a start frame yet; run it "
+                "with early_exit='none'")
+    return None
 
 
 def exit_verifiers_for(comps: Components, opts: GenerationOptions) -> dict:

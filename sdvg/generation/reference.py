@@ -34,17 +34,19 @@ from sdvg.options import GenerationOptions
 
 def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, report: LoopReport | None = None,
                     runners=None, memory_budget_gib: float | None = None,
-                    exit_verifiers: dict | None = None, plan=None, video_input=None) -> Iterator[BlockRecord]:
+                    exit_verifiers: dict | None = None, plan=None, video_input=None,
+                    start_latents=None) -> Iterator[BlockRecord]:
     """Yields each block as soon as its frames are final; `report` is filled at the end.
     `opts` are resolved options (num_blocks set); `memory_budget_gib`, `exit_verifiers`: see `prepare`.
     `plan` (a live session, sdvg/live/session.py): `plan.attach(calls, setup)` gives the stage calls each
     block's conditioning, and `plan.begin(b)` says before each block whether it is the last, forced, its
     tau, or that the video stops here (then num_blocks only sizes the caches). `video_input`: video-to-video's
-    input (`sdvg.generation.video_input.VideoInput`), None for text-to-video."""
+    input (`sdvg.generation.video_input.VideoInput`), None for text-to-video. `start_latents`: a start frame's
+    clean latents before block 0 (`prepare`), None for none."""
     counters = Counters()  # the models count their forwards here; this loop counts what it skips
     router = Router.from_options(opts)
     setup = prepare(comps, prompt, opts, counters, runners=runners, memory_budget_gib=memory_budget_gib,
-                    exit_verifiers=exit_verifiers)
+                    exit_verifiers=exit_verifiers, start_latents=start_latents)
     calls = StageCalls(comps, prompt, opts, setup, record_trace=True, video_input=video_input)
     drafter, target = setup.drafter, setup.target
     pending: list[tuple[int, torch.Tensor]] = []  # target commits not made yet (lazy_target_commit)

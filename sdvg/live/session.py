@@ -61,13 +61,14 @@ class _SegmentConditioning:
         return self.table.frozen[self.start + block].key
 
 
-def unbounded_horizon(pipe, opts: GenerationOptions) -> int:
+def unbounded_horizon(pipe, opts: GenerationOptions, prefix_frames: int = 0) -> int:
     """Blocks an unbounded session can reach: a full-context role places block b at absolute frame
-    b * frames_per_block, so the RoPE table bounds it; a recompute-only session has no bound (its
-    positions restart at the context length), the caches are sized for one table's length anyway."""
+    prefix_frames + b * frames_per_block (`prefix_frames`: a start frame's), so the RoPE table bounds it; a
+    recompute-only session has no bound (its positions restart at the context length), the caches are sized
+    for one table's length anyway."""
     preset = pipe.preset
     rope = min(getattr(pipe.components, r).config.rope_max_seq_len for r in opts.roles)
-    return max(rope // preset.video.frames_per_block - 1, 1)
+    return max((rope - prefix_frames) // preset.video.frames_per_block - 1, 1)
 
 
 def check_unbounded(opts: GenerationOptions) -> None:
@@ -118,7 +119,7 @@ class LiveSession:
     def __init__(self, pipe, prompt: str, options: GenerationOptions, num_blocks: int | None = None,
                  schedule: list | None = None, input_video=None, input_frames: bool = False,
                  input_timeout_s: float = 30.0, input_queue_frames: int = 1024, input_drop_oldest: bool = False,
-                 record_blocks: int | str | None = "auto"):
+                 record_blocks: int | str | None = "auto", start_frame=None):
         check_prompt(prompt)
         if record_blocks == "auto":  # every block of a bounded session, the last RECORD_BLOCKS of an unbounded one
             record_blocks = None if num_blocks is not None else RECORD_BLOCKS
@@ -136,12 +137,24 @@ class LiveSession:
         if num_blocks is None:
             opts = pipe.resolve(options.replace(num_blocks=1))
             check_unbounded(opts)
-            opts = pipe.resolve(options.replace(num_blocks=unbounded_horizon(pipe, opts)))
+            prefix = opts.kv_cache_frames if start_frame is not None else 0
+            opts = pipe.resolve(options.replace(num_blocks=unbounded_horizon(pipe, opts, prefix)))
             if any(opts.context_mode(r) == "full" for r in opts.roles):
                 self.limit = opts.num_blocks  # the RoPE table's end: the session stops there
         else:
             opts = pipe.resolve(options.replace(num_blocks=num_blocks))
         self.opts = opts
+        # a start frame (`start_frame`: uint8 [H, W, 3]): encoded once, the context of every segment's block 0
+        self._start_latents = None
+        if start_frame is not None:
+            from sdvg.generation.prepare import start_frame_conflict
+            from sdvg.generation.start_frame import start_latents
+
+            why = start_frame_conflict(opts)
+            if why:
+                raise OptionError(why)
+            self._start_latents = start_latents(start_frame, pipe.components.vae.vae, pipe.preset,
+                                                opts.kv_cache_frames)
         self.runners = pipe.runners(opts.backend)
         self.table = ConditioningTable(PromptBank(pipe.components.text_encoder), prompt)
         self._lock = threading.Lock()
@@ -173,6 +186,9 @@ class LiveSession:
         if input_video is not None:
             self.stats.extra["input_video"] = {"source": "frames", "frames": int(len(input_video)),
                                                "height": int(input_video.shape[1]), "width": int(input_video.shape[2])}
+        if start_frame is not None:
+            self.stats.extra["start_frame"] = {"height": int(start_frame.shape[0]), "width": int(start_frame.shape[1]),
+                                               "latent_frames": int(self._start_latents.shape[2])}
         for block, item in (schedule or [])[1:]:
             self._acknowledge(item, block)
         self._blocks = self._run()
@@ -372,7 +388,8 @@ class LiveSession:
                                          self.pipe.preset.video.frames_per_block, self.input_timeout_s)
             loop = generate_blocks_native if opts.scheduler == "cpp" else generate_blocks
             for record in loop(self.pipe.components, prompt, opts, report, runners=self.runners,
-                               memory_budget_gib=self.pipe.memory_budget_gib, plan=self, video_input=self._video):
+                               memory_budget_gib=self.pipe.memory_budget_gib, plan=self, video_input=self._video,
+                               start_latents=self._start_latents):
                 record.live = self._records_live.pop(record.index)
                 record.live["recache_forwards"] = self._calls.take_recaches(record.index)
                 self._recache_forwards += record.live["recache_forwards"]

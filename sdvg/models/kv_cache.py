@@ -27,16 +27,18 @@ class KVCacheSpec:
 
     @classmethod
     def for_context(cls, preset, dit: DiTConfig, context: RoleContext, num_blocks: int,
-                    slack_frames: int = 0) -> "KVCacheSpec":
+                    slack_frames: int = 0, prefix_frames: int = 0) -> "KVCacheSpec":
         """The cache one DiT of `preset` needs for `num_blocks` blocks under `context`: the one place KV
-        sizes are derived. A full context holds the video (or its window); a recompute context holds
-        kv_cache_frames context frames plus one block. `slack_frames` widens a windowed cache so that a
-        rollback that deep stays exact (run-ahead)."""
+        sizes are derived. A full context holds the video (or its window) after `prefix_frames` (a start
+        frame's); a recompute context holds kv_cache_frames context frames plus one block (a start frame's
+        frames are the first context). `slack_frames` widens a windowed cache so that a rollback that deep
+        stays exact (run-ahead)."""
         tpf = preset.video.tokens_per_frame(preset.vae, dit)
         window = context.window
         if window.window_frames and slack_frames > window.slack_frames:
             window = replace(window, slack_frames=slack_frames)
-        return cls.for_dit(dit, tpf, context.cache_frames(num_blocks, preset.video.frames_per_block), window)
+        frames = context.cache_frames(num_blocks, preset.video.frames_per_block)
+        return cls.for_dit(dit, tpf, frames + (0 if context.recompute else prefix_frames), window)
 
     @classmethod
     def for_preset(cls, preset, dit: DiTConfig, num_blocks: int, slack_frames: int = 0) -> "KVCacheSpec":

@@ -22,7 +22,7 @@ from sdvg.serve.config import ServeConfig
 from sdvg.serve.encode import FORMATS
 from sdvg.serve.engine import Engine
 from sdvg.serve.metrics import ServeMetrics
-from sdvg.serve.protocol import ProtocolError, parse_params, parse_update
+from sdvg.serve.protocol import UPLOAD_ID, ProtocolError, parse_params, parse_update
 from sdvg.serve.security import RateLimit, token_matches, token_of, valid_session_id
 from sdvg.serve.sessions import Outbox, Session, SessionManager
 from sdvg.serve.uploads import (IMAGE_KINDS, VIDEO_KINDS, UploadError, UploadStore, check_image, decode_frame,
@@ -266,9 +266,24 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
 
     async def start(session: Session, obj) -> None:
         params = parse_params(obj, cfg.max_prompt_chars)
-        spec = engine.spec(params, cfg.max_blocks, uploads.known, uploads.claim)
+        image = await start_image(params.start_frame)
+        spec = engine.spec(params, cfg.max_blocks, uploads.known, uploads.claim, start_image=image)
         session.upload = params.input_video  # claimed: kept past its TTL until this socket closes
         admitted(session, spec)
+
+    async def start_image(upload_id):
+        """A start frame's upload, decoded off the event loop (JPEG/PNG/WebP under the pixel limit), or None when
+        there is none or the id is not one of this server's uploads (the spec says why)."""
+        if not isinstance(upload_id, str) or not UPLOAD_ID.match(upload_id):
+            return None
+        path = uploads.path(upload_id)
+        if path is None:
+            return None
+        try:
+            return await asyncio.to_thread(lambda: decode_frame(path.read_bytes(), cfg.max_image_pixels))
+        except (UploadError, OSError) as exc:
+            raise ProtocolError("start_frame", f"{upload_id}: {exc}; upload a JPEG, PNG or WebP image with POST "
+                                "/upload_start_frame") from None
 
     def admitted(session: Session, spec) -> None:
         state = manager.admit(session, spec)

@@ -18,20 +18,21 @@ from typing import Any, Iterator
 from sdvg.options import GenerationOptions, OptionError
 from sdvg.serve.protocol import KreaParams, ProtocolError, UPLOAD_ID, option_fields
 
-START_FRAME = "is not built in sdvg yet (docs/server.md); send webcam_mode or input_video for video input"
 WEBCAM_QUEUE_FRAMES = 24  # webcam frames a session keeps waiting (2 blocks); the oldest make room beyond
 
 
 @dataclass(frozen=True)
 class SessionSpec:
-    """What one generation runs: the prompt, the resolved options and its video input (webcam frames pushed
-    with `image` messages, or an uploaded video's server-side path)."""
+    """What one generation runs: the prompt, the resolved options, its video input (webcam frames pushed
+    with `image` messages, or an uploaded video's server-side path) and its start frame (the uploaded image,
+    decoded: uint8 [H, W, 3]; every run of the socket, resets included, starts from it as in Krea)."""
 
     prompt: str
     options: GenerationOptions
     request_id: str | None
     webcam: bool = False
     input_video: str | None = None
+    start_frame: Any = None
 
 
 class Engine:
@@ -54,7 +55,8 @@ class Engine:
         return self.preset.video.height, self.preset.video.width
 
     # ------------------------------------------------------------------ parameters -> options
-    def spec(self, params: KreaParams, max_blocks: int, upload_known, upload_path=None) -> SessionSpec:
+    def spec(self, params: KreaParams, max_blocks: int, upload_known, upload_path=None,
+             start_image=None) -> SessionSpec:
         """The session's options; a field sdvg cannot honour raises ProtocolError naming it. `upload_path(id)`:
         an upload's server-side file or None (the server passes `UploadStore.claim`: the session keeps it)."""
         height, width = self.size
@@ -88,8 +90,8 @@ class Engine:
                                     + "; the server never opens a path or URL a client names")
             if not upload_known(value):
                 raise ProtocolError(name, f"{value}: no such upload (expired, used, or never made)")
-            if name == "start_frame":
-                raise ProtocolError(name, f"a start frame {START_FRAME}")
+            if name == "start_frame" and start_image is None:  # the caller decodes it (off the event loop)
+                raise ProtocolError(name, f"{value}: no such image upload (expired, or never made)")
         video_input = params.webcam_mode or params.input_video is not None
         if params.webcam_mode and params.input_video is not None:
             raise ProtocolError("webcam_mode", "send webcam_mode (frames in `image` messages) or input_video, not both")
@@ -126,7 +128,14 @@ class Engine:
             if path is None:
                 raise ProtocolError("input_video", f"{params.input_video}: no such upload (expired, used, or never made)")
             path = str(path)
-        return SessionSpec(params.prompt, options, params.request_id, bool(params.webcam_mode), path)
+        if start_image is not None:
+            from sdvg.generation.prepare import start_frame_conflict
+
+            why = start_frame_conflict(options)
+            if why:
+                raise ProtocolError("start_frame", why)
+        return SessionSpec(params.prompt, options, params.request_id, bool(params.webcam_mode), path,
+                           start_image if params.start_frame is not None else None)
 
     # ------------------------------------------------------------------ generation
     def read_input(self, spec: SessionSpec) -> tuple[GenerationOptions, Any]:
@@ -147,7 +156,10 @@ class Engine:
                 num_blocks = options.num_blocks
             return self.pipe.session(spec.prompt, num_blocks=num_blocks, input_video=frames,
                                      input_frames=spec.webcam, input_timeout_s=3600.0,
-                                     input_queue_frames=WEBCAM_QUEUE_FRAMES, input_drop_oldest=True, **keywords)
+                                     input_queue_frames=WEBCAM_QUEUE_FRAMES, input_drop_oldest=True,
+                                     start_frame=spec.start_frame, **keywords)
+        if spec.start_frame is not None:
+            return self.pipe.run(spec.prompt, spec.options, start_frame=spec.start_frame)
         return self.pipe.run(spec.prompt, spec.options)
 
     @staticmethod
