@@ -151,11 +151,18 @@ def test_start_frame_is_checked_before_any_work(tiny_pipe, tmp_path):
         tiny_pipe.stream(PROMPT, num_blocks=1, start_frame=_image(), cuda_graphs=True)
     with pytest.raises(OptionError, match="start_frame with early_exit"):
         tiny_pipe.session(PROMPT, num_blocks=1, start_frame=_image(), early_exit="target")
+    with pytest.raises(OptionError, match="must fit the drafter's attention window of 3 frames"):
+        tiny_pipe.stream(PROMPT, num_blocks=2, start_frame=_image(), window_frames=3, sink_frames=0,
+                         kv_cache_frames=4)
+    with pytest.raises(OptionError, match="start_frame with backend 'compile'"):
+        tiny_pipe.stream(PROMPT, num_blocks=1, start_frame=_image(), backend="compile")
+    with pytest.raises(VideoInputError, match=r"permute\(1, 2, 0\)"):
+        start_frame_image(torch.zeros((3, 8, 8), dtype=torch.uint8))
     with pytest.raises(TypeError, match="start_frame must be an image file's path, a PIL image or uint8"):
         tiny_pipe.stream(PROMPT, num_blocks=1, start_frame=[1, 2, 3])
     with pytest.raises(VideoInputError, match="must be uint8"):
         start_frame_image(np.zeros((8, 8, 3), np.float32))
-    with pytest.raises(VideoInputError, match=r"one image, uint8 \[H, W, 3\]"):
+    with pytest.raises(VideoInputError, match=r"one RGB image, uint8 \[H, W, 3\]"):
         start_frame_image(np.zeros((2, 8, 8, 3), np.uint8))
     with pytest.raises(VideoInputError, match="does not exist or is not a file"):
         start_frame_image(tmp_path / "missing.png")
@@ -195,6 +202,33 @@ def test_cli_generate_with_a_start_frame(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(argv + ["--start-frame", str(tmp_path / "nope.png")]) == 2  # refused before loading
     assert "--start-frame" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kv", [2, 3])
+def test_a_recache_after_a_start_frame_rewrites_the_same_keys_and_values(tiny_pipe, kv):
+    """A live switch's re-cache recomputes every visible frame in one forward, block-causal: the start frame's kv
+    frames are one group (its one commit forward), then each block's 3 (at kv + 3 b). Under unchanged conditioning
+    it rewrites the K/V the incremental forwards wrote (before, frames were grouped by f // 3 from 0: with kv = 2 a
+    start frame attended to block 0's first frame and the K/V moved by 0.3)."""
+    from sdvg.generation.noise import block_noise
+    from sdvg.generation.prepare import prepare
+    from sdvg.generation.types import Counters
+
+    comps = tiny_pipe.components
+    opts = tiny_pipe.resolve(GenerationOptions(mode="target", num_blocks=3, seed=5, target_context="full",
+                                               kv_cache_frames=kv))
+    start = start_latents(_image(), comps.vae.vae, comps.preset, kv)
+    setup = prepare(comps, PROMPT, opts, Counters(), start_latents=start)
+    target = setup.target
+    target.keep_clean = True
+    for b in range(2):
+        x = target.denoise(block_noise(setup.block_shape, 5, b), b, target.frame_of(b), 5)
+        target.commit_forward(x, target.frame_of(b))
+        target.cache.commit()
+    assert target.committed_frames == kv + 6
+    before = target.cache.buffer.clone()
+    target.recache()
+    torch.testing.assert_close(target.cache.buffer, before, rtol=1e-4, atol=1e-4)
 
 
 def test_a_full_cache_holds_the_start_frames_too(tiny_pipe):

@@ -82,7 +82,13 @@ def run(args, load_pipeline) -> int:
     if args.preset in PRESETS:  # the rules that need the preset (video length, windows), before any model loads
         from sdvg.config import get_preset
 
-        opts.resolved(get_preset(args.preset))
+        resolved = opts.resolved(get_preset(args.preset))
+        if args.start_frame is not None:
+            from sdvg.generation.prepare import start_frame_conflict
+
+            why = start_frame_conflict(resolved)
+            if why:
+                raise ValueError(why.replace("start_frame", "--start-frame", 1))
     with lock_outputs(stats_path, out, args.timeline, args.exit_map):
         if many:
             return _generate_many(args, load_pipeline, prompts, first, out, stats_path, opts)

@@ -192,7 +192,8 @@ class RoleModel:
         runs = _runs(frames)  # contiguous frame ranges: each takes its own RoPE positions
         tables = [dit.rope(start, length, h, w, device) for start, length in runs]
         cos, sin = torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables])
-        blocks = torch.tensor([f // F for f in frames])
+        p = self.prefix_frames  # a start frame's frames are one group, written by one forward before block 0
+        blocks = torch.tensor([-1 if f < p else (f - p) // F for f in frames])
         mask = None
         if len(set(blocks.tolist())) > 1:
             mask = (blocks[None, :] <= blocks[:, None]).repeat_interleave(tpf, 0).repeat_interleave(tpf, 1).to(device)
@@ -517,7 +518,17 @@ def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, s
 
 
 def start_frame_conflict(opts: GenerationOptions) -> str | None:
-    """Why a start frame cannot go with `opts` (resolved), or None: what is not built with it yet."""
+    """Why a start frame cannot go with `opts` (resolved), or None: what is not built with it yet, or a start frame
+    whose frames (`kv_cache_frames`, written by one forward) do not fit a full role's attention window."""
+    if opts.backend not in (None, "eager"):
+        return (f"start_frame with backend {opts.backend!r}: the static stages are shaped for caches without a start "
+                "frame's frames; run it with backend='eager'")
+    for role in opts.roles:
+        window = opts.role_context(role).window.window_frames
+        if window and opts.kv_cache_frames > window:
+            return (f"start_frame: its {opts.kv_cache_frames} latent frames (kv_cache_frames) are written by one "
+                    f"forward and must fit the {role}'s attention window of {window} frames; raise window_frames to "
+                    f"{opts.kv_cache_frames} or more, or lower kv_cache_frames")
     if opts.cuda_graphs:
         return ("start_frame with cuda_graphs: the graphs are captured per block position from frame 0, not yet "
                 "after a start frame's frames; run it with cuda_graphs=False")

@@ -31,12 +31,14 @@ def start_frame_image(source) -> np.ndarray:
     except ImportError:  # pragma: no cover - Pillow is a runtime requirement
         Image = None
     if Image is not None and isinstance(source, Image.Image):
-        return np.asarray(source.convert("RGB")).copy()
+        source = np.asarray(source.convert("RGB"))  # alpha, palettes, greyscale: to RGB as Krea's convert does
     if isinstance(source, (np.ndarray, torch.Tensor)):
-        arr = source.cpu().numpy() if isinstance(source, torch.Tensor) else source
-        if arr.ndim != 3:
-            raise VideoInputError(f"start_frame must be one image, uint8 [H, W, 3], got shape {list(arr.shape)}")
-        return check_frames(arr[None], "start_frame")[0]
+        shape = list(source.shape)
+        if len(shape) != 3 or shape[-1] != 3:
+            hint = "; a channels-first image [3, H, W] becomes one with .permute(1, 2, 0) (torch) or " \
+                   ".transpose(1, 2, 0) (numpy)" if len(shape) == 3 and shape[0] == 3 else ""
+            raise VideoInputError(f"start_frame must be one RGB image, uint8 [H, W, 3], got shape {shape}{hint}")
+        return check_frames(source[None], "start_frame")[0]
     raise TypeError(f"start_frame must be an image file's path, a PIL image or uint8 pixels [H, W, 3], got "
                     f"{type(source).__name__}")
 
