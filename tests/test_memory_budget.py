@@ -115,6 +115,35 @@ def test_the_check_counts_what_prepare_allocates(tiny_pipe, kw):
         assert "window 6 + sink 3 + slack 6" in items["drafter KV cache"].arithmetic
 
 
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(target_context="recompute", drafter_cache="recompute", kv_cache_frames=4),
+])
+def test_a_start_frames_frames_are_counted_as_prepare_allocates(tiny_pipe, kw):
+    """A start frame's kv_cache_frames latent frames sit in every full context before block 0: the check and
+    the plan of `sdvg memory` count them as `prepare` allocates them (a recompute context is unchanged)."""
+    import numpy as np
+
+    comps = tiny_pipe.components
+    opts = tiny_pipe.resolve(GenerationOptions(num_blocks=3, **kw))
+    v = comps.preset.video
+    latents = tiny_pipe.start_latents(np.full((v.height, v.width, 3), 128, np.uint8), opts)
+    n = latents.shape[2]
+    assert n == opts.kv_cache_frames
+    items = {it.what: it for it in video_memory(comps, opts, prefix_frames=n)}
+    bare = {it.what: it for it in video_memory(comps, opts)}
+    setup = prepare(comps, PROMPT, opts, Counters(), start_latents=latents)
+    contexts = {r: opts.role_context(r) for r in ("drafter", "target")}
+    plan = {it.what: it for it in plan_memory(comps.preset, contexts, opts.num_blocks, "cpu", "cpu", "cpu", n)}
+    for role in ("drafter", "target"):
+        rm, what = getattr(setup, role), f"{role} KV cache"
+        assert rm.cache.buffer.numel() * rm.cache.buffer.element_size() == items[what].nbytes
+        assert (plan[what].nbytes, plan[what].arithmetic) == (items[what].nbytes, items[what].arithmetic)
+        frames = opts.num_blocks * v.frames_per_block
+        grown = 1 if contexts[role].recompute else (frames + n) / frames
+        assert items[what].nbytes == bare[what].nbytes * grown, role
+
+
 def test_the_wan_plan_numbers_are_unchanged():
     """`sdvg memory`'s numbers for the real sizes (KVCacheSpec.nbytes through the shared arithmetic)."""
     from sdvg.config import RoleContext

@@ -377,6 +377,8 @@ def test_a_start_frame_upload_starts_the_video_from_the_image(server, tiny_pipe,
     ref = list(tiny_pipe.stream(PROMPT, num_blocks=2, seed=5, kv_cache_frames=3, keep_first_frame=False,
                                 start_frame=image, scheduler="reference"))
     assert out["texts"][-1]["status"] == "completed"
+    echo = next(t for t in out["texts"] if t["status"] == "params")
+    assert echo["start_frame"] == {"height": 64, "width": 64}
     assert np.array_equal(np.stack(out["frames"]), np.concatenate([b.frames.numpy() for b in ref]))
     assert not np.array_equal(np.stack(out["frames"]), refs[5]["frames"])  # the same session without it differs
     refused = bad["texts"][-1]

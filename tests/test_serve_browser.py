@@ -1,7 +1,7 @@
 """A real browser on sdvg serve's page: Debian's headless Chromium, driven over the Chrome DevTools
 protocol (its websocket, with the `websockets` library): it starts a session, sees frames drawn and
-block decisions listed, changes the prompt, runs a webcam session on Chromium's fake camera, and saves a
-screenshot."""
+block decisions listed, changes the prompt, runs a webcam session on Chromium's fake camera, starts a session
+from an uploaded start frame, and saves a screenshot."""
 from __future__ import annotations
 
 import asyncio
@@ -131,6 +131,30 @@ async def drive(debugger_url: str, tmp_path: Path) -> Path:
         assert await dt.js("Number(document.body.dataset.framesDrawn)") == 9 + 12
         assert await dt.js("Number(document.body.dataset.webcamFramesSent)") >= 9 + 12  # each block read its own
         assert await dt.js("document.getElementById('camera').srcObject === null")  # the camera is closed after
+        # Start frame: a file that is no image is refused by the upload (nothing starts); an 80x48 PNG made in
+        # the page is uploaded and the session starts from it (the server's params echo its decoded size)
+        chosen = ("(async (bytes, type) => { const input = document.getElementById('startFrame');"
+                  "const dt = new DataTransfer(); dt.items.add(new File([await bytes], 'start.png', {type}));"
+                  "input.files = dt.files; return input.files.length; })")
+        await dt.js("document.getElementById('webcam').checked = false; document.body.dataset.framesDrawn = '0';"
+                    "document.getElementById('numBlocks').value = '1'; true")
+        assert await dt.js(chosen + "(new Blob(['#!/bin/sh']), 'image/png')") == 1
+        await dt.js("document.getElementById('start').click(); true")
+        error = await dt.until("document.body.dataset.lastError || ''", 60)
+        assert error.startswith("start frame: ") and "not one of" in error, error
+        assert await dt.js("!document.getElementById('start').disabled && document.body.dataset.framesDrawn === '0'")
+        png = ("new Promise((done) => { const c = document.createElement('canvas'); c.width = 80; c.height = 48;"
+               "const g = c.getContext('2d'); g.fillStyle = '#c03020'; g.fillRect(0, 0, 80, 48);"
+               "c.toBlob(done, 'image/png'); })")
+        assert await dt.js(chosen + f"({png}, 'image/png')") == 1
+        await dt.js("delete document.body.dataset.lastError;"
+                    "document.getElementById('status').textContent = 'starting';"
+                    "document.getElementById('start').click(); true")
+        await dt.until("document.getElementById('status').textContent === 'completed' || "
+                       "!!document.body.dataset.lastError")
+        assert not await dt.js("document.body.dataset.lastError || ''")
+        assert await dt.js("document.body.dataset.startFrame") == "80x48"
+        assert await dt.js("Number(document.body.dataset.framesDrawn)") == 9
         png = (await dt.call("Page.captureScreenshot", format="png"))["data"]
         shot = tmp_path / "serve_page.png"
         shot.write_bytes(base64.b64decode(png))

@@ -187,6 +187,31 @@ def test_start_frame_is_checked_before_any_work(tiny_pipe, tmp_path):
     assert out.stats[0].extra["start_frame"]["source"] == str(tmp_path / "start.png")
 
 
+def test_a_batch_encodes_its_start_frame_once(tiny_pipe, monkeypatch):
+    """`pipe(...)` checks the start frame before its first video and every video starts from it: the image is
+    encoded once (kept by its bytes, kv_cache_frames and the VAE's device and dtype); another image, or another
+    kv_cache_frames, is encoded afresh; each run gets its own copy of the latents."""
+    import sdvg.generation.start_frame as start_frame
+
+    calls = []
+    encode = start_frame.start_latents
+    monkeypatch.setattr(start_frame, "start_latents", lambda *a: calls.append(a[3]) or encode(*a))
+    tiny_pipe._start_memo = None
+    image = _image()
+    out = tiny_pipe([PROMPT, PROMPT], num_blocks=1, start_frame=image, output_type="uint8", seed=3)
+    assert calls == [3]
+    alone = tiny_pipe(PROMPT, num_blocks=1, start_frame=image.copy(), output_type="uint8", seed=4)
+    assert calls == [3] and torch.equal(out.frames[1], alone.frames[0])  # video 1 has seed 3 + 1
+    opts = GenerationOptions(num_blocks=1)
+    a, b = tiny_pipe.start_latents(image, opts), tiny_pipe.start_latents(image, opts)
+    assert a is not b and torch.equal(a, b) and calls == [3]
+    other = image.copy()
+    other[0, 0, 0] ^= 1
+    tiny_pipe.start_latents(other, opts)
+    tiny_pipe.start_latents(other, GenerationOptions(num_blocks=1, kv_cache_frames=2))
+    assert calls == [3, 3, 2]
+
+
 @pytest.mark.slow
 def test_cli_generate_with_a_start_frame(tmp_path, capsys):
     from PIL import Image

@@ -32,6 +32,10 @@ def add_parser(sub, config: dict | None = None) -> None:
     m.add_argument("--engines", type=Path, default=None,
                    help="with --backend tensorrt: a built engine folder (plan sizes; scratch from TensorRT when it is "
                         "installed)")
+    m.add_argument("--start-frame", nargs="?", const=True, default=None, metavar="IMAGE",
+                   help="count a start frame (sdvg generate --start-frame IMAGE): its --kv-cache-frames latent frames "
+                        "sit in every full context before block 0 (the image itself is not read: its size is the "
+                        "preset's)")
     m.add_argument("--json", action="store_true", help="machine-readable output")
     add_option_flags(m, only=MEMORY_OPTIONS)
     m.set_defaults(func=run)
@@ -50,7 +54,16 @@ def run(args, load_pipeline=None) -> int:
     roles = opts.roles
     contexts = {role: opts.role_context(role) for role in roles}
     te_device = args.text_encoder_device or args.device
-    items = plan_memory(preset, contexts, opts.num_blocks, args.device, args.target_device, te_device)
+    prefix = 0
+    if args.start_frame is not None:
+        from sdvg.generation.prepare import start_frame_conflict
+
+        why = start_frame_conflict(opts.replace(backend=args.backend))
+        if why:
+            print(f"error: {why.replace('start_frame', '--start-frame', 1)}", file=sys.stderr)
+            return 2
+        prefix = opts.kv_cache_frames
+    items = plan_memory(preset, contexts, opts.num_blocks, args.device, args.target_device, te_device, prefix)
     if getattr(args, "backend", "eager") == "tensorrt":  # engines in place of the torch DiTs (docs/engines.md)
         from sdvg.engines.resident import engine_items
         from sdvg.engines.signatures import preset_signatures
@@ -65,10 +78,11 @@ def run(args, load_pipeline=None) -> int:
         for mode in ("full", "recompute"):
             ctx = RoleContext(mode, chosen.kv_cache_frames, chosen.keep_first_frame,
                               chosen.window if mode == "full" else KVWindow())
-            modes[role][mode] = kv_bytes(preset, role, ctx, opts.num_blocks)
+            modes[role][mode] = kv_bytes(preset, role, ctx, opts.num_blocks, prefix_frames=prefix)
     totals = device_totals(items)
     if args.json:
         print(json.dumps({"preset": preset.name, "precision": preset.precision, "num_blocks": opts.num_blocks,
+                          "start_frame_latent_frames": prefix,
                           "backend": getattr(args, "backend", "eager"),
                           "contexts": {r: c.mode for r, c in contexts.items()},
                           "kv_cache_gib_per_mode": {r: {m: v[0] / GIB for m, v in d.items()} for r, d in modes.items()},
@@ -79,7 +93,8 @@ def run(args, load_pipeline=None) -> int:
     else:
         frames = opts.num_blocks * preset.video.frames_per_block
         print(f"sdvg memory: preset {preset.name}, {preset.precision}, {opts.num_blocks} blocks ({frames} latent "
-              f"frames), backend {getattr(args, 'backend', 'eager')}; nothing allocated")
+              f"frames{f', after a start frame of {prefix}' if prefix else ''}), backend "
+              f"{getattr(args, 'backend', 'eager')}; nothing allocated")
         print("KV cache per context mode (* = this run's):")
         for role, d in modes.items():
             for mode, (nbytes, how) in d.items():

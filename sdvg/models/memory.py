@@ -85,9 +85,10 @@ def kv_arithmetic(spec: KVCacheSpec, context: RoleContext, dtype: torch.dtype) -
 
 
 def kv_bytes(preset: Preset, role: str, context: RoleContext, num_blocks: int,
-             slack_frames: int = 0) -> tuple[int, str]:
-    """(bytes, arithmetic) of `role`'s KV cache for `num_blocks` blocks under `context`."""
-    spec = KVCacheSpec.for_context(preset, getattr(preset, role), context, num_blocks, slack_frames)
+             slack_frames: int = 0, prefix_frames: int = 0) -> tuple[int, str]:
+    """(bytes, arithmetic) of `role`'s KV cache for `num_blocks` blocks under `context`, after `prefix_frames`
+    clean frames (a start frame's latents: `KVCacheSpec.for_context`)."""
+    spec = KVCacheSpec.for_context(preset, getattr(preset, role), context, num_blocks, slack_frames, prefix_frames)
     return kv_arithmetic(spec, context, torch_dtype(preset.precision))
 
 
@@ -99,9 +100,10 @@ def prompt_kv_bytes(dit, text_len: int, dtype: torch.dtype) -> tuple[int, str]:
 
 
 def plan_memory(preset: Preset, contexts: dict[str, RoleContext], num_blocks: int, drafter_device: str,
-                target_device: str, text_encoder_device: str) -> list[MemoryItem]:
+                target_device: str, text_encoder_device: str, prefix_frames: int = 0) -> list[MemoryItem]:
     """Every resident component of a pipeline running `contexts` (role -> context), by device. The VAE and
-    ImageReward live with the drafter (as `SpeculativeVideoPipeline` places them)."""
+    ImageReward live with the drafter (as `SpeculativeVideoPipeline` places them). `prefix_frames`: a start
+    frame's latent frames (kv_cache_frames), which a full context holds before block 0."""
     elem = torch.empty((), dtype=torch_dtype(preset.precision)).element_size()
     items = []
     for role, device in (("drafter", drafter_device), ("target", target_device)):
@@ -110,7 +112,7 @@ def plan_memory(preset: Preset, contexts: dict[str, RoleContext], num_blocks: in
         dit = getattr(preset, role)
         n = dit.num_params()
         items.append(MemoryItem(device, f"{role} weights", n * elem, f"{n / 1e9:.2f}B params x {elem} B"))
-        nbytes, how = kv_bytes(preset, role, contexts[role], num_blocks)
+        nbytes, how = kv_bytes(preset, role, contexts[role], num_blocks, prefix_frames=prefix_frames)
         items.append(MemoryItem(device, f"{role} KV cache", nbytes, how))
         text, how = prompt_kv_bytes(dit, preset.text_encoder.text_len, torch_dtype(preset.precision))
         items.append(MemoryItem(device, f"{role} prompt K/V", text, how))

@@ -293,9 +293,12 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
             session.outbox.close(1013)
             return
         if session.superset:
+            image = spec.start_frame  # uint8 [H, W, 3] as decoded, or None
+            start = None if image is None else {"height": int(image.shape[0]), "width": int(image.shape[1])}
             session.outbox.text({"status": "params", "state": state, "seed": spec.options.seed,
                                  "num_blocks": spec.options.num_blocks, "prompt": spec.prompt,
-                                 "options": spec.options.as_dict(), "request_id": spec.request_id})
+                                 "options": spec.options.as_dict(), "start_frame": start,
+                                 "request_id": spec.request_id})
 
     def ack(session: Session, field: str, block, request_id, **extra) -> None:
         if session.superset:

@@ -37,7 +37,7 @@
   }
   const msg = (obj) => new Uint8Array(pack(obj, []));
 
-  let ws = null, sessionId = null, frames = 0, frameTimes = [], blockSent = {};
+  let ws = null, sessionId = null, frames = 0, frameTimes = [], blockSent = {}, startFrameId = null;
   const canvas = $("canvas"), ctx = canvas.getContext("2d");
   const setStatus = (s) => { $("status").textContent = s; };
   const running = (on) => { $("start").disabled = on; $("stop").disabled = !on; $("apply").disabled = !on; };
@@ -76,6 +76,20 @@
     stream = null; camera.srcObject = null;
   }
 
+  // Start frame (Krea's start_frame): the chosen image is uploaded (POST /upload_start_frame) when Start is
+  // pressed; its id goes in the start parameters, and the video (and every reset) starts from the image
+  const withToken = (path) => path + (token ? "?token=" + encodeURIComponent(token) : "");
+  async function uploadStartFrame() {
+    const file = $("startFrame").files[0];
+    if (!file) return null;
+    const form = new FormData();
+    form.append("file", file, file.name);
+    const r = await fetch(withToken("/upload_start_frame"), { method: "POST", body: form });
+    const body = await r.json().catch(() => ({}));
+    if (!r.ok) throw new Error(body.error || "HTTP " + r.status);
+    return body.id;
+  }
+
   function draw(blob) {
     createImageBitmap(blob).then((img) => {
       if (canvas.width !== img.width) { canvas.width = img.width; canvas.height = img.height; }
@@ -94,12 +108,16 @@
       const start = { prompt: $("prompt").value, seed: Number($("seed").value), num_blocks: Number($("numBlocks").value),
                       tau: Number($("tau").value), request_id: "page" };
       if (stream) { start.webcam_mode = true; start.strength = Number($("strength").value); }
+      if (startFrameId) start.start_frame = startFrameId;
       ws.send(msg(start));
     } else if (m.status === "queued") setStatus("queued, position " + m.position);
     else if (m.status === "params" || m.status === "running") {
       if (m.status === "params") {
         setStatus((m.state === "queued" ? "queued" : "generating") + " (seed " + m.seed + ")");
         document.body.dataset.strength = m.options.strength;
+        const sf = m.start_frame ? m.start_frame.width + "x" + m.start_frame.height : "";
+        $("startFrameInfo").textContent = sf ? "from a " + sf + " start frame" : "";
+        document.body.dataset.startFrame = sf;
       }
       else setStatus("generating");
       if (m.status === "running" || m.state === "running") startCapture();
@@ -129,13 +147,18 @@
   $("start").onclick = async () => {
     sessionId = "page-" + Math.random().toString(36).slice(2, 12);
     frames = 0; sent = 0; $("blocks").textContent = ""; $("download").disabled = true;
+    $("start").disabled = true;  // until the socket is open (the upload and the camera come first)
+    const failed = (what, err) => {
+      setStatus(what + ": " + err.message); document.body.dataset.lastError = what + ": " + err.message;
+      $("start").disabled = false;
+    };
+    try { startFrameId = await uploadStartFrame(); } catch (err) { failed("start frame", err); return; }
     if ($("webcam").checked) {
-      try { await openCamera(); } catch (err) {
-        setStatus("camera: " + err.message); document.body.dataset.lastError = "camera: " + err.message; return;
-      }
+      try { await openCamera(); } catch (err) { failed("camera", err); return; }
     }
     const q = "?sdvg=1" + (token ? "&token=" + encodeURIComponent(token) : "");
-    ws = new WebSocket((location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/session/" + sessionId + q);
+    const scheme = location.protocol === "https:" ? "wss://" : "ws://";
+    ws = new WebSocket(scheme + location.host + "/session/" + sessionId + q);
     ws.binaryType = "blob";
     ws.onmessage = (e) => (typeof e.data === "string" ? onText(e.data) : draw(e.data));
     ws.onclose = () => {
@@ -148,7 +171,5 @@
   $("apply").onclick = () => {
     if (ws && ws.readyState === 1) ws.send(msg({ prompt: $("prompt").value, interp_steps: Number($("blend").value) }));
   };
-  $("download").onclick = () => {
-    location.href = "/download_video/" + sessionId + (token ? "?token=" + encodeURIComponent(token) : "");
-  };
+  $("download").onclick = () => { location.href = withToken("/download_video/" + sessionId); };
 })();
