@@ -293,6 +293,7 @@ class SpeculativeVideoPipeline:
             c.scorer.to(dev, c.scorer.dtype)
         c.drafter_device = c.target_device = dev
         self._runners.clear()  # compiled modules and engines belong to the old placement
+        self._start_memo = None  # an encoded start frame lives where the VAE was
 
     def _cast(self, dtype: torch.dtype) -> None:
         """The builders' rule per component (sdvg/models/components.py): the DiTs (their fp32 parts kept) and
@@ -432,7 +433,7 @@ class SpeculativeVideoPipeline:
         if why:
             raise OptionError(why)
         vae = self.components.vae.vae
-        weight = next(vae.parameters())
+        weight = vae.quant_conv.weight  # where and in what dtype the encoder runs (StreamingVAEEncoder's)
         # the last image encoded is kept (by its bytes, for the VAE's device and dtype): `pipe(...)` checks it before
         # the first video and each video starts from it, so a batch encodes it once
         key = (hashlib.blake2b(np.ascontiguousarray(image).data, digest_size=16).digest(), image.shape,

@@ -144,6 +144,39 @@ def test_a_start_frames_frames_are_counted_as_prepare_allocates(tiny_pipe, kw):
         assert items[what].nbytes == bare[what].nbytes * grown, role
 
 
+def test_sdvg_memory_counts_a_start_frame(capsys):
+    """`sdvg memory --start-frame [IMAGE]`: the drafter's full 27-frame context holds the start frame's 3 latent
+    frames too (the image is not read); the target's recompute context is unchanged; what a start frame cannot go
+    with is refused in the command line's words."""
+    import json
+
+    from sdvg.cli.main import main
+
+    def memory(*argv):
+        capsys.readouterr()
+        try:
+            code = main(["memory", "--preset", "wan2.1", *argv])
+        except SystemExit as exc:
+            code = exc.code
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    code, out, _ = memory("--json")
+    plan = {it["what"]: it["gib"] for it in json.loads(out)["items"]}
+    code, out, _ = memory("--json", "--start-frame", "not-read.png")
+    framed = json.loads(out)
+    assert code == 0 and framed["start_frame_latent_frames"] == 3
+    got = {it["what"]: it["gib"] for it in framed["items"]}
+    assert got["drafter KV cache"] == pytest.approx(plan["drafter KV cache"] * (27 + 3) / 27)
+    assert got["target KV cache"] == plan["target KV cache"]
+    code, out, _ = memory("--start-frame")
+    assert code == 0 and "27 latent frames, after a start frame of 3" in out
+    code, _, err = memory("--start-frame", "--backend", "tensorrt")
+    assert code == 2 and "--start-frame with --backend 'tensorrt'" in err and "--backend eager" in err
+    code, _, err = memory("--start-frame", "--window-frames", "2")
+    assert code == 2 and "raise --window-frames to 3 or more, or lower --kv-cache-frames" in err, err
+
+
 def test_the_wan_plan_numbers_are_unchanged():
     """`sdvg memory`'s numbers for the real sizes (KVCacheSpec.nbytes through the shared arithmetic)."""
     from sdvg.config import RoleContext

@@ -315,16 +315,6 @@ def test_memory_command_budget(capsys):
     assert plan["device_total_gib"]["cuda:0"] == pytest.approx(sum(it["gib"] for it in plan["items"]))
     for bad in ("nan", "-1"):
         assert _in_process(capsys, "memory", "--budget-gib", bad).returncode == 2
-    # a start frame's 3 latent frames in the drafter's full context (the target's recompute context is unchanged)
-    r = _in_process(capsys, "memory", "--preset", "wan2.1", "--json", "--start-frame", "img.png")
-    framed = json.loads(r.stdout)
-    assert r.returncode == 0 and framed["start_frame_latent_frames"] == 3
-    kv = {p["what"]: p["gib"] for p in plan["items"]}
-    framed_kv = {p["what"]: p["gib"] for p in framed["items"]}
-    assert framed_kv["drafter KV cache"] == pytest.approx(kv["drafter KV cache"] * (27 + 3) / 27)
-    assert framed_kv["target KV cache"] == kv["target KV cache"]
-    r = _in_process(capsys, "memory", "--preset", "wan2.1", "--start-frame", "--backend", "tensorrt")
-    assert r.returncode == 2 and "--start-frame with backend 'tensorrt'" in r.stderr
 
 
 @pytest.mark.slow

@@ -104,6 +104,7 @@ async def drive(debugger_url: str, tmp_path: Path) -> Path:
         field, _, block = ack.partition(":")
         assert field == "prompt" and 1 <= int(block) < 5, ack
         await dt.until("document.getElementById('status').textContent === 'completed'")
+        await dt.until("Number(document.body.dataset.framesDrawn) >= 9 + 12 * 4", 60)  # drawn as they decode
         frames = await dt.js("Number(document.body.dataset.framesDrawn)")
         decisions = await dt.js("[...document.querySelectorAll('#blocks div')].map(d => d.dataset.decision)")
         prompts = await dt.js("[...document.querySelectorAll('#blocks div')].map(d => d.dataset.promptIndex)")
@@ -128,6 +129,7 @@ async def drive(debugger_url: str, tmp_path: Path) -> Path:
                        "!!document.body.dataset.lastError")
         assert not await dt.js("document.body.dataset.lastError || ''")
         assert await dt.js("Number(document.body.dataset.strength)") == 0.6  # a video-to-video session
+        await dt.until("Number(document.body.dataset.framesDrawn) >= 9 + 12", 60)
         assert await dt.js("Number(document.body.dataset.framesDrawn)") == 9 + 12
         assert await dt.js("Number(document.body.dataset.webcamFramesSent)") >= 9 + 12  # each block read its own
         assert await dt.js("document.getElementById('camera').srcObject === null")  # the camera is closed after
@@ -154,6 +156,8 @@ async def drive(debugger_url: str, tmp_path: Path) -> Path:
                        "!!document.body.dataset.lastError")
         assert not await dt.js("document.body.dataset.lastError || ''")
         assert await dt.js("document.body.dataset.startFrame") == "80x48"
+        await dt.until("Number(document.body.dataset.framesDrawn) >= 9", 60)  # drawn as their bitmaps decode
+        await asyncio.sleep(0.5)
         assert await dt.js("Number(document.body.dataset.framesDrawn)") == 9
         png = (await dt.call("Page.captureScreenshot", format="png"))["data"]
         shot = tmp_path / "serve_page.png"

@@ -227,6 +227,8 @@ def test_cli_generate_with_a_start_frame(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(argv + ["--start-frame", str(tmp_path / "nope.png")]) == 2  # refused before loading
     assert "--start-frame" in capsys.readouterr().err
+    assert cli.main(argv + ["--start-frame", str(tmp_path / "start.png"), "--cuda-graphs"]) == 2
+    assert "--start-frame with --cuda-graphs" in capsys.readouterr().err  # in the command line's words
 
 
 @pytest.mark.parametrize("kv", [2, 3])

@@ -4,11 +4,29 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 
 from sdvg.config import MAX_BUDGET_GIB, PRESETS
 from sdvg.io.exit_status import device_type
-from sdvg.options import PROTOCOLS, add_option_flags, option_type
+from sdvg.options import OPTION_NAMES, PROTOCOLS, add_option_flags, flag_of, option_type
+
+
+_API_NAMES = re.compile(r"\b(" + "|".join(sorted((*OPTION_NAMES, "start_frame"), key=len, reverse=True)) +
+                        r")\b(?:=('[^']*'|[\w.-]+))?")
+
+
+def in_flags(message: str) -> str:
+    """An API refusal in the command line's words: `name=False` -> --no-name, `name='v'` -> --name v, and an
+    option's (or start_frame's) bare name -> its flag. For messages written in option names (e.g.
+    `start_frame_conflict`'s), not free text, where a word such as `mode` would be taken for the option."""
+    def flag(m: re.Match) -> str:
+        name, value = m.group(1), m.group(2)
+        if value is None or value == "True":
+            return flag_of(name)
+        return "--no-" + flag_of(name)[2:] if value == "False" else f"{flag_of(name)} {value.strip(chr(39))}"
+
+    return _API_NAMES.sub(flag, message)
 
 
 def engines_folder(text: str) -> str:

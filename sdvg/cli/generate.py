@@ -12,7 +12,7 @@ from sdvg.io.text_input import check_prompt
 from sdvg.options import options_from_args
 
 from sdvg.cli import generate_outputs as outputs
-from sdvg.cli.args import add_config, add_generation_args, bar, count
+from sdvg.cli.args import add_config, add_generation_args, bar, count, in_flags
 from sdvg.cli.pipelines import announce_protocol
 from sdvg.cli.prompts import read_prompts
 from sdvg.cli.video import exit_code, run_one, video_path
@@ -88,7 +88,7 @@ def run(args, load_pipeline) -> int:
 
             why = start_frame_conflict(resolved)
             if why:
-                raise ValueError(why.replace("start_frame", "--start-frame", 1))
+                raise ValueError(in_flags(why))
     with lock_outputs(stats_path, out, args.timeline, args.exit_map):
         if many:
             return _generate_many(args, load_pipeline, prompts, first, out, stats_path, opts)

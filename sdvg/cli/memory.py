@@ -9,7 +9,7 @@ from pathlib import Path
 from sdvg.config import MAX_BUDGET_GIB, KVWindow, RoleContext
 from sdvg.options import add_option_flags, options_from_args
 
-from sdvg.cli.args import check_preset, real
+from sdvg.cli.args import check_preset, in_flags, real
 
 MEMORY_OPTIONS = ("mode", "num_blocks", "target_context", "drafter_cache", "kv_cache_frames", "keep_first_frame",
                   "window_frames", "sink_frames")
@@ -60,7 +60,7 @@ def run(args, load_pipeline=None) -> int:
 
         why = start_frame_conflict(opts.replace(backend=args.backend))
         if why:
-            print(f"error: {why.replace('start_frame', '--start-frame', 1)}", file=sys.stderr)
+            print(f"error: {in_flags(why)}", file=sys.stderr)
             return 2
         prefix = opts.kv_cache_frames
     items = plan_memory(preset, contexts, opts.num_blocks, args.device, args.target_device, te_device, prefix)

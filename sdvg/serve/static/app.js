@@ -146,7 +146,9 @@
 
   $("start").onclick = async () => {
     sessionId = "page-" + Math.random().toString(36).slice(2, 12);
+    if (ws) { const old = ws; ws = null; old.close(); }  // a finished session's socket (the server keeps it open)
     frames = 0; sent = 0; $("blocks").textContent = ""; $("download").disabled = true;
+    $("startFrameInfo").textContent = ""; delete document.body.dataset.startFrame;
     $("start").disabled = true;  // until the socket is open (the upload and the camera come first)
     const failed = (what, err) => {
       setStatus(what + ": " + err.message); document.body.dataset.lastError = what + ": " + err.message;
@@ -158,10 +160,15 @@
     }
     const q = "?sdvg=1" + (token ? "&token=" + encodeURIComponent(token) : "");
     const scheme = location.protocol === "https:" ? "wss://" : "ws://";
-    ws = new WebSocket(scheme + location.host + "/session/" + sessionId + q);
-    ws.binaryType = "blob";
-    ws.onmessage = (e) => (typeof e.data === "string" ? onText(e.data) : draw(e.data));
-    ws.onclose = () => {
+    const sock = ws = new WebSocket(scheme + location.host + "/session/" + sessionId + q);
+    sock.binaryType = "blob";
+    // an earlier session's socket, closed or closing, no longer speaks for the page
+    sock.onmessage = (e) => {
+      if (sock !== ws) return;
+      if (typeof e.data === "string") onText(e.data); else draw(e.data);
+    };
+    sock.onclose = () => {
+      if (sock !== ws) return;
       running(false); closeCamera();
       if ($("status").textContent !== "completed") setStatus("disconnected");
     };
