@@ -114,6 +114,58 @@ def test_token_is_checked_on_http_and_websocket_off_the_default_bind(tiny_pipe, 
         assert asyncio.run(ws(f"?token={TOKEN}")) == "ready"
 
 
+def test_the_upload_store_holds_at_most_its_bytes(tmp_path, monkeypatch):
+    """Uploads held at once are capped (claimed ones count): past the cap a POST is refused (507) naming both sizes,
+    nothing is written; an expired or deleted upload frees its bytes; a write that fails frees its reservation."""
+    import time
+
+    from sdvg.serve.uploads import UploadError, UploadStore
+
+    store = UploadStore(tmp_path, ttl_s=60.0, max_bytes=100)
+    a = store.add(b"a" * 60, "png")
+    assert store.claim(a) is not None and store.nbytes == 60
+    with pytest.raises(UploadError, match="holds 60 bytes of uploads and takes at most 100; this one") as exc:
+        store.add(b"b" * 41, "png")
+    assert exc.value.status == 507 and len(list(tmp_path.iterdir())) == 1
+    b = store.add(b"b" * 40, "jpeg")  # exactly full
+    store.release(a)  # unclaimed but inside its TTL: still held
+    with pytest.raises(UploadError):
+        store.add(b"c", "png")
+    store.delete(b)
+    assert store.nbytes == 60
+    clock = time.monotonic()
+    monkeypatch.setattr(time, "monotonic", lambda: clock + 61)  # a's TTL is over: the next POST expires it first
+    c = store.add(b"c" * 100, "webp")
+    assert not store.known(a) and store.known(c) and store.nbytes == 100
+    store.delete(c)
+    def full_disk(path, data):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(type(tmp_path), "write_bytes", full_disk)
+    with pytest.raises(OSError, match="disk full"):
+        store.add(b"d" * 10, "png")
+    assert store.nbytes == 0 and not list(tmp_path.iterdir())
+
+
+def test_a_post_past_the_upload_store_cap_is_refused_507(tiny_pipe, tmp_path):
+    import io
+
+    from PIL import Image
+    from serve_harness import running_server
+    from test_serve import upload
+
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(png, format="PNG")
+    data = png.getvalue()
+    with running_server(tiny_pipe, tmp_path, max_upload_store_bytes=len(data) * 2) as (url, app):
+        assert [upload(url, "/upload_start_frame", data)[0] for _ in range(2)] == [200, 200]
+        status, body = upload(url, "/upload_start_frame", data)
+        assert status == 507 and f"takes at most {len(data) * 2}" in body["error"]
+        assert len(app.state.uploads) == 2
+        text = urllib.request.urlopen(f"http://{url}/metrics", timeout=30).read().decode()
+        assert 'sdvg_serve_refused_messages_total{reason="upload"} 1.0' in text
+
+
 def test_serve_cli_refuses_a_public_bind_without_token(capsys):
     from sdvg.cli import main
 

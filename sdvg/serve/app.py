@@ -61,7 +61,7 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
     metrics = ServeMetrics()
     folder = Path(cfg.video_dir) if cfg.video_dir else Path(tempfile.mkdtemp(prefix="sdvg-serve-"))
     videos = VideoStore(folder / "videos", cfg.fps, cfg.keep_videos)
-    uploads = UploadStore(folder / "uploads", cfg.upload_ttl_s)
+    uploads = UploadStore(folder / "uploads", cfg.upload_ttl_s, cfg.max_upload_store_bytes)
     manager = SessionManager(engine, cfg, metrics, videos, uploads)
     senders: set[asyncio.Task] = set()
 
@@ -144,10 +144,10 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
             data, kind, filename = await read_upload(request, kinds, limit)
             if image:
                 await asyncio.to_thread(check_image, data, cfg.max_image_pixels)
+            upload_id = await asyncio.to_thread(uploads.add, data, kind)  # 507 past max_upload_store_bytes
         except UploadError as exc:
             metrics.refused.labels("upload").inc()
             return JSONResponse({"error": str(exc)}, status_code=exc.status)
-        upload_id = await asyncio.to_thread(uploads.add, data, kind)
         return {"id": upload_id, "filename": Path(filename or "").name[:128], "bytes": len(data), "type": kind}
 
     @app.post("/upload_video")

@@ -26,6 +26,7 @@ class ServeConfig:
     input_frames_per_s: float = 60.0  # webcam `image` frames per socket per second (their own budget; burst: 1 s)
     flood_close_after: int = 200  # refused updates on one socket before it is closed (1008)
     upload_ttl_s: float = 600.0  # an unclaimed upload is deleted after this
+    max_upload_store_bytes: int = 4 * 2**30  # every upload held at once (claimed ones too); a POST past it: 507
     keep_videos: int = 64  # finished session MP4s kept for download (oldest deleted first)
     jpeg_quality: int = 90  # Krea's
     fps: float = 16.0  # of the MP4s
@@ -34,7 +35,7 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "send_buffer_frames", "max_message_bytes", "max_image_bytes", "max_blocks",
-                     "update_burst", "flood_close_after", "keep_videos", "max_prompt_chars"):
+                     "update_burst", "flood_close_after", "keep_videos", "max_prompt_chars", "max_upload_store_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
         if self.max_queue < 0:

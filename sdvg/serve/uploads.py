@@ -63,22 +63,46 @@ def decode_frame(data: bytes, max_pixels: int):
 
 
 class UploadStore:
-    def __init__(self, folder: Path, ttl_s: float):
+    """The uploads on disk, by id: at most `max_bytes` of them at once (a POST that would pass it, once the expired
+    ones are gone, is refused with 507, so that clients cannot fill the server's disk within a TTL)."""
+
+    def __init__(self, folder: Path, ttl_s: float, max_bytes: int | None = None):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.ttl_s = ttl_s
-        self._items: dict[str, tuple[Path, float, str]] = {}  # id -> (file, created, kind)
+        self.max_bytes = max_bytes
+        self._items: dict[str, tuple[Path, float, str, int]] = {}  # id -> (file, created, kind, bytes)
         self._claims: dict[str, int] = {}  # id -> sessions holding it (kept past its TTL while > 0)
+        self._reserved = 0  # bytes held: stored uploads plus the ones being written
         self._lock = threading.Lock()
 
     def add(self, data: bytes, kind: str) -> str:
+        self.expire()
+        size = len(data)
+        with self._lock:
+            if self.max_bytes is not None and self._reserved + size > self.max_bytes:
+                raise UploadError(507, f"the server holds {self._reserved} bytes of uploads and takes at most "
+                                       f"{self.max_bytes}; this one ({size} bytes) does not fit: try again once "
+                                       f"older uploads expire (after {self.ttl_s:g} s) or their sessions end")
+            self._reserved += size
         upload_id = "up_" + secrets.token_hex(16)
         path = self.folder / f"{upload_id}.{kind}"
-        path.write_bytes(data)
+        try:
+            path.write_bytes(data)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            with self._lock:
+                self._reserved -= size
+            raise
         with self._lock:
-            self._items[upload_id] = (path, time.monotonic(), kind)
-        self.expire()
+            self._items[upload_id] = (path, time.monotonic(), kind, size)
         return upload_id
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the uploads held (and being written)."""
+        with self._lock:
+            return self._reserved
 
     def known(self, upload_id: str) -> bool:
         with self._lock:
@@ -110,13 +134,15 @@ class UploadStore:
     def delete(self, upload_id: str) -> None:
         with self._lock:
             item = self._items.pop(upload_id, None)
+            if item is not None:
+                self._reserved -= item[3]
         if item is not None:
             item[0].unlink(missing_ok=True)
 
     def expire(self) -> None:
         now = time.monotonic()
         with self._lock:
-            old = [k for k, (_, t, _) in self._items.items() if now - t > self.ttl_s and k not in self._claims]
+            old = [k for k, (_, t, _, _) in self._items.items() if now - t > self.ttl_s and k not in self._claims]
         for k in old:
             self.delete(k)
 
