@@ -166,6 +166,54 @@ def test_a_post_past_the_upload_store_cap_is_refused_507(tiny_pipe, tmp_path):
         assert 'sdvg_serve_refused_messages_total{reason="upload"} 1.0' in text
 
 
+def test_uploads_received_at_once_are_capped_503(tiny_pipe, tmp_path):
+    """While one upload's body is still arriving (a raw socket sends half of it), a second POST past
+    max_concurrent_uploads = 1 is refused with 503 and Retry-After; once the first completes, uploads go through
+    again. The gauges show the upload being received and the bytes stored."""
+    import io
+    import socket
+    import time
+
+    from PIL import Image
+    from serve_harness import running_server
+    from test_serve import upload
+
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(png, format="PNG")
+    data = png.getvalue()
+    boundary = "sdvgboundary"
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.png\"\r\n"
+            "Content-Type: image/png\r\n\r\n").encode() + data + f"\r\n--{boundary}--\r\n".encode()
+    with running_server(tiny_pipe, tmp_path, max_concurrent_uploads=1) as (url, app):
+        def gauge(name):
+            text = urllib.request.urlopen(f"http://{url}/metrics", timeout=30).read().decode()
+            return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+        host, port = url.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=30) as slow:
+            slow.sendall((f"POST /upload_start_frame HTTP/1.1\r\nHost: {url}\r\nConnection: close\r\n"
+                          f"Content-Type: multipart/form-data; boundary={boundary}\r\n"
+                          f"Content-Length: {len(body)}\r\n\r\n").encode() + body[:40])
+            deadline = time.monotonic() + 30
+            while gauge("sdvg_serve_uploads_receiving") < 1:
+                assert time.monotonic() < deadline, "the first upload never reached the server"
+                time.sleep(0.05)
+            req = urllib.request.Request(f"http://{url}/upload_start_frame", data=body, method="POST",
+                                         headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(req, timeout=30)
+            assert refused.value.code == 503 and refused.value.headers["Retry-After"] == "1"
+            assert "at most 1 at once" in refused.value.read().decode()
+            slow.sendall(body[40:])
+            reply = b""
+            while chunk := slow.recv(65536):
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 200") and b'"id":"up_' in reply
+        assert upload(url, "/upload_start_frame", data)[0] == 200  # the slot is free again
+        assert gauge("sdvg_serve_uploads_receiving") == 0
+        assert gauge("sdvg_serve_upload_bytes") == 2 * len(data) == app.state.uploads.nbytes
+
+
 def test_serve_cli_refuses_a_public_bind_without_token(capsys):
     from sdvg.cli import main
 

@@ -62,6 +62,7 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
     folder = Path(cfg.video_dir) if cfg.video_dir else Path(tempfile.mkdtemp(prefix="sdvg-serve-"))
     videos = VideoStore(folder / "videos", cfg.fps, cfg.keep_videos)
     uploads = UploadStore(folder / "uploads", cfg.upload_ttl_s, cfg.max_upload_store_bytes)
+    metrics.uploads_held_bytes.set_function(lambda: uploads.nbytes)  # read at each scrape
     manager = SessionManager(engine, cfg, metrics, videos, uploads)
     senders: set[asyncio.Task] = set()
 
@@ -139,7 +140,17 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
             raise UploadError(415, f"not one of {', '.join(kinds)} (judged by the file's bytes, not its name)")
         return data, kind, file.filename
 
+    receiving = 0  # uploads being received on this event loop (their bodies are held in memory while read)
+
     async def upload(request: Request, kinds: dict, limit: int, image: bool):
+        nonlocal receiving
+        if receiving >= cfg.max_concurrent_uploads:
+            metrics.refused.labels("upload").inc()
+            return JSONResponse({"error": f"busy: {receiving} uploads are being received (at most "
+                                 f"{cfg.max_concurrent_uploads} at once); retry in a moment"}, status_code=503,
+                                headers={"Retry-After": "1"})
+        receiving += 1
+        metrics.uploads_receiving.set(receiving)
         try:
             data, kind, filename = await read_upload(request, kinds, limit)
             if image:
@@ -148,6 +159,9 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
         except UploadError as exc:
             metrics.refused.labels("upload").inc()
             return JSONResponse({"error": str(exc)}, status_code=exc.status)
+        finally:
+            receiving -= 1
+            metrics.uploads_receiving.set(receiving)
         return {"id": upload_id, "filename": Path(filename or "").name[:128], "bytes": len(data), "type": kind}
 
     @app.post("/upload_video")

@@ -36,6 +36,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-upload-store-bytes", type=int, default=_D.max_upload_store_bytes,
                    help=f"uploads held on disk at once, claimed ones included; a POST past it gets 507 "
                         f"(default: {_D.max_upload_store_bytes})")
+    p.add_argument("--max-concurrent-uploads", type=int, default=_D.max_concurrent_uploads,
+                   help=f"POSTs received at once (each body is held in memory while read); more get 503 "
+                        f"(default: {_D.max_concurrent_uploads})")
     p.add_argument("--max-blocks", type=int, default=_D.max_blocks,
                    help=f"largest num_blocks a client may ask for (default: {_D.max_blocks})")
     p.add_argument("--updates-per-s", type=float, default=_D.updates_per_s,
@@ -60,7 +63,7 @@ def config_of(args) -> ServeConfig:
                        max_queue=args.max_queue, idle_timeout_s=args.idle_timeout,
                        send_buffer_frames=args.send_buffer_frames, max_message_bytes=args.max_message_bytes,
                        max_upload_bytes=args.max_upload_bytes, max_upload_store_bytes=args.max_upload_store_bytes,
-                       max_blocks=args.max_blocks,
+                       max_concurrent_uploads=args.max_concurrent_uploads, max_blocks=args.max_blocks,
                        updates_per_s=args.updates_per_s, input_frames_per_s=args.input_frames_per_s, video_dir=args.video_dir, fps=args.fps)
 
 

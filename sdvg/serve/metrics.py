@@ -25,6 +25,10 @@ class ServeMetrics:
                                 buckets=LATENCY_BUCKETS, registry=r)
         self.dropped = Counter("sdvg_serve_dropped_frames", "frames dropped from full send buffers (slow "
                                "clients); the MP4 keeps them", registry=r)
+        self.uploads_receiving = Gauge("sdvg_serve_uploads_receiving", "uploads whose bodies are being received "
+                                       "(each held in memory while read)", registry=r)
+        self.uploads_held_bytes = Gauge("sdvg_serve_upload_bytes", "bytes of the uploads stored (and being "
+                                        "written)", registry=r)
         self.refused = Counter("sdvg_serve_refused_messages", "client messages refused, by reason", ["reason"],
                                registry=r)
         self._later = self._accepted = 0
