@@ -144,17 +144,9 @@ class LiveSession:
         else:
             opts = pipe.resolve(options.replace(num_blocks=num_blocks))
         self.opts = opts
-        # a start frame (`start_frame`: uint8 [H, W, 3]): encoded once, the context of every segment's block 0
-        self._start_latents = None
-        if start_frame is not None:
-            from sdvg.generation.prepare import start_frame_conflict
-            from sdvg.generation.start_frame import start_latents
-
-            why = start_frame_conflict(opts)
-            if why:
-                raise OptionError(why)
-            self._start_latents = start_latents(start_frame, pipe.components.vae.vae, pipe.preset,
-                                                opts.kv_cache_frames)
+        # a start frame (`start_frame`: uint8 [H, W, 3]): encoded once (refused with the options it cannot go with),
+        # the context of every segment's block 0
+        self._start_latents = pipe.start_latents(start_frame, opts)
         self.runners = pipe.runners(opts.backend)
         self.table = ConditioningTable(PromptBank(pipe.components.text_encoder), prompt)
         self._lock = threading.Lock()

@@ -141,6 +141,7 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
         return data, kind, file.filename
 
     receiving = 0  # uploads being received on this event loop (their bodies are held in memory while read)
+    metrics.uploads_receiving.set_function(lambda: receiving)  # read at each scrape
 
     async def upload(request: Request, kinds: dict, limit: int, image: bool):
         nonlocal receiving
@@ -150,7 +151,6 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
                                  f"{cfg.max_concurrent_uploads} at once); retry in a moment"}, status_code=503,
                                 headers={"Retry-After": "1"})
         receiving += 1
-        metrics.uploads_receiving.set(receiving)
         try:
             data, kind, filename = await read_upload(request, kinds, limit)
             if image:
@@ -161,7 +161,6 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
             return JSONResponse({"error": str(exc)}, status_code=exc.status)
         finally:
             receiving -= 1
-            metrics.uploads_receiving.set(receiving)
         return {"id": upload_id, "filename": Path(filename or "").name[:128], "bytes": len(data), "type": kind}
 
     @app.post("/upload_video")

@@ -78,7 +78,8 @@
 
   // Start frame (Krea's start_frame): the chosen image is uploaded (POST /upload_start_frame) when Start is
   // pressed; its id goes in the start parameters, and the video (and every reset) starts from the image
-  const withToken = (path) => path + (token ? "?token=" + encodeURIComponent(token) : "");
+  const withToken = (url) =>
+    (token ? url + (url.includes("?") ? "&" : "?") + "token=" + encodeURIComponent(token) : url);
   async function uploadStartFrame() {
     const file = $("startFrame").files[0];
     if (!file) return null;
@@ -158,9 +159,8 @@
     if ($("webcam").checked) {
       try { await openCamera(); } catch (err) { failed("camera", err); return; }
     }
-    const q = "?sdvg=1" + (token ? "&token=" + encodeURIComponent(token) : "");
     const scheme = location.protocol === "https:" ? "wss://" : "ws://";
-    const sock = ws = new WebSocket(scheme + location.host + "/session/" + sessionId + q);
+    const sock = ws = new WebSocket(scheme + location.host + withToken("/session/" + sessionId + "?sdvg=1"));
     sock.binaryType = "blob";
     // an earlier session's socket, closed or closing, no longer speaks for the page
     sock.onmessage = (e) => {
