@@ -314,7 +314,6 @@ def host_tables(pipe) -> list:
     """The tensors the components keep on the host by design (tagged host-made for `host_syncs`)."""
     c = pipe.components
     tables = [getattr(dit, "_angles", None) for dit in (c.drafter, c.target) if dit is not None]
-    tables += [getattr(c.vae, "_mean", None), getattr(c.vae, "_std", None)]
     return [t for t in tables if isinstance(t, torch.Tensor)]
 
 

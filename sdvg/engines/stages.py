@@ -140,13 +140,17 @@ def dit_forward_static(step, dit: CausalWanDiT, latents, timesteps, text: TextKV
 
 
 class VAEDecodeStep(nn.Module):
+    """`decoder`'s modules and its latent statistics (buffers [1, z, 1, 1, 1] float32, on the decoder's device
+    when the step is made; `.to()` moves them with the modules)."""
+
     def __init__(self, decoder, num_entries: int, tensor_slots: list[int]):
         super().__init__()
         self.vae = decoder.vae
         self.num_entries = num_entries
         self.tensor_slots = list(tensor_slots)  # cache positions that hold tensors (the rest stay None)
-        self.register_buffer("mean", decoder._mean.clone(), persistent=False)
-        self.register_buffer("std", decoder._std.clone(), persistent=False)
+        mean, std = decoder.latent_stats()  # the shared device constants: the step keeps its own copies
+        self.register_buffer("mean", mean.clone(), persistent=False)
+        self.register_buffer("std", std.clone(), persistent=False)
 
     @classmethod
     def for_cache(cls, decoder, cache) -> "VAEDecodeStep":

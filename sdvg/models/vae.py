@@ -123,9 +123,7 @@ class StreamingVAEDecoder:
         self.vae = vae
         cfg = vae.config
         self.z_dim = cfg.z_dim
-        self._latent_config = cfg
-        self._mean = torch.tensor(cfg.latents_mean, dtype=torch.float32).view(1, -1, 1, 1, 1)
-        self._std = torch.tensor(cfg.latents_std, dtype=torch.float32).view(1, -1, 1, 1, 1)
+        self._latent_config = cfg  # its latent statistics (`latent_stats`: on the VAE's device, wherever it is)
         self.num_convs = vae._cached_conv_counts["decoder"] if hasattr(vae, "_cached_conv_counts") else sum(
             1 for m in vae.decoder.modules() if type(m).__name__ == "WanCausalConv3d")
         self.vae_decoder = "wan"  # the default rule of new caches (`new_cache(rule)` overrides it)
@@ -217,7 +215,8 @@ class StreamingVAEDecoder:
     def decode_video(self, latents: torch.Tensor) -> torch.Tensor:
         """Whole-video decode through diffusers' own public path (the oracle for streaming under the
         `wan` rule; the `krea` rule has no whole-video form here)."""
-        z = latents.float().to(self.device) * self._std.to(self.device) + self._mean.to(self.device)
+        mean, std = self.latent_stats()
+        z = latents.float().to(self.device) * std + mean
         return self.vae.decode(z.to(self.dtype)).sample.float().clamp(-1.0, 1.0)
 
 
