@@ -23,8 +23,9 @@ import torch.nn.functional as F
 
 from sdvg.config import DiTConfig, Precision, torch_dtype
 from sdvg.models.device_constants import device_constant
+from sdvg.models.dit_block import EAGER_REGIONS, BlockRegions, modulated_norm
 from sdvg.models.kv_cache import pending_token_positions, write_positions
-from sdvg.models.rope import apply_rope, rope_angles, rope_cos_sin
+from sdvg.models.rope import rope_angles, rope_cos_sin
 
 # Modules diffusers keeps in fp32 when the rest of the Wan DiT runs in bf16/fp16.
 _FP32_PARTS = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
@@ -129,7 +130,7 @@ class CausalWanDiT(nn.Module):
     @torch.no_grad()
     def forward(self, latents: torch.Tensor, timesteps: torch.Tensor, text: TextKV, frame_offset: int | None = None,
                 cache=None, attn_mask: torch.Tensor | None = None, active: torch.Tensor | None = None,
-                hidden: list | None = None) -> torch.Tensor:
+                hidden: list | None = None, regions: BlockRegions = EAGER_REGIONS) -> torch.Tensor:
         """latents [B, C, F, H, W], timesteps [B, F] -> flow prediction [B, C, F, H, W] (model dtype).
 
         With `cache`, the block's K/V are written into the cache's pending slots (claimed here) and
@@ -147,7 +148,8 @@ class CausalWanDiT(nn.Module):
         cache only their K/V are written (`write_positions`: `KVCache.write_tokens` with the positions built once): the other tokens' pending K/V stay as an
         earlier pass wrote them and are attended to as they are. The output keeps the dense layout,
         zero at the tokens not computed. `hidden`, a list, receives the last transformer block's
-        hidden states [B, S or A, dim] (the learned exit verifier's input)."""
+        hidden states [B, S or A, dim] (the learned exit verifier's input). `regions`: how each block's
+        regions run (`sdvg.models.dit_block`: eager, or compiled by the `compile` backend)."""
         _, _, nF, H, W = latents.shape
         p = self.config.patch_size
         tpf = (H // p[1]) * (W // p[2])
@@ -188,7 +190,7 @@ class CausalWanDiT(nn.Module):
         cos, sin = self.rope(frame_offset, nF, H, W, latents.device)
         t_freq = self.timestep_freqs(timesteps)
         return self.forward_with(latents, t_freq, text.keys, text.values, cos, sin, attend, active=active,
-                                 hidden=hidden)
+                                 hidden=hidden, regions=regions)
 
     def timestep_freqs(self, timesteps: torch.Tensor) -> torch.Tensor:
         """timesteps [B, F] -> the float64 sinusoid [B, F, freq_dim] cast to the time embedder's dtype
@@ -209,7 +211,7 @@ class CausalWanDiT(nn.Module):
                                                                  frames, gh, gw, "cpu"))
 
     def forward_with(self, latents, t_freq, text_keys, text_values, cos, sin, attend, active=None,
-                     hidden=None) -> torch.Tensor:
+                     hidden=None, regions: BlockRegions = EAGER_REGIONS) -> torch.Tensor:
         """The DiT body with self-attention keys/values supplied by `attend(layer, k, v) -> (k_all,
         v_all, mask)`: a KV cache, a full-sequence mask, or static cache tensors (engine stages).
         `t_freq` [B, F, freq_dim] is the timestep sinusoid (`timestep_freqs`).
@@ -241,13 +243,12 @@ class CausalWanDiT(nn.Module):
 
         for layer, block in enumerate(m.blocks):
             x = self._block(block, layer, x, t_mod, text_keys[layer], text_values[layer], cos, sin, groups,
-                            group_len, attend)
+                            group_len, attend, regions)
         if hidden is not None:
             hidden.append(x)
 
         shift, scale = (m.scale_shift_table.float()[:, None] + temb.float()[:, :, None]).chunk(2, dim=2)  # [B,G,1,d]
-        h = m.norm_out(x.float()).unflatten(1, (groups, group_len))  # [B, G, T, dim]
-        h = (h * (1 + scale) + shift).flatten(1, 2).to(x.dtype)
+        h = modulated_norm(m.norm_out, x, scale, shift, groups, group_len)  # [B, S or A, dim]
         out = m.proj_out(h)  # [B, S or A, C * prod(patch)]
         if active is not None:  # back to the dense token layout, zero where not computed
             dense = out.new_zeros((B, nF * tpf, out.shape[-1]))
@@ -256,40 +257,15 @@ class CausalWanDiT(nn.Module):
         out = out.reshape(B, nF // p_t, gh, gw, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
         return out.flatten(6, 7).flatten(4, 5).flatten(2, 3)  # [B, C, F, H, W]
 
-    def _block(self, block, layer: int, x, t_mod, text_k, text_v, cos, sin, nF: int, tpf: int, attend):
-        B, S, D = x.shape
+    def _block(self, block, layer: int, x, t_mod, text_k, text_v, cos, sin, groups: int, group_len: int, attend,
+               regions: BlockRegions):
+        """One transformer block (`sdvg.models.dit_block`): its regions around the self-attention over the
+        visible tokens that `attend` gives."""
         heads = self.config.num_heads
-        mod = block.scale_shift_table.float()[:, None] + t_mod  # [B, F, 6, dim] (table [1, 6, dim])
-        shift_msa, scale_msa, gate_msa, c_shift, c_scale, c_gate = (m[:, :, None] for m in mod.unbind(2))  # [B,F,1,d]
-
-        def per_frame(fn, h):  # apply a per-frame modulation to [B, S, dim]
-            return fn(h.unflatten(1, (nF, tpf))).flatten(1, 2)
-
-        # Self-attention over the block and the visible cached frames.
-        h = per_frame(lambda t: block.norm1(t.float()) * (1 + scale_msa) + shift_msa, x).to(x.dtype)
-        a = block.attn1
-        q = a.norm_q(a.to_q(h)).unflatten(2, (heads, -1))  # [B, S, H, Dh]
-        k = a.norm_k(a.to_k(h)).unflatten(2, (heads, -1))
-        v = a.to_v(h).unflatten(2, (heads, -1))
-        q = apply_rope(q, cos, sin).transpose(1, 2)  # [B, H, S, Dh]
-        k = apply_rope(k, cos, sin).transpose(1, 2)
-        v = v.transpose(1, 2)
-        k, v, mask = attend(layer, k, v)
+        q, k, v, mod = regions.before_attention(block, x, t_mod, cos, sin, heads, groups, group_len)
+        k, v, mask = attend(layer, k, v)  # [B, H, S_visible, Dh]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, S, Dh]
-        o = a.to_out[0](o.transpose(1, 2).flatten(2))
-        x = (x.float() + per_frame(lambda t: t * gate_msa, o.float())).to(x.dtype)
-
-        # Cross-attention to the prompt.
-        h = block.norm2(x.float()).to(x.dtype)
-        c = block.attn2
-        q = c.norm_q(c.to_q(h)).unflatten(2, (heads, -1)).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, text_k, text_v)
-        x = x + c.to_out[0](o.transpose(1, 2).flatten(2))
-
-        # Feed-forward.
-        h = per_frame(lambda t: block.norm3(t.float()) * (1 + c_scale) + c_shift, x).to(x.dtype)
-        f = block.ffn(h)
-        return (x.float() + per_frame(lambda t: t * c_gate, f.float())).to(x.dtype)
+        return regions.after_attention(block, x, o, mod, text_k, text_v, heads, groups, group_len)
 
 
 def check_active(active: torch.Tensor, num_tokens: int, device) -> torch.Tensor:

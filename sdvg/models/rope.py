@@ -38,9 +38,15 @@ def rope_cos_sin(angles: torch.Tensor, head_dim: int, frame_offset: int, frames:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (2i, 2i+1). x: [B, S, H, D]; cos/sin: [S, D/2]. Computed in float32."""
-    xf = x.float().unflatten(-1, (-1, 2))  # [B, S, H, D/2, 2]
-    x1, x2 = xf[..., 0], xf[..., 1]
+    """Rotate channel pairs (2i, 2i+1). x: [B, S, H, D]; cos/sin: [S, D/2] -> [B, S, H, D] in x's dtype.
+
+    Computed in float32: a bf16 x is widened exactly inside each product, and each rotated channel is
+    rounded once into the output (`out=`), so no widened copy of x and no stacked fp32 result is made."""
+    pairs = x.unflatten(-1, (-1, 2))  # [B, S, H, D/2, 2] view
+    x1, x2 = pairs[..., 0], pairs[..., 1]
     c, s = cos[None, :, None, :], sin[None, :, None, :]
-    out = torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2)
-    return out.to(x.dtype)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rotated = out.unflatten(-1, (-1, 2))
+    torch.sub(x1 * c, x2 * s, out=rotated[..., 0])
+    torch.add(x1 * s, x2 * c, out=rotated[..., 1])
+    return out
