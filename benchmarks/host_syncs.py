@@ -369,7 +369,8 @@ def main(argv=None, pipe=None):
         return rewrite(Path(args.rewrite))
     device = torch.device(args.device)
     preset = get_preset(args.preset)
-    pipe = pipe or SpeculativeVideoPipeline(build_random(preset, drafter_device=device))  # gpu_check.py passes its own
+    # gpu_check.py passes its own; random_init "device": counts do not depend on which random model (no host draw)
+    pipe = pipe or SpeculativeVideoPipeline(build_random(preset, drafter_device=device, random_init="device"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"preset": preset.name, "num_blocks": args.num_blocks, "scheduler": args.scheduler,

@@ -134,6 +134,18 @@ class KVWindow:
 
 
 CONTEXT_MODES: tuple[str, ...] = ("full", "recompute")
+# How a random-weight preset's DiTs are drawn (sdvg.models.components.build_random): "cpu" with the CPU generator
+# (one model for a seed on every device), "device" with the generator of the device they are built for (fast:
+# no host draw, but another model per device type).
+RANDOM_INITS: tuple[str, ...] = ("cpu", "device")
+
+
+def check_random_init(random_init) -> str:
+    if random_init not in RANDOM_INITS:
+        raise ConfigError(f"random_init {random_init!r} is not one of {RANDOM_INITS}: 'cpu' draws the random weights "
+                          "with the CPU generator (one model for a seed on every device), 'device' with the device's own "
+                          "(no host draw, another model per device type)")
+    return random_init
 # The streaming VAE decoder's temporal-upsample cache rule (sdvg.models.vae): Wan2.1's or Krea's.
 VAE_DECODERS: tuple[str, ...] = ("wan", "krea")
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from sdvg.config import Preset, torch_dtype
+from sdvg.config import Preset, check_random_init, torch_dtype
 from sdvg.models.dit import CausalWanDiT
 from sdvg.models.reward import (MED_CONFIG, RewardScorer, build_image_reward, load_image_reward_weights,
                                 reward_tokenizer)
@@ -64,6 +65,34 @@ def _construct(cfg, device: torch.device, dtype: torch.dtype) -> CausalWanDiT:
         torch.set_default_dtype(default)
 
 
+def move_module(module: torch.nn.Module, device: torch.device) -> None:
+    """`module`'s tensors, its submodules' included, onto `device` (`nn.Module.to`, not a subclass's own)."""
+    torch.nn.Module.to(module, device)
+
+
+def _draw_on_host(cfg, device: torch.device, dtype: torch.dtype, move=None) -> CausalWanDiT:
+    """A random DiT drawn with the CPU generator whatever `device` is: bitwise the values of
+    `_construct(cfg, cpu, dtype)` under the same seed, yet never whole on the host. Each submodule goes to
+    `device` (`move(module, device)`, default `move_module`) the moment it is assigned to its parent (its own
+    construction is then done and its values final: tests/test_random_weights.py checks it), the rest once the
+    DiT is made; so at most about one transformer block is on the host at a time (the 14B target is 28 GB in
+    bf16)."""
+    move = move or move_module
+    builder = threading.get_ident()
+
+    def registered(parent, name, submodule):
+        if submodule is not None and threading.get_ident() == builder:  # the hook is process-wide
+            move(submodule, device)
+
+    hook = torch.nn.modules.module.register_module_module_registration_hook(registered)
+    try:
+        model = _construct(cfg, torch.device("cpu"), dtype)
+    finally:
+        hook.remove()
+    move(model, device)
+    return model
+
+
 def _device(d) -> torch.device:
     d = torch.device(d)
     if d.type == "cuda":
@@ -100,9 +129,14 @@ class LoadProgress:
 
 
 def build_random(preset: Preset, seed: int = 0, drafter_device="cpu", target_device=None,
-                 need_drafter: bool = True, need_target: bool = True, need_reward: bool = True) -> Components:
-    """All components of `preset` with random weights (seeded), placed and cast."""
+                 need_drafter: bool = True, need_target: bool = True, need_reward: bool = True,
+                 random_init: str = "cpu") -> Components:
+    """All components of `preset` with random weights (seeded), placed and cast. `random_init` (RANDOM_INITS):
+    "cpu" draws the DiTs with the CPU generator (`_draw_on_host`: one model for a seed on every device; a
+    real-size preset's 15.4B values take about 100 s), "device" on their device with its generator (no host
+    draw; another model per device type). The text encoder, VAE and reward model are drawn on the CPU either way."""
     preset.validate()
+    check_random_init(random_init)
     t0 = time.perf_counter()
     dd = _device(drafter_device)
     td = _device(target_device or drafter_device)
@@ -112,7 +146,8 @@ def build_random(preset: Preset, seed: int = 0, drafter_device="cpu", target_dev
 
     def dit(cfg, dev, s):
         torch.manual_seed(s)
-        return _construct(cfg, dev, dtype).set_precision(preset.precision).eval()
+        model = _draw_on_host(cfg, dev, dtype) if random_init == "cpu" else _construct(cfg, dev, dtype)
+        return model.set_precision(preset.precision).eval()
 
     drafter = dit(preset.drafter, dd, seed + 1) if need_drafter else None
     target = dit(preset.target, td, seed + 2) if need_target else None
@@ -127,8 +162,8 @@ def build_random(preset: Preset, seed: int = 0, drafter_device="cpu", target_dev
         scorer = RewardScorer(model, preset.reward).to(dd, dtype if dd.type == "cuda" else torch.float32)
     comps = Components(preset, drafter, target, text, vae, scorer, dd, td)
     comps.check_compatible()
-    log.info("built preset %r with random weights (seed %d) on %s / %s in %.2f s", preset.name, seed, dd, td,
-             time.perf_counter() - t0)
+    log.info("built preset %r with random weights (seed %d, drawn on the %s) on %s / %s in %.2f s", preset.name, seed,
+             random_init, dd, td, time.perf_counter() - t0)
     return comps
 
 
