@@ -190,7 +190,7 @@ def test_stage_timing_events_equal_sync_on_cuda(gpu_pipe):
 def test_stage_events_on_cuda_measure_device_time():
     from sdvg.generation.stage_timing import StageEvents
 
-    ev = StageEvents(["cuda:0"])
+    ev = StageEvents(["cuda:0"], "events")
     x = torch.randn(2048, 2048, device="cuda:0")
     start = ev.start("cuda:0")
     for _ in range(10):

@@ -52,7 +52,7 @@ class StageCalls(_C.StageCalls):
         self.drafter_dev, self.target_dev, self.vae_dev = comps.drafter_device, comps.target_device, comps.vae.device
         self.transfer = LatentTransfer([self.drafter_dev, self.target_dev])
         self.waits = opts.stage_timing == "sync"
-        self.events = StageEvents([self.drafter_dev, self.target_dev, self.vae_dev])
+        self.events = StageEvents([self.drafter_dev, self.target_dev, self.vae_dev], opts.stage_timing)
         self.trace: deque[dict] | None = deque() if record_trace else None
         self.times: dict[int, dict[str, float]] = {}  # record_trace: block -> seconds per stage
         # record_trace: the blocks whose spans and times are kept (None: all; a long live session keeps the last few)
@@ -144,7 +144,7 @@ class StageCalls(_C.StageCalls):
         """`fn()` as stage `stage` on `device`: waited for or timed by events, traced when the loop is Python."""
         if self.waits:
             self._wait(device)
-        start = None if self.waits else self.events.start(device)
+        start = self.events.start(device)  # None unless events are on
         t0 = time.perf_counter()
         out = fn()
         if self.waits:

@@ -132,7 +132,7 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
     try:
         yield from produce()
     finally:  # also when the consumer stops early (a live session's close)
-        device_times = calls.events.resolve() if not calls.waits else None  # events: waits for the last work
+        device_times = calls.events.resolve()  # events: waits for the last work (None unless events are on)
         counters.scheduler_wall_s = time.perf_counter() - calls.t_start
         counters.stage_call_s = counters.main_stage_s = calls.stage_s
         if report is not None:

@@ -9,7 +9,8 @@ time of each call is measured instead by a pair of CUDA events recorded on the s
 it; the pairs are read (`elapsed_time`, which waits for the end event) only when the video ends, so
 no wait is added before then. Their totals per stage are the statistics' `stage_device_s`.
 
-On the CPU nothing runs asynchronously and no event is recorded: `stage_device_s` is null."""
+Under `"sync"` no event is recorded on any device, and on the CPU none under `"events"` either (nothing runs
+asynchronously there): `stage_device_s` is then null (`StageEvents.on`, the one place that decides it)."""
 from __future__ import annotations
 
 import threading
@@ -18,8 +19,9 @@ import torch
 
 
 class StageEvents:
-    def __init__(self, devices):
-        self.on = any(torch.device(d).type == "cuda" for d in devices if d is not None)
+    def __init__(self, devices, timing: str):
+        """`timing`: the video's `stage_timing`; events are recorded under "events" when a stage device is CUDA."""
+        self.on = timing == "events" and any(torch.device(d).type == "cuda" for d in devices if d is not None)
         self._pairs: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._lock = threading.Lock()  # the drafter thread (run-ahead) records beside the main one
 
@@ -43,7 +45,8 @@ class StageEvents:
 
     def resolve(self) -> dict[str, float] | None:
         """Seconds of device time per stage, summed over the video's calls (waits for every recorded
-        end event: the one host wait of the video's timing); None when no event was recorded."""
+        end event: the one host wait of the video's timing); None when events are off (`on`: under sync, or off
+        CUDA)."""
         if not self.on:
             return None
         with self._lock:
