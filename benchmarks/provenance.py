@@ -1,5 +1,8 @@
 """Provenance recorded in every benchmark results file: the commit, how sdvg._C was built, the
-torch / CUDA / cuDNN versions, the device, the seed and prompt of the runs and the TF32 flags."""
+torch / CUDA / cuDNN versions, the device, the seed and prompt of the runs and the TF32 flags.
+
+The commit is the project's own (`commit_of`): git's when the project root is a git checkout's toplevel,
+$SDVG_COMMIT for a tree copied without its .git, else "unknown"."""
 from __future__ import annotations
 
 import os
@@ -10,15 +13,32 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]  # the project root: the folder that holds sdvg/ and benchmarks/
+COMMIT_VARIABLE = "SDVG_COMMIT"  # the commit of a tree copied without its .git (benchmarks/gpu_check.sh sets it)
 
 
-def _git(*args) -> str | None:
+def _git(*args, root: Path = ROOT) -> str | None:
     try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10,
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10,
                               check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def commit_of(root: Path = ROOT) -> dict:
+    """`commit`, `dirty` and `commit_source` of the project tree at `root`. git's answer only when git's
+    toplevel is `root` itself: a tree copied without its .git into a folder of another repository would
+    otherwise report that repository's HEAD. Else the commit named by $SDVG_COMMIT, else "unknown" (dirty
+    None: not known either way)."""
+    top = _git("rev-parse", "--show-toplevel", root=root)
+    if top is not None and Path(top).resolve() == Path(root).resolve():
+        status = _git("status", "--porcelain", "--untracked-files=no", root=root)
+        return {"commit": _git("rev-parse", "HEAD", root=root) or "unknown",
+                "dirty": bool(status) if status is not None else None, "commit_source": "git"}
+    named = os.environ.get(COMMIT_VARIABLE, "").strip()
+    if named:
+        return {"commit": named, "dirty": None, "commit_source": COMMIT_VARIABLE}
+    return {"commit": "unknown", "dirty": None, "commit_source": None}
 
 
 def provenance(seed=None, prompt=None, device=None) -> dict:
@@ -26,9 +46,8 @@ def provenance(seed=None, prompt=None, device=None) -> dict:
 
     dev = torch.device(device) if device is not None else None
     cuda = dev is not None and dev.type == "cuda"
-    status = _git("status", "--porcelain", "--untracked-files=no")
     return {
-        "commit": _git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None,
+        **commit_of(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "sdvg_C_build": {k: v for k, v in _C.build_info().items()},
         # gpu_check.sh: the CUDA_HOME it derived from nvcc, or why it fell back to the CPU build
@@ -49,7 +68,8 @@ def provenance(seed=None, prompt=None, device=None) -> dict:
 def provenance_line(p: dict) -> str:
     """One Markdown line of a provenance dict, for the results.md files."""
     tf32 = p["tf32"]
-    return (f"commit `{p['commit']}`{' (dirty)' if p['dirty'] else ''}; sdvg._C {p['sdvg_C_build']}"
+    source = f" (from {p['commit_source']})" if p.get("commit_source") not in (None, "git") else ""
+    return (f"commit `{p['commit']}`{' (dirty)' if p['dirty'] else ''}{source}; sdvg._C {p['sdvg_C_build']}"
             f"{'; ' + p['build_note'] if p['build_note'] else ''}; torch {p['torch']} (CUDA {p['torch_cuda']}, "
             f"cuDNN {p['cudnn']}); {p['device_name']}; seed {p['seed']}; prompt {p['prompt']!r}; TF32 matmul "
             f"{tf32['matmul']}, cuDNN {tf32['cudnn']}")
