@@ -216,3 +216,20 @@ def test_fast_vae_on_cuda_within_tolerance(gpu_pipe, monkeypatch):
     plain, fast = gpu_pipe(PROMPT, **kw), gpu_pipe(PROMPT, fast_vae=True, **kw)
     assert torch.equal(plain.latents, fast.latents)
     assert np.abs(plain.frames - fast.frames).max() <= 1 / 255 + 1e-7
+
+
+def test_compile_backend_on_cuda_within_tolerance():
+    """backend compile with inductor's Triton kernels: each block's regions compiled once for every layer, a bf16
+    SDVG video within COMPILE_TOLERANCE of eager (relative to the latents' scale), the same decisions."""
+    from sdvg import SpeculativeVideoPipeline
+    from sdvg.generation.compile import COMPILE_TOLERANCE
+
+    pipe = SpeculativeVideoPipeline.from_preset("tiny", seed=0, device="cuda:0", torch_dtype=torch.bfloat16)
+    kw = dict(router="pattern", pattern=(False, True, False), num_blocks=3, seed=4)
+    eager = pipe(PROMPT, **kw)
+    compiled = pipe(PROMPT, backend="compile", **kw)
+    scale = eager.latents.float().abs().max()
+    assert (compiled.latents.float() - eager.latents.float()).abs().max() <= COMPILE_TOLERANCE[torch.bfloat16] * scale
+    assert compiled.stats["compile"]["graphs"] > 0 and compiled.stats["compile"]["compiler"] == "inductor"
+    again = pipe(PROMPT, backend="compile", **kw)
+    assert again.stats["compile"]["graphs"] == 0 and torch.equal(again.latents, compiled.latents)

@@ -170,6 +170,7 @@ def test_onnx_export_of_every_stage_matches_eager(tiny_pipe, tiny_onnx_build):
 
 @pytest.mark.slow
 def test_compile_backend_matches_eager(tiny_pipe):
+    """backend compile with inductor (its C++ kernels on the CPU): within COMPILE_TOLERANCE of eager."""
     kw = dict(num_blocks=3, seed=1, router="pattern", pattern=(False, True, False))
     eager = tiny_pipe("a red fox", **kw)
     compiled = tiny_pipe("a red fox", backend="compile", **kw)

@@ -154,8 +154,6 @@ def test_start_frame_is_checked_before_any_work(tiny_pipe, tmp_path):
     with pytest.raises(OptionError, match="must fit the drafter's attention window of 3 frames"):
         tiny_pipe.stream(PROMPT, num_blocks=2, start_frame=_image(), window_frames=3, sink_frames=0,
                          kv_cache_frames=4)
-    with pytest.raises(OptionError, match="start_frame with backend 'compile'"):
-        tiny_pipe.stream(PROMPT, num_blocks=1, start_frame=_image(), backend="compile")
     with pytest.raises(VideoInputError, match=r"permute\(1, 2, 0\)"):
         start_frame_image(torch.zeros((3, 8, 8), dtype=torch.uint8))
     with pytest.raises(TypeError, match="start_frame must be an image file's path, a PIL image or uint8"):

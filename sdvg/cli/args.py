@@ -141,6 +141,14 @@ def add_model_args(p: argparse.ArgumentParser, engines: bool = True, loading: bo
     p.add_argument("--offload-text-encoder", action="store_true",
                    help="keep umT5 on the CPU; it visits --device only to encode a prompt it has not cached "
                         "(TextEncoder.enable_offload)")
+    from sdvg.options import COMPILE_MODES
+
+    p.add_argument("--compile-mode", choices=COMPILE_MODES, default=COMPILE_MODES[0],
+                   help="--backend compile: torch.compile's mode for the DiT blocks' regions, the VAE decode and the "
+                        "reward model (max-autotune-no-cudagraphs tunes each GEMM: a longer first video)")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="--backend compile: inductor's persistent cache folder (TORCHINDUCTOR_CACHE_DIR; made if "
+                        "missing, must be writable): a later process reuses the compiled kernels; default: torch's")
 
 
 DTYPES = ("float32", "bfloat16", "float16")

@@ -1,5 +1,5 @@
-"""How stages execute: `eager` (the modules as they are), `compile` (the static stage modules through
-torch.compile), `tensorrt` (engines from the engine cache), `onnxruntime` (the ONNX files of
+"""How stages execute: `eager` (the modules as they are), `compile` (the eager loop with its hot parts
+through torch.compile: sdvg/generation/compile.py), `tensorrt` (engines from the engine cache), `onnxruntime` (the ONNX files of
 `python -m build_engines --format onnx` from the same cache) or `torch-tensorrt` (the DiT stages as
 torch-tensorrt programs of `--format torch-tensorrt`, the other stages as TensorRT engines); engines
 are validated against this setup (config, weights, shapes, precision, device, versions) before they
@@ -21,18 +21,20 @@ import torch
 from sdvg.engines.executor import ExecutorOptions, open_executor
 from sdvg.engines.stages import (DiTStep, RewardStep, VAEDecodeStep, dit_forward_static, text_tensors,
                                  vae_cache_is_steady, vae_decode_static)
+from sdvg.models.dit_block import EAGER_REGIONS
 from sdvg.options import BACKENDS
 
 STAGE_BACKENDS = BACKENDS  # declared once, in sdvg.options
 
 
-class CompiledStages:
-    """`compile`: each static stage module through torch.compile."""
+class RegionalCompile:
+    """`compile`: the eager loop, its hot parts through torch.compile (`sdvg.generation.compile`: each DiT
+    block's regions, the VAE's steady-state decode, the reward model's forward)."""
 
-    static = True
+    static = False
 
-    def make(self, runners: "StageRunners", make_step, signature, dynamic, extra):
-        return torch.compile(make_step().eval(), mode=runners.compile_mode, dynamic=dynamic)
+    def make(self, runners, make_step, signature, dynamic, extra):
+        return runners.compile_settings.compile(make_step().eval())
 
 
 class EngineStages:
@@ -78,7 +80,7 @@ def _torch_tensorrt():
 
 
 # The registry: one entry per backend of sdvg.options.BACKENDS (tests/test_trt_executors.py checks they match).
-REGISTRY = {"eager": EagerStages(), "compile": CompiledStages(),
+REGISTRY = {"eager": EagerStages(), "compile": RegionalCompile(),
             "tensorrt": EngineStages("tensorrt", "tensorrt", _tensorrt),
             "onnxruntime": EngineStages("onnx", "onnx", _onnxruntime),
             "torch-tensorrt": EngineStages("torch-tensorrt", "tensorrt", _torch_tensorrt)}
@@ -104,7 +106,7 @@ class StageRunners:
     checkpoint flags, or --weights-seed), for the rebuild command an engine error names."""
 
     def __init__(self, comps, backend: str = "eager", engines: str | Path | None = None,
-                 compile_mode: str | None = None, build_flags=(), executor: ExecutorOptions | None = None):
+                 compile_settings=None, build_flags=(), executor: ExecutorOptions | None = None):
         if backend not in STAGE_BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {STAGE_BACKENDS}")
         self.comps, self.backend, self.stages_of = comps, backend, REGISTRY[backend]
@@ -113,7 +115,14 @@ class StageRunners:
         self._fpb = p.video.frames_per_block
         self._tpf = {role: p.video.tokens_per_frame(p.vae, dit.config)
                      for role, dit in (("drafter", comps.drafter), ("target", comps.target)) if dit is not None}
-        self.compile_mode = compile_mode
+        self.compile_settings = None  # backend compile: its CompileSettings
+        self.regions = EAGER_REGIONS  # how the DiT blocks' regions run (sdvg.models.dit_block)
+        if backend == "compile":
+            from sdvg.generation.compile import CompileSettings, compiled_regions
+
+            self.compile_settings = compile_settings or CompileSettings()
+            self.compile_settings.activate()
+            self.regions = compiled_regions(self.compile_settings)
         self._stages: dict = {}  # stage name -> callable (compiled module or engine)
         self._text: dict = {}  # role -> (TextKV, stacked K, stacked V) of its last prompt (one thread per role)
         self._cache = None
@@ -188,7 +197,8 @@ class StageRunners:
                 if out is not None:
                     return out
             return dit(latents, timesteps, text, frame_offset=frame_offset, cache=cache, attn_mask=attn_mask,
-                       active=active, hidden=hidden)
+                       active=active, hidden=hidden,
+                       regions=self.regions if active is None and hidden is None else EAGER_REGIONS)
         if active is not None or hidden is not None:
             raise ValueError(f"the {self.backend} backend runs static stages: no sparse (early-exit) forward; use "
                              "backend='eager' for early exit")
@@ -215,9 +225,19 @@ class StageRunners:
     # ------------------------------------------------------------------ VAE
     def decode(self, latents, cache):
         dec = self.comps.vae
+        if self.compile_settings is not None:
+            return self._compiled_vae().decode(latents, cache)
         if not self.static:
             return (self.fast_vae if self._fast_vae_on else dec).decode(latents, cache)
         return vae_decode_static(lambda *args: self._vae_stage(cache)(*args), dec, latents, cache)
+
+    def _compiled_vae(self):
+        """The compile backend's decode: `FastVAEDecode` with its steady state compiled by these settings."""
+        if "vae_decode" not in self._stages:
+            from sdvg.generation.fast_vae import FastVAEDecode
+
+            self._stages["vae_decode"] = FastVAEDecode(self.comps.vae, compile_fn=self.compile_settings.compile)
+        return self._stages["vae_decode"]
 
     def _vae_stage(self, cache):
         dec = self.comps.vae
@@ -236,7 +256,7 @@ class StageRunners:
     # --------------------------------------------------------------- reward
     def score(self, prompt: str, unit_frames):
         sc = self.comps.scorer
-        if not self.static:
+        if not self.static and self.compile_settings is None:
             return sc.score(prompt, unit_frames)
         tok = sc.tokens(prompt)
         images = sc.preprocess(unit_frames)
@@ -249,6 +269,14 @@ class StageRunners:
         sc = self.comps.scorer
         return self._stage(f"reward_{frames}f", lambda: RewardStep(sc),
                            lambda: reward_signature(self.comps.preset, frames, sc.dtype))
+
+    def compile_clock(self):
+        """A `CompileClock` started now (backend compile), else None: what compiling a video cost."""
+        if self.compile_settings is None:
+            return None
+        from sdvg.generation.compile import CompileClock
+
+        return CompileClock(self.compile_settings)
 
     # -------------------------------------------------------------- engines
     def rebuild_command(self, extra=()) -> str:

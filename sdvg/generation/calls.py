@@ -53,6 +53,8 @@ class StageCalls(_C.StageCalls):
         self.transfer = LatentTransfer([self.drafter_dev, self.target_dev])
         self.waits = opts.stage_timing == "sync"
         self.events = StageEvents([self.drafter_dev, self.target_dev, self.vae_dev], opts.stage_timing)
+        # backend compile: what compiling costs during this video (None: nothing is compiled)
+        self.compile_clock = setup.runners.compile_clock() if hasattr(setup.runners, "compile_clock") else None
         self.trace: deque[dict] | None = deque() if record_trace else None
         self.times: dict[int, dict[str, float]] = {}  # record_trace: block -> seconds per stage
         # record_trace: the blocks whose spans and times are kept (None: all; a long live session keeps the last few)

@@ -94,14 +94,17 @@ class _DecoderOnly(nn.Module):
 
 class FastVAEDecode:
     """`decode(latents, cache)` as `StreamingVAEDecoder.decode`, the fast way (module docstring).
-    `compile=False` keeps the steady state eager (channels-last and cudnn.benchmark only).
+    `compile=False` keeps the steady state eager (channels-last and cudnn.benchmark only); `compile_fn`
+    (module -> compiled module) replaces the default `torch.compile(module, dynamic=False)`.
     On CUDA, making one sets cudnn.benchmark for the process (`enable_cudnn_benchmark`)."""
 
-    def __init__(self, decoder, compile: bool = True):
+    def __init__(self, decoder, compile: bool = True, compile_fn=None):
         self.plain = decoder
         self.fast = copy.copy(decoder)  # the same latent statistics and conv count, its own modules
         self.fast.vae = channels_last(_DecoderOnly(decoder.vae)).eval()
         self.compile = compile
+        # how the steady state is compiled (the compile backend's settings); default: torch.compile, static shapes
+        self.compile_fn = compile_fn or (lambda module: torch.compile(module, dynamic=False))
         self._step = None  # the compiled steady-state step, made by the first steady frame
         if self.fast.device.type == "cuda":
             enable_cudnn_benchmark()
@@ -109,7 +112,7 @@ class FastVAEDecode:
     def _steady(self, cache):
         if self._step is None:
             step = VAEDecodeStep.for_cache(self.fast, cache).eval()
-            self._step = torch.compile(step, dynamic=False) if self.compile else step
+            self._step = self.compile_fn(step) if self.compile else step
         return self._step
 
     @torch.no_grad()

@@ -116,6 +116,7 @@ def generate_blocks_native(comps: Components, prompt: str, opts: GenerationOptio
             counters = sched.counters()
             counters.drafter_forwards, counters.target_forwards = forwards.drafter_forwards, forwards.target_forwards
             report.stage_device_s = device_times
+            report.compile = stages.compile_clock.since() if stages.compile_clock is not None else None
             report.counters = counters
             report.trace = sched.trace()
             report.final_times = dict(enumerate(sched.block_times(), start=sched.first_record()))

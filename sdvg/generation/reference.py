@@ -137,6 +137,7 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
         counters.stage_call_s = counters.main_stage_s = calls.stage_s
         if report is not None:
             report.stage_device_s = device_times
+            report.compile = calls.compile_clock.since() if calls.compile_clock is not None else None
             report.counters = counters
             report.trace = list(calls.trace)
             report.drafter_cache = drafter.cache if drafter else None

@@ -87,6 +87,7 @@ class LoopReport:
     # block -> its stage times once every call has ended (the native scheduler's; those it kept)
     final_times: dict[int, dict[str, float]] | None = None
     stage_device_s: dict[str, float] | None = None  # stage_timing "events" on CUDA: device seconds per stage
+    compile: dict | None = None  # backend compile: what compiling cost during the video (CompileClock.since)
     drafter_cache: Any = None
     target_cache: Any = None
 
@@ -107,6 +108,7 @@ class RunStats(Mapping):
     trace: list[dict] = field(default_factory=list)
     wall_s: float | None = None
     stage_device_s: dict[str, float] | None = None
+    compile: dict | None = None  # backend compile: seconds compiling, graphs, inductor cache hits and misses
     extra: dict[str, Any] = field(default_factory=dict)  # set by the caller (video path, prompt index)
     host: dict[str, Any] = field(default_factory=host_state)  # threads, wait policy, load (sdvg/runtime.py)
     # block entries kept (None: all); past it the oldest is folded into `dropped` (the totals stay exact)
@@ -125,6 +127,7 @@ class RunStats(Mapping):
                 self.counters = report.counters.as_dict()
             self.trace = list(report.trace)
             self.stage_device_s = report.stage_device_s
+            self.compile = report.compile
             if report.final_times is not None:  # run-ahead: a drafter commit may end after its block is emitted
                 for b in self.blocks:
                     if (final := report.final_times.get(b["index"])) is not None:
@@ -179,7 +182,7 @@ class RunStats(Mapping):
                  blocks_done=self.dropped["blocks"] + len(self.blocks), blocks_dropped=self.dropped["blocks"])
         d.update({k: self.counters.get(k, 0) for k in COUNTER_NAMES})
         d.update(trace=self.trace, wall_s=self.wall_s, stage_totals=self.stage_totals(),
-                 stage_device_s=self.stage_device_s, host=self.host)
+                 stage_device_s=self.stage_device_s, compile=self.compile, host=self.host)
         d.update(self.exit_summary())
         d.update(self.extra)
         d["nonfinite_fields"] = nonfinite_paths(d)

@@ -227,7 +227,8 @@ class CausalWanDiT(nn.Module):
         p_t, p_h, p_w = cfg.patch_size
         gh, gw = H // p_h, W // p_w
         tpf = gh * gw  # tokens per latent frame
-        x = m.patch_embedding(latents.to(self.dtype)).flatten(2).transpose(1, 2)  # [B, S, dim]
+        # [B, S, dim], token-major in memory: every block then sees one layout (a compiled region one graph)
+        x = m.patch_embedding(latents.to(self.dtype)).flatten(2).transpose(1, 2).contiguous()
 
         emb = m.condition_embedder
         t_freq = t_freq.to(emb.time_embedder.linear_1.weight.dtype)  # Wan's fp64 sinusoid, not timesteps_proj

@@ -40,11 +40,15 @@ def rope_cos_sin(angles: torch.Tensor, head_dim: int, frame_offset: int, frames:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate channel pairs (2i, 2i+1). x: [B, S, H, D]; cos/sin: [S, D/2] -> [B, S, H, D] in x's dtype.
 
-    Computed in float32: a bf16 x is widened exactly inside each product, and each rotated channel is
-    rounded once into the output (`out=`), so no widened copy of x and no stacked fp32 result is made."""
+    Computed in float32 and rounded once into x's dtype. Eagerly, a bf16 x is widened exactly inside
+    each product and each rotated channel is rounded straight into the output (`out=`), so no widened
+    copy of x and no stacked fp32 result is made; under torch.compile (which traces no strided `out=`)
+    the stacked form, which inductor fuses into one kernel."""
     pairs = x.unflatten(-1, (-1, 2))  # [B, S, H, D/2, 2] view
     x1, x2 = pairs[..., 0], pairs[..., 1]
     c, s = cos[None, :, None, :], sin[None, :, None, :]
+    if torch.compiler.is_compiling():
+        return torch.stack([x1.float() * c - x2.float() * s, x1.float() * s + x2.float() * c], dim=-1).flatten(-2).to(x.dtype)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rotated = out.unflatten(-1, (-1, 2))
     torch.sub(x1 * c, x2 * s, out=rotated[..., 0])
