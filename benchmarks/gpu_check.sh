@@ -7,13 +7,17 @@
 #   1. installs them, builds sdvg._C with CUDA (CUDA_HOME from the nvcc found; without one, or when
 #      that build fails, the CPU build, and the reason is recorded; SKIP_BUILD=1 uses the one in place);
 #   2. runs the GPU tests (tests/test_gpu.py, TESTS_S);
-#   3. benchmarks/gpu_check.py in ONE process: the models are built once, then latency (target-only,
-#      SDVG at 73.1%, the other rates, SDVG run-ahead), compile (its own box, its compilation counted,
-#      persistent inductor cache), host syncs, stages, each in its own time box (LATENCY_S, COMPILE_S,
-#      HOST_SYNCS_S, STAGES_S; STEPS picks steps).
+#   3. benchmarks/gpu_check.py in ONE process: the models are built once, then the eager baseline
+#      (target-only, SDVG at 73.1%, draft-only) and each variant against it: compile (its warm-up, the
+#      compilation, in its own box; persistent inductor cache), fp8 (quantization, quality gate),
+#      fp8 + compile (its own warm-up box), the drafter's CUDA graphs, then a kernel-class profile of
+#      each variant; every step in its own time box (EAGER_S, COMPILE_WARMUP_S, COMPILE_S, FP8_S,
+#      FP8_COMPILE_WARMUP_S, FP8_COMPILE_S, GRAPHS_S, PROFILE_S; STEPS picks steps).
 # Everything it writes goes to a work folder, packed at the end (also when a step fails or time runs
-# out) into $OUT/results.tar.gz; $OUT/summary.log is this script's own output. Nothing else is left
-# in $OUT (default results/gpu-<date>): 2 files.
+# out) into $OUT/results.tar.gz; $OUT/summary.log is this script's own output and $OUT/summary.md the
+# table of every variant against the eager baseline. Nothing else is left in $OUT (default
+# results/gpu-<date>): 3 files. SDVG_COMMIT: the commit the tree was copied from (provenance; a copy
+# without its .git cannot tell).
 #   bash benchmarks/gpu_check.sh --dry-run   # the plan with a time estimate per step; runs nothing
 # On the CPU: PRESET=tiny DEVICE=cpu (scripts/compat_check.sh does it, with longer boxes).
 set -uo pipefail
@@ -31,13 +35,16 @@ DEVICE=${DEVICE:-cuda:0}
 PY=${PYTHON:-python3}
 SITE_DIR=${SITE_DIR:-/tmp/sdvg-site}
 WHEEL_DIR=${WHEEL_DIR:-.whl}
-STEPS=${STEPS:-latency,compile,host_syncs,stages}
+STEPS=${STEPS:-eager,compile_warmup,compile,fp8,fp8_compile_warmup,fp8_compile,profile,graphs}
 TESTS_S=${TESTS_S:-45}
 SESSION_S=${SESSION_S:-900}   # device time of one session, every start and call included
 START_S=${START_S:-150}       # a machine's start (estimate)
-EXT_S=${EXT_S:-120}           # building sdvg._C with nvcc -j16 (estimate; a warm machine keeps the build: EXT_RERUN_S)
+EXT_S=${EXT_S:-60}            # building sdvg._C with nvcc -j16 (50 s measured; a warm machine keeps the build: EXT_RERUN_S)
 EXT_RERUN_S=${EXT_RERUN_S:-20}
 INSTALL_S=15; PACK_S=10
+TOTAL_S=${TOTAL_S:-}          # a hard end for the whole run (the device call's limit): every step ends in time to pack
+TESTS_K=${TESTS_K:-}          # pytest -k expression for the GPU tests (default: all of tests/test_gpu.py)
+T_START=$(date +%s)
 export TORCHINDUCTOR_CACHE_DIR=${INDUCTOR_CACHE:-$PWD/.inductor-cache}  # persistent: reruns reuse compiled kernels
 export TORCHINDUCTOR_FX_GRAPH_CACHE=1 TORCHINDUCTOR_AUTOGRAD_CACHE=1
 
@@ -67,22 +74,23 @@ header="gpu_check: $PRESET on $DEVICE, $BLOCKS blocks; one run ~${run_s} s of de
 if [ "$DRY" = 1 ]; then
   echo "$header"
   echo "steps (estimates and time boxes, s):"
-  printf '  %-11s %5d s  %s\n' wheels "$INSTALL_S" "check ${WHEEL_DIR}/ then pip install --target $SITE_DIR$( [ ${#missing[@]} -gt 0 ] && echo " — MISSING: ${missing[*]}: the run would stop here")"
-  printf '  %-11s %5d s  %s\n' extension "$build" "setup.py build_ext (CUDA when nvcc is found)$( [ "${SKIP_BUILD:-0}" = 1 ] && echo ': skipped, SKIP_BUILD=1')"
-  printf '  %-11s %5d s  %s\n' gpu-tests "$TESTS_S" "pytest tests/test_gpu.py (TESTS_S)"
+  printf '  %-19s %5d s  %s\n' wheels "$INSTALL_S" "check ${WHEEL_DIR}/ then pip install --target $SITE_DIR$( [ ${#missing[@]} -gt 0 ] && echo " — MISSING: ${missing[*]}: the run would stop here")"
+  printf '  %-19s %5d s  %s\n' extension "$build" "setup.py build_ext (CUDA when nvcc is found)$( [ "${SKIP_BUILD:-0}" = 1 ] && echo ': skipped, SKIP_BUILD=1')"
+  printf '  %-19s %5d s  %s\n' gpu-tests "$TESTS_S" "pytest tests/test_gpu.py (TESTS_S)"
   echo "$plan"
-  printf '  %-11s %5d s  %s\n' pack "$PACK_S" "tar the work folder into $OUT/results.tar.gz; $OUT/summary.log"
+  printf '  %-19s %5d s  %s\n' pack "$PACK_S" "tar the work folder into $OUT/results.tar.gz; $OUT/summary.log, $OUT/summary.md"
   echo "(dry run: nothing installed, built or measured)"
   exit 0
 fi
 
 mkdir -p "$OUT"
-rm -f "$OUT/results.tar.gz" "$OUT/summary.log"
+rm -f "$OUT/results.tar.gz" "$OUT/summary.log" "$OUT/summary.md"
 exec > >(tee "$OUT/summary.log") 2>&1
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/sdvg-gpu-check.XXXXXX")
 pack() {
+  [ -f "$WORK/summary.md" ] && cp "$WORK/summary.md" "$OUT/summary.md"
   tar -czf "$OUT/results.tar.gz" -C "$WORK" . && rm -rf "$WORK"
-  echo "packed: $OUT/results.tar.gz ($(du -h "$OUT/results.tar.gz" | cut -f1)), $OUT/summary.log"
+  echo "packed: $OUT/results.tar.gz ($(du -h "$OUT/results.tar.gz" | cut -f1)), $OUT/summary.log, $OUT/summary.md"
 }
 trap pack EXIT
 echo "$header"
@@ -139,20 +147,28 @@ print(json.dumps({**provenance(device=sys.argv[1]), "diffusers": diffusers.__ver
 PYEOF
 head -c 2000 "$WORK/env.json"; echo
 
-timeout "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py > "$WORK/gpu_tests.log" 2>&1
+tests_s=$TESTS_S
+[ -n "$TOTAL_S" ] && tests_s=$(( tests_s < T_START + TOTAL_S - $(date +%s) - PACK_S - 60 ? tests_s : T_START + TOTAL_S - $(date +%s) - PACK_S - 60 ))
+[ "$tests_s" -lt 1 ] && tests_s=1
+timeout "$tests_s" "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py ${TESTS_K:+-k "$TESTS_K"} > "$WORK/gpu_tests.log" 2>&1
 rc=$?
-[ "$rc" = 124 ] && echo "GPU tests stopped at their $TESTS_S s limit (TESTS_S)" >> "$WORK/gpu_tests.log"
+[ "$rc" = 124 ] && echo "GPU tests stopped at their $tests_s s limit (TESTS_S, TOTAL_S)" >> "$WORK/gpu_tests.log"
 tail -5 "$WORK/gpu_tests.log"
 
 # the measurements: one process, the models built once; each step ends within its box
 t0=$(date +%s)
 deadline=$(( t0 + boxes + 30 ))
-PYTHONUNBUFFERED=1 timeout $(( boxes + 120 )) "$PY" benchmarks/gpu_check.py --preset "$PRESET" --device "$DEVICE" \
+limit=$(( boxes + 120 ))
+if [ -n "$TOTAL_S" ]; then  # the steps end by the run's hard end, less the packing
+  end=$(( T_START + TOTAL_S - PACK_S - 5 ))
+  deadline=$(( deadline < end - 25 ? deadline : end - 25 )); limit=$(( end - t0 > 1 ? end - t0 : 1 ))
+fi
+PYTHONUNBUFFERED=1 timeout "$limit" "$PY" benchmarks/gpu_check.py --preset "$PRESET" --device "$DEVICE" \
   --num-blocks "$BLOCKS" --repeats "${REPEATS:-1}" --steps "$STEPS" --deadline "$deadline" --work "$WORK" \
   > "$WORK/gpu_check.log" 2>&1
 rc=$?
 grep -E "^\[|models built|speed-up|SDVG at" "$WORK/gpu_check.log" | tail -40
 [ "$rc" = 0 ] || { echo "gpu_check.py exited $rc; its log:"; tail -30 "$WORK/gpu_check.log"; }
-rm -f "$WORK/results.csv" "$WORK/compile/results.csv"  # derivable from results.json
+find "$WORK" -name results.csv -delete  # derivable from results.json
 echo "measured for $(( $(date +%s) - t0 )) s after the build"
 exit "$rc"

@@ -65,9 +65,21 @@ def peak_memory(devices) -> dict:
     return out
 
 
-def run_once(pipe, mode, num_blocks, pattern=None, variant=("eager", "cpp", False)):
-    backend, scheduler, run_ahead = variant
-    kw = dict(mode=mode, num_blocks=num_blocks, seed=0, backend=backend, scheduler=scheduler, run_ahead=run_ahead)
+MAIN_VARIANT = ("eager", "cpp", False, ())
+# --variants: name -> (backend, scheduler, run_ahead, other options as sorted (name, value) pairs)
+VARIANTS = {"reference": ("eager", "reference", False, ()), "run-ahead": ("eager", "cpp", True, ()),
+            "compile": ("compile", "cpp", False, ()), "tensorrt": ("tensorrt", "cpp", False, ()),
+            "fp8": ("eager", "cpp", False, (("quantization", "fp8"),)),
+            "fp8-compile": ("compile", "cpp", False, (("quantization", "fp8"),)),
+            "graphs": ("eager", "cpp", False, (("cuda_graphs", True),))}
+# variants measured as SDVG only, against the main target-only run: they change nothing a target-only video runs
+SDVG_ONLY = {VARIANTS["run-ahead"], VARIANTS["graphs"]}
+
+
+def run_once(pipe, mode, num_blocks, pattern=None, variant=MAIN_VARIANT):
+    backend, scheduler, run_ahead, options = variant
+    kw = dict(mode=mode, num_blocks=num_blocks, seed=0, backend=backend, scheduler=scheduler, run_ahead=run_ahead,
+              **dict(options))
     if mode == "sdvg":
         kw.update(router="pattern", pattern=pattern)
     t0 = time.perf_counter()
@@ -79,14 +91,15 @@ def run_once(pipe, mode, num_blocks, pattern=None, variant=("eager", "cpp", Fals
     return stats
 
 
-def summarise(mode, rate, runs, variant=("eager", "cpp", False)):
-    backend, scheduler, run_ahead = variant
+def summarise(mode, rate, runs, variant=MAIN_VARIANT):
+    backend, scheduler, run_ahead, options = variant
     walls = [r["wall_s"] for r in runs]
     med = runs[walls.index(sorted(walls)[len(walls) // 2])]
     stages = {k: sum(b["times"].get(k, 0.0) for b in med["blocks"]) for k in STAGES}
     stages["overhead"] = med["wall_s"] - sum(stages.values())
     return {
-        "mode": mode, "backend": backend, "scheduler": scheduler, "run_ahead": run_ahead, "acceptance": rate,
+        "mode": mode, "backend": backend, "scheduler": scheduler, "run_ahead": run_ahead, "options": dict(options),
+        "acceptance": rate, "compile": med.get("compile"),
         "target_context": med.get("target_context"), "drafter_context": med.get("drafter_context"),
         "wall_s": statistics.median(walls), "wall_all_s": walls, "stages": stages,
         "decisions": [b["decision"] for b in med["blocks"]],
@@ -98,7 +111,7 @@ def summarise(mode, rate, runs, variant=("eager", "cpp", False)):
 
 
 def variant_of(run) -> tuple:
-    return run["backend"], run["scheduler"], run["run_ahead"]
+    return run["backend"], run["scheduler"], run["run_ahead"], tuple(sorted(run.get("options", {}).items()))
 
 
 FLOOR_LABELS = {"sequential": "sequential on one device (every stage)",
@@ -106,8 +119,9 @@ FLOOR_LABELS = {"sequential": "sequential on one device (every stage)",
                 "target_side": "target side only"}
 
 
-def variant_name(backend, scheduler, run_ahead) -> str:
-    return f"{backend}, {scheduler}" + (" run-ahead" if run_ahead else "")
+def variant_name(backend, scheduler, run_ahead, options=()) -> str:
+    extra = "".join(f", {k}" if v is True else f", {v}" for k, v in options)
+    return f"{backend}, {scheduler}" + (" run-ahead" if run_ahead else "") + extra
 
 
 TARGET_MADE = ("forced", "rejected", "target")
@@ -195,10 +209,11 @@ def assemble(runs, meta):
     for r in runs:
         by_variant.setdefault(variant_of(r), {}).setdefault(r["mode"], []).append(r)
     variant_speedups = []
-    for (b, s_, ra), d in by_variant.items():
-        if "sdvg" in d and ("target" in d or ra):  # run-ahead: against the main target-only run
+    for (b, s_, ra, options), d in by_variant.items():
+        if "sdvg" in d and ("target" in d or (b, s_, ra, options) in SDVG_ONLY):  # those: the main target-only run
             sd, base = nearest_paper(d["sdvg"]), d.get("target", [tgt])[0]
-            variant_speedups.append({"backend": b, "scheduler": s_, "run_ahead": ra, "target_s": base["wall_s"],
+            variant_speedups.append({"backend": b, "scheduler": s_, "run_ahead": ra, "options": dict(options),
+                                     "name": variant_name(b, s_, ra, options), "target_s": base["wall_s"],
                                      "sdvg_s": sd["wall_s"], "acceptance": sd["acceptance"],
                                      "speedup_vs_target": base["wall_s"] / sd["wall_s"]})
     return {
@@ -232,7 +247,7 @@ def write_results(results, by_variant, out: Path, final: bool):
                         f"{r['stages']['overhead']:.4f}"])
     lines = [f"# Latency: {results['preset']}, {results['num_blocks']} blocks, {results['device_name']} "
              f"({results['date']})", "", provenance_line(results["provenance"]), "",
-             "| mode | backend | scheduler | acceptance | wall s | speed-up vs target (same variant) | "
+             "| mode | backend (+ options) | scheduler | acceptance | wall s | speed-up vs target (same variant) | "
              "floor s: sequential | drafter hidden | target side | wall / floor (placement) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
@@ -240,7 +255,8 @@ def write_results(results, by_variant, out: Path, final: bool):
         base = by_variant[variant_of(r)].get("target", [tgt])[0]
         sched = r["scheduler"] + (" run-ahead" if r["run_ahead"] else "")
         f = r["floors"]
-        lines.append(f"| {r['mode']} | {r['backend']} | {sched} | {acc} | {r['wall_s']:.3f} | "
+        backend = r["backend"] + "".join(f" + {k}" if v is True else f" + {v}" for k, v in r.get("options", {}).items())
+        lines.append(f"| {r['mode']} | {backend} | {sched} | {acc} | {r['wall_s']:.3f} | "
                      f"{base['wall_s'] / r['wall_s']:.2f}x | {f['sequential']:.3f} | {f['drafter_hidden']:.3f} | "
                      f"{f['target_side']:.3f} | {r['floor_ratio']:.2f} ({r['floor_placement']}) |")
     if results["speedup_vs_target"] is not None:
@@ -275,7 +291,11 @@ def main(argv=None, pipe=None):
     ap.add_argument("--rates", default="0,0.5,0.731,1.0")
     ap.add_argument("--out", default="results/latency")
     ap.add_argument("--variants", default="reference,run-ahead",
-                    help="extra runs of target-only and SDVG at 73.1%%: reference, run-ahead, compile, tensorrt")
+                    help="extra runs of target-only and SDVG at 73.1%%: " + ", ".join(VARIANTS) + " (run-ahead and "
+                         "graphs: SDVG only)")
+    ap.add_argument("--warmup-blocks", type=int, default=None,
+                    help="blocks of each variant's warm-up SDVG video (default: the whole video); a compile "
+                         "variant compiles every shape within 2 blocks")
     ap.add_argument("--engines", default=None, help="engine folder for the tensorrt variant")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no run (or warm-up) that would end past this many seconds after the models are "
@@ -293,11 +313,9 @@ def main(argv=None, pipe=None):
     n = args.num_blocks or preset.video.num_blocks
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    extra = {"reference": ("eager", "reference", False), "run-ahead": ("eager", "cpp", True),
-             "compile": ("compile", "cpp", False), "tensorrt": ("tensorrt", "cpp", False)}
-    unknown = [v for v in args.variants.split(",") if v and v not in extra]
+    unknown = [v for v in args.variants.split(",") if v and v not in VARIANTS]
     if unknown:
-        ap.error(f"unknown variant(s) {unknown}; choose from {sorted(extra)}")
+        ap.error(f"unknown variant(s) {unknown}; choose from {sorted(VARIANTS)}")
     t_build = time.perf_counter()
     if pipe is None:
         # random_init "device": timings do not depend on which random model, and a host draw of real-size's
@@ -313,13 +331,13 @@ def main(argv=None, pipe=None):
     patterns = {r: acceptance_pattern(n, r, seed=0) for r in rates}
     paper_rate = min(rates, key=lambda r: abs(r - PAPER_ACCEPTANCE))
 
-    main_variant = ("eager", "cpp", False)
-    variants = [extra[v] for v in args.variants.split(",") if v]
+    main_variant = MAIN_VARIANT
+    variants = [VARIANTS[v] for v in args.variants.split(",") if v]
     # (mode, rate, variant) in the order they are reported; measured most important first
     plan = [("target", None, main_variant), ("draft", None, main_variant)]
     plan += [("sdvg", r, main_variant) for r in rates]
     for v in variants:
-        if not (v[2] and v[:2] == main_variant[:2]):  # target-only run-ahead is the main target-only run
+        if v not in SDVG_ONLY:  # target-only run-ahead (or with drafter graphs) is the main target-only run
             plan.append(("target", None, v))
         plan.append(("sdvg", paper_rate, v))  # same pattern as the main run
     # measured in this order: target-only, SDVG at 73.1%, then each variant (its SDVG at 73.1% before
@@ -390,9 +408,12 @@ def main(argv=None, pipe=None):
                 skipped.append(run_label(*item))
                 continue
             t_w = time.perf_counter()
-            run_once(pipe, "sdvg", n, patterns[rates[len(rates) // 2]], v)
+            warm_n = min(n, args.warmup_blocks or n)
+            warm_stats = run_once(pipe, "sdvg", warm_n, acceptance_pattern(warm_n, 0.5, seed=0), v)
             warm.add(v)
             meta["warmup_s"][variant_name(*v)] = time.perf_counter() - t_w
+            if warm_stats.get("compile") is not None:  # what compiling cost (cold, or from the persistent cache)
+                meta.setdefault("warmup_compile", {})[variant_name(*v)] = warm_stats["compile"]
             if v == main_variant:  # a compiling variant's warm-up says nothing about its runs
                 longest = max(longest, time.perf_counter() - t_w)
                 for d in devices:

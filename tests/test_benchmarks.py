@@ -130,13 +130,13 @@ def test_gpu_check_dry_run_shows_the_plan_and_runs_nothing(tmp_path):
         1, 2, 3, 4, 6))
     assert start + run + rerun == need and ("does NOT fit" in lines[0]) == (need > session)
     steps = {m.group(1): int(m.group(2)) for m in re.finditer(r"^  (\S+)\s+(\d+) s  ", r.stdout, re.M)}
-    assert list(steps) == ["wheels", "extension", "gpu-tests", "models", "latency", "compile", "host_syncs",
-                           "stages", "pack"]
+    assert list(steps) == ["wheels", "extension", "gpu-tests", "models", "eager", "compile_warmup", "compile", "fp8",
+                           "fp8_compile_warmup", "fp8_compile", "profile", "graphs", "pack"]
     assert sum(steps.values()) == run
     assert "MISSING: diffusers==" in r.stdout and "nothing installed, built or measured" in r.stdout
     assert not (tmp_path / "out").exists()
-    fits = _gpu_check(tmp_path, "--dry-run", NO_WHEELS="1", LATENCY_S="20", COMPILE_S="20", HOST_SYNCS_S="10",
-                      STAGES_S="10")
+    fits = _gpu_check(tmp_path, "--dry-run", NO_WHEELS="1", STEPS="eager,compile_warmup,compile", EAGER_S="60",
+                      COMPILE_WARMUP_S="60", COMPILE_S="30")
     assert "a rerun fits" in fits.stdout.splitlines()[0]
 
 
@@ -146,7 +146,7 @@ def test_gpu_check_stops_before_building_without_the_wheels(tmp_path):
     log = (tmp_path / "out" / "summary.log").read_text()
     assert "the carried wheels are missing" in log and "diffusers==" in log and "scripts/fetch_wheels.sh" in log
     assert "extension built" not in log
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["results.tar.gz", "summary.log"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["results.tar.gz", "summary.log"]  # no summary.md
 
 
 @pytest.mark.slow
@@ -154,33 +154,35 @@ def test_gpu_check_stops_before_building_without_the_wheels(tmp_path):
                     reason="CI runs gpu_check.sh on the CPU in scripts/compat_check.sh (on the GPU machine's stack, with "
                            "the same three-file and result checks and more); .ci/run sets SDVG_CI_COMPAT_CHECK=1")
 def test_gpu_check_on_the_cpu_leaves_at_most_three_files(tmp_path):
-    """PRESET=tiny DEVICE=cpu as scripts/compat_check.sh runs it (short boxes, the extension in place):
-    everything it measured is in one tarball, beside the summary log."""
+    """PRESET=tiny DEVICE=cpu as scripts/compat_check.sh runs it (short boxes, the extension in place; the
+    steps that compile nothing): everything it measured is in one tarball, beside the summary log and table."""
     import tarfile
 
-    r = _gpu_check(tmp_path, NO_WHEELS="1", SKIP_BUILD="1", BLOCKS="2", TESTS_S="120", STEPS="latency,stages",
-                   LATENCY_S="240", STAGES_S="60")
+    r = _gpu_check(tmp_path, NO_WHEELS="1", SKIP_BUILD="1", BLOCKS="2", TESTS_S="120", STEPS="eager,profile,graphs",
+                   EAGER_S="240", GRAPHS_S="120", PROFILE_S="120")
     out = tmp_path / "out"
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["results.tar.gz", "summary.log"], (files, r.stdout[-2000:])
+    assert files == ["results.tar.gz", "summary.log", "summary.md"], (files, r.stdout[-2000:])
     names = set(tarfile.open(out / "results.tar.gz").getnames())
-    assert {"./env.json", "./gpu_tests.log", "./results.json", "./results.md", "./summary.json",
-            "./gpu_check.log"} <= names, names
+    assert {"./env.json", "./gpu_tests.log", "./eager/results.json", "./eager/results.md", "./summary.json",
+            "./summary.md", "./graphs/results.json", "./profile/results.json", "./gpu_check.log"} <= names, names
     assert not list(tmp_path.glob("sdvg-gpu-check.*"))  # the work folder is gone
     log = (out / "summary.log").read_text()
-    assert "models built once" in log and "[latency]" in log and "packed:" in log
+    assert "models built once" in log and "[eager]" in log and "[profile]" in log and "packed:" in log
     with tarfile.open(out / "results.tar.gz") as tar:
-        lat = json.loads(tar.extractfile("./results.json").read())
-    modes = [(x["mode"], x["run_ahead"]) for x in lat["runs"]]
-    assert ("sdvg", True) in modes and ("target", True) not in modes  # no target-only run-ahead
-    assert lat["warmup_s"]["eager, cpp"] > 0
-    # both steps ran in the one process; the stages step's eager numbers were kept whether or not its box ended
-    with tarfile.open(out / "results.tar.gz") as tar:
+        lat = json.loads(tar.extractfile("./eager/results.json").read())
+        graphs = json.loads(tar.extractfile("./graphs/results.json").read())
         summary = json.loads(tar.extractfile("./summary.json").read())
-        st = json.loads(tar.extractfile("./stages.json").read())
-    assert list(summary["steps"]) == ["latency", "stages"], summary["steps"]
-    assert summary["steps"]["latency"]["status"] == "done", summary["steps"]
-    assert summary["steps"]["stages"]["status"] in ("done", "stopped at its time box (results so far kept)"), \
-        summary["steps"]
-    assert list(st["stages"]) == ["drafter_dit_3f_cached", "target_dit_3f_cached", "vae_decode", "reward_12f"]
-    assert all(row["eager_s"] > 0 for row in st["stages"].values()), st["stages"]
+        prof = json.loads(tar.extractfile("./profile/results.json").read())
+    assert sorted(x["mode"] for x in lat["runs"]) == ["draft", "sdvg", "target"], lat["runs"]
+    assert lat["warmup_s"]["eager, cpp"] > 0
+    # the variant reused the eager runs and measured SDVG only, with the drafter's graphs
+    assert graphs["reused"] and [(x["mode"], x["options"]) for x in graphs["runs"] if x["options"]] == [
+        ("sdvg", {"cuda_graphs": True})]
+    assert list(summary["steps"]) == ["eager", "profile", "graphs"], summary["steps"]
+    assert all(s["status"] == "done" for s in summary["steps"].values()), summary["steps"]
+    assert [v["variant"] for v in summary["variants"]] == ["eager", "eager + cuda_graphs"], summary["variants"]
+    assert {(p["variant"], p["mode"]) for p in prof["runs"]} == {("eager", "target"), ("eager", "draft")}
+    assert all("error" not in p and p["device_s"] > 0 for p in prof["runs"]), prof["runs"]
+    table = (out / "summary.md").read_text()
+    assert "| eager |" in table and "| eager + cuda_graphs |" in table and "profile: variant" in table

@@ -77,7 +77,8 @@ class CausalWanDiT(nn.Module):
         config.validate("dit")
         self.config = config
         self.model = WanTransformer3DModel(**config.diffusers_kwargs())
-        self._angles = rope_angles(config.head_dim, config.rope_max_seq_len)  # float64, never cast
+        with torch.device("cpu"):  # a host table (rope() builds cos/sin from it there), whatever device builds us
+            self._angles = rope_angles(config.head_dim, config.rope_max_seq_len)  # float64, never cast
 
     # ----------------------------------------------------------------- setup
     def set_precision(self, precision: Precision) -> "CausalWanDiT":
