@@ -76,6 +76,8 @@ setup(
                   "prometheus-client>=0.20", "python-multipart>=0.0.9", "pillow"],
         # sdvg serve --ray-replicas N: the same app as a Ray Serve deployment (docs/server.md, "Ray Serve")
         "serve-ray": ["ray[serve]>=2.40"],
+        # quantization fp8 through torchao's Float8Tensor (without it: torch._scaled_mm directly; docs/engines.md)
+        "fp8": ["torchao==0.18.0"],
         # TensorRT plans (build_engines --format tensorrt) and the cuda-python executor
         "tensorrt": ["tensorrt-cu13>=11", "cuda-python>=13"],
         # build_engines --format torch-tensorrt: the release built for requirements-torch.txt's torch

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # import name -> distribution name, where they differ
 DISTRIBUTION = {"yaml": "pyyaml", "PIL": "pillow", "imageio_ffmpeg": "imageio-ffmpeg"}
 # imported only behind an optional-import gate with an install hint (extras, evaluators, a psutil fallback)
-OPTIONAL = {"tensorrt", "torch_tensorrt", "cuda", "onnx", "onnxruntime", "onnxscript", "pyiqa", "vbench", "psutil"}
+OPTIONAL = {"tensorrt", "torch_tensorrt", "cuda", "onnx", "onnxruntime", "onnxscript", "pyiqa", "vbench", "psutil",
+            "torchao"}  # torchao: the fp8 extra (sdvg/models/fp8.py falls back to torch._scaled_mm without it)
 # the serve and serve-ray extras (setup.py): imported by sdvg/serve/ only, behind `sdvg serve`
 SERVE_EXTRA = {"fastapi", "uvicorn", "websockets", "msgpack", "pydantic", "prometheus_client", "starlette", "ray",
                "multipart"}
