@@ -11,9 +11,10 @@ Steps, in order (each box in seconds; an environment variable sets it):
 | eager | latency.py: target-only, SDVG at 73.1%, draft-only, eager bf16 (the baseline) | EAGER_S |
 | compile_warmup | a 2-block SDVG video with backend compile: every graph compiled (cold, or from the persistent inductor cache); its `compile` statistics | COMPILE_WARMUP_S |
 | compile | latency.py variant compile: target-only, SDVG at 73.1% | COMPILE_S |
-| fp8 | both DiTs quantized (seconds recorded), the FP8 quality gate (fp8_quality.py), latency.py variant fp8 | FP8_S |
+| fp8 | both DiTs quantized (seconds recorded), latency.py variant fp8 | FP8_S |
 | fp8_compile_warmup | as compile_warmup, FP8 DiTs | FP8_COMPILE_WARMUP_S |
 | fp8_compile | latency.py variant fp8-compile | FP8_COMPILE_S |
+| fp8_quality | fp8_quality.py: each role's per-forward error, a 2-block video's latent channel statistics, tiny SDVG decisions | FP8_QUALITY_S |
 | profile | kernel_profile.py: kernel classes and device-busy fraction of 2-block videos per variant | PROFILE_S |
 | graphs | latency.py variant graphs (the drafter's CUDA graphs): SDVG at 73.1% | GRAPHS_S |
 
@@ -57,9 +58,11 @@ STEPS = (
     Step("compile_warmup", "COMPILE_WARMUP_S", 90, "backend compile: a 2-block video compiles every graph "
                                                    "(persistent inductor cache)"),
     Step("compile", "COMPILE_S", 25, "compile: target-only, SDVG at 73.1%"),
-    Step("fp8", "FP8_S", 35, "FP8 DiTs: quantize, quality gate, target-only, SDVG at 73.1%"),
+    Step("fp8", "FP8_S", 40, "FP8 DiTs: quantize, target-only, SDVG at 73.1%"),
     Step("fp8_compile_warmup", "FP8_COMPILE_WARMUP_S", 50, "FP8 + compile: a 2-block video compiles its graphs"),
     Step("fp8_compile", "FP8_COMPILE_S", 20, "FP8 + compile: target-only, SDVG at 73.1%"),
+    Step("fp8_quality", "FP8_QUALITY_S", 25, "FP8 quality gate: per-forward error, latent channel statistics, "
+                                              "decisions (fp8_quality.py)"),
     Step("profile", "PROFILE_S", 20, "kernel classes and device-busy fraction per variant (2-block videos)"),
     Step("graphs", "GRAPHS_S", 15, "the drafter's CUDA graphs: SDVG at 73.1%"),
 )
@@ -176,8 +179,12 @@ def write_summary_md(summary: dict, work: Path) -> None:
                          f"{w.get('rel_mean_diff_vs_eager', float('nan')):.2e}")
     fp8 = summary["steps"].get("fp8", {}).get("headline") or {}
     if fp8:
-        lines.append(f"\nFP8: quantized in {fp8.get('quantize_s', float('nan')):.1f} s; quality gate "
-                     f"{'passed' if fp8.get('quality_passed') else 'FAILED or not run'} ({fp8.get('quality')})")
+        lines.append(f"\nFP8: both DiTs quantized in {fp8.get('quantize_s', float('nan')):.1f} s ({fp8.get('impl')})")
+    gate = summary["steps"].get("fp8_quality", {}).get("headline") or {}
+    if gate:
+        lines.append(f"\nFP8 quality gate: {'passed' if gate.get('passed') else 'FAILED'}: per-forward relative error "
+                     f"{gate.get('forward_relative_error')}, latent channel mean shift {gate.get('max_mean_shift_in_std')} "
+                     f"std, std change {gate.get('max_std_change')}; tiny SDVG decisions {gate.get('decisions')}")
     prof = _json(work / "profile" / "results.json").get("runs", [])
     if prof:
         lines += ["", "| profile: variant | mode | device busy | gemm | attention | copy | fused | elementwise | "
@@ -267,18 +274,28 @@ def main(argv=None) -> int:
         return out
 
     def fp8_step(end: float):
-        import fp8_quality
-        from sdvg.models.fp8 import quantize_roles
+        from sdvg.models.fp8 import role_dit
 
         t = time.perf_counter()
-        quantize_roles(pipe, ("drafter", "target"))
-        head = {"quantize_s": time.perf_counter() - t}
-        (work / "fp8.json").write_text(json.dumps(head, indent=2))
-        gate = fp8_quality.main(["--preset", args.preset, "--device", args.device, "--num-blocks", "3",
-                                 "--out", str(work / "fp8-quality")], pipe=pipe)
-        head.update(quality_passed=bool(gate.get("passed")), quality=gate.get("gates"))
+        impls = {role: role_dit(getattr(pipe.components, role), role, True)._sdvg_fp8.impl
+                 for role in ("drafter", "target")}  # each FP8 copy made once and kept for every later call
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        head = {"quantize_s": time.perf_counter() - t, "impl": impls}
         (work / "fp8.json").write_text(json.dumps(head, indent=2))
         variant("fp8", end)
+
+    def fp8_quality_step(end: float):
+        import fp8_quality
+
+        gate = fp8_quality.main(["--preset", args.preset, "--device", args.device, "--num-blocks", "2",
+                                 "--decision-blocks", "5", "--out", str(work / "fp8-quality")], pipe=pipe)
+        head = {"passed": bool(gate.get("passed")),
+                "forward_relative_error": {r: v["relative_error"] for r, v in gate.get("forward", {}).items()},
+                "max_mean_shift_in_std": gate.get("latents", {}).get("max_mean_shift_in_std"),
+                "max_std_change": gate.get("latents", {}).get("max_std_change"),
+                "decisions": gate.get("decisions", {}).get("decisions")}
+        (work / "fp8_quality.json").write_text(json.dumps(head, indent=2))
 
     runs = {
         "eager": lambda end: latency.main(common + ["--variants", "", "--warmup-blocks", "2", "--deadline", str(end),
@@ -286,6 +303,7 @@ def main(argv=None) -> int:
         "compile_warmup": lambda end: warmup({"backend": "compile"}, "compile_warmup"),
         "compile": lambda end: variant("compile", end),
         "fp8": fp8_step,
+        "fp8_quality": fp8_quality_step,
         "fp8_compile_warmup": lambda end: warmup({"backend": "compile", "quantization": "fp8"}, "fp8_compile_warmup"),
         "fp8_compile": lambda end: variant("fp8-compile", end),
         "graphs": lambda end: variant("graphs", end),
@@ -299,6 +317,7 @@ def main(argv=None) -> int:
         "compile_warmup": lambda: _json(work / "compile_warmup.json"),
         "fp8_compile_warmup": lambda: _json(work / "fp8_compile_warmup.json"),
         "fp8": lambda: _json(work / "fp8.json"),
+        "fp8_quality": lambda: _json(work / "fp8_quality.json"),
     }
     for name in steps:
         left = None if args.deadline is None else args.deadline - time.time()

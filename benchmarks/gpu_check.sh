@@ -10,9 +10,9 @@
 #   3. benchmarks/gpu_check.py in ONE process: the models are built once, then the eager baseline
 #      (target-only, SDVG at 73.1%, draft-only) and each variant against it: compile (its warm-up, the
 #      compilation, in its own box; persistent inductor cache), fp8 (quantization, quality gate),
-#      fp8 + compile (its own warm-up box), the drafter's CUDA graphs, then a kernel-class profile of
-#      each variant; every step in its own time box (EAGER_S, COMPILE_WARMUP_S, COMPILE_S, FP8_S,
-#      FP8_COMPILE_WARMUP_S, FP8_COMPILE_S, GRAPHS_S, PROFILE_S; STEPS picks steps).
+#      fp8 + compile (its own warm-up box), the FP8 quality gate, a kernel-class profile of each variant,
+#      the drafter's CUDA graphs; every step in its own time box (EAGER_S, COMPILE_WARMUP_S, COMPILE_S,
+#      FP8_S, FP8_COMPILE_WARMUP_S, FP8_COMPILE_S, FP8_QUALITY_S, PROFILE_S, GRAPHS_S; STEPS picks steps).
 # Everything it writes goes to a work folder, packed at the end (also when a step fails or time runs
 # out) into $OUT/results.tar.gz; $OUT/summary.log is this script's own output and $OUT/summary.md the
 # table of every variant against the eager baseline. Nothing else is left in $OUT (default
@@ -35,7 +35,7 @@ DEVICE=${DEVICE:-cuda:0}
 PY=${PYTHON:-python3}
 SITE_DIR=${SITE_DIR:-/tmp/sdvg-site}
 WHEEL_DIR=${WHEEL_DIR:-.whl}
-STEPS=${STEPS:-eager,compile_warmup,compile,fp8,fp8_compile_warmup,fp8_compile,profile,graphs}
+STEPS=${STEPS:-eager,compile_warmup,compile,fp8,fp8_compile_warmup,fp8_compile,fp8_quality,profile,graphs}
 TESTS_S=${TESTS_S:-45}
 SESSION_S=${SESSION_S:-900}   # device time of one session, every start and call included
 START_S=${START_S:-150}       # a machine's start (estimate)
@@ -124,8 +124,13 @@ fi
 [ "$want_cuda" = 0 ] && [ "${SDVG_CUDA:-1}" = 0 ] && note="CPU build of sdvg._C (SDVG_CUDA=0 asked)"
 [ -n "${CUDA_HOME:-}" ] && export CUDA_HOME
 t_build=$(date +%s)
-if [ "${SKIP_BUILD:-0}" = 1 ]; then
-  note="sdvg._C as it was (SKIP_BUILD=1)"
+skip_build=${SKIP_BUILD:-0}
+if [ "$skip_build" = 1 ] && ! "$PY" -c "import torch, sdvg._native" > "$WORK/build.log" 2>&1; then
+  skip_build=0  # the extension in place (carried, or built for another torch) does not load here: build it
+  echo "SKIP_BUILD=1 but sdvg._C does not load here (build.log): building it" | tee -a "$WORK/build.log"
+fi
+if [ "$skip_build" = 1 ]; then
+  note="sdvg._C as it was (SKIP_BUILD=1): $("$PY" -c "import sdvg._native as n; print(n._C.build_info())" 2>&1 | tail -1)"
 elif ! SDVG_CUDA=$want_cuda "$PY" setup.py build_ext --inplace -j 16 > "$WORK/build.log" 2>&1; then
   if [ "$want_cuda" = 1 ]; then
     note="the CUDA build failed (CUDA_HOME=${CUDA_HOME:-}; see build.log): CPU build of sdvg._C; test_native_cache_on_cuda fails"
@@ -147,11 +152,15 @@ print(json.dumps({**provenance(device=sys.argv[1]), "diffusers": diffusers.__ver
 PYEOF
 head -c 2000 "$WORK/env.json"; echo
 
-tests_s=$TESTS_S
+tests_s=$TESTS_S  # 0: no GPU tests
 [ -n "$TOTAL_S" ] && tests_s=$(( tests_s < T_START + TOTAL_S - $(date +%s) - PACK_S - 60 ? tests_s : T_START + TOTAL_S - $(date +%s) - PACK_S - 60 ))
 [ "$tests_s" -lt 1 ] && tests_s=1
-timeout "$tests_s" "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py ${TESTS_K:+-k "$TESTS_K"} > "$WORK/gpu_tests.log" 2>&1
-rc=$?
+if [ "$TESTS_S" = 0 ]; then
+  echo "GPU tests skipped (TESTS_S=0)" > "$WORK/gpu_tests.log"; rc=0
+else
+  timeout "$tests_s" "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py ${TESTS_K:+-k "$TESTS_K"} > "$WORK/gpu_tests.log" 2>&1
+  rc=$?
+fi
 [ "$rc" = 124 ] && echo "GPU tests stopped at their $tests_s s limit (TESTS_S, TOTAL_S)" >> "$WORK/gpu_tests.log"
 tail -5 "$WORK/gpu_tests.log"
 

@@ -3,8 +3,9 @@
 # oldest torch sdvg supports), numpy 2.5, the image's transformers 5 / huggingface-hub 1, with the
 # wheels of benchmarks/gpu-wheels.txt on top exactly as benchmarks/gpu_check.sh installs them there. First
 # gpu_check.sh itself with the tiny preset on the CPU (a failure there would have cost a GPU
-# session): its dry run, then the run, which must leave at most 3 files in $OUT (a device session
-# returns at most 8), its tarball holding every result; then the test suite (arguments go to pytest: CI
+# session): its dry run, then the run of every step (the compile ones with inductor on the CPU), which must
+# leave at most 3 files in $OUT (a device session returns at most 8), its tarball holding every result; then
+# the test suite (arguments go to pytest: CI
 # passes -m "not slow", the fast tier). Uses .compat/ (a venv) and .whl/; downloads ~3.5 GB once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,16 +23,17 @@ ret=$(mktemp -d)
 cuda=0; [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ] && cuda=1
 PYTHON=.compat/bin/python PRESET=tiny DEVICE=cpu bash benchmarks/gpu_check.sh --dry-run  # the plan, nothing run
 SDVG_CUDA=$cuda SITE_DIR=$PWD/.compat/sdvg-site PYTHON=.compat/bin/python OUT=$ret PRESET=tiny DEVICE=cpu \
-  TESTS_S=900 LATENCY_S=900 COMPILE_S=600 HOST_SYNCS_S=600 STAGES_S=900 \
-  bash benchmarks/gpu_check.sh  # CPU: generous boxes; the check is what ran
-# what a device session gets back: at most 3 files (the tarball and the summary log)
+  TESTS_S=900 EAGER_S=600 COMPILE_WARMUP_S=900 COMPILE_S=600 FP8_S=600 FP8_COMPILE_WARMUP_S=900 FP8_COMPILE_S=600 \
+  FP8_QUALITY_S=600 GRAPHS_S=300 PROFILE_S=900 bash benchmarks/gpu_check.sh  # CPU: generous boxes; the check is what ran
+# what a device session gets back: at most 3 files (the tarball, the summary log and table)
 n=$(find "$ret" -mindepth 1 | wc -l)
-[ "$n" -le 3 ] && [ -s "$ret/results.tar.gz" ] && [ -s "$ret/summary.log" ] \
-  || { echo "compat_check: gpu_check.sh left $n entries in \$OUT (at most 3: results.tar.gz, summary.log)"; ls -la "$ret"; exit 1; }
+[ "$n" -le 3 ] && [ -s "$ret/results.tar.gz" ] && [ -s "$ret/summary.log" ] && [ -s "$ret/summary.md" ] \
+  || { echo "compat_check: gpu_check.sh left $n entries in \$OUT (at most 3: results.tar.gz, summary.log, summary.md)"; ls -la "$ret"; exit 1; }
 out=$(mktemp -d)
 tar -xzf "$ret/results.tar.gz" -C "$out"
-for f in env.json gpu_tests.log results.json results.md stages.json timeline.png host-syncs/results.json \
-    compile/results.json summary.json; do
+for f in env.json gpu_tests.log eager/results.json eager/results.md eager/timeline.png compile_warmup.json \
+    compile/results.json fp8.json fp8/results.json fp8-quality/results.json fp8_quality.json fp8_compile_warmup.json \
+    fp8-compile/results.json graphs/results.json profile/results.json summary.json summary.md; do
   [ -s "$out/$f" ] || { echo "compat_check: gpu_check.sh packed no $f"; exit 1; }
 done
 # tests/test_gpu.py only: on the CPU every test is skipped; none may fail
@@ -42,20 +44,31 @@ fi
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-lat, st = json.loads((out / "results.json").read_text()), json.loads((out / "stages.json").read_text())
+lat = json.loads((out / "eager" / "results.json").read_text())
 assert lat["speedup_vs_target"] > 0 and lat["floor_ratio"] > 0 and not lat["skipped"], lat.get("skipped")
-assert [r["mode"] for r in lat["runs"]][:2] == ["target", "draft"], lat["runs"]
-hs = json.loads((out / "host-syncs" / "results.json").read_text())
-for d in (lat, st, hs):
-    assert d["provenance"]["commit"] and "tf32" in d["provenance"], d.get("provenance")
-assert [r["variant"] for r in hs["runs"]][:2] == ["before (eager)", "after (cuda_graphs)"], hs["runs"]
-comp = json.loads((out / "compile" / "results.json").read_text())
-assert comp["reused"] and "eager, cpp" not in comp["warmup_s"] and comp["warmup_s"]["compile, cpp"] > 0, comp["warmup_s"]
-assert not [r for r in lat["runs"] if r["mode"] == "target" and r["run_ahead"]], "a target-only run-ahead run"
+assert sorted(r["mode"] for r in lat["runs"]) == ["draft", "sdvg", "target"], lat["runs"]
+assert lat["provenance"]["commit"] and "tf32" in lat["provenance"], lat["provenance"]
 summary = json.loads((out / "summary.json").read_text())
 assert all(s["status"] == "done" for s in summary["steps"].values()), summary["steps"]
-for name, row in st["stages"].items():
-    assert row["eager_s"] > 0 and row["compile_s"] > 0 and row["compile_max_abs_diff"] < 1e-3, (name, row)
+# every variant measured target-only and SDVG at 73.1% (graphs: SDVG only) against the reused eager runs
+rows = {v["variant"]: v for v in summary["variants"]}
+assert set(rows) == {"eager", "compile", "eager + fp8", "compile + fp8", "eager + cuda_graphs"}, rows
+for name, row in rows.items():
+    assert row["sdvg_s"] > 0 and (name == "eager + cuda_graphs" or row["target_s"] > 0), row
+for name in ("compile", "fp8-compile"):
+    comp = json.loads((out / name / "results.json").read_text())
+    assert comp["reused"] and "eager, cpp" not in comp["warmup_s"], comp["warmup_s"]
+    # compiled in its warm-up step: the measured runs compiled nothing
+    assert all(r["compile"]["graphs"] == 0 for r in comp["runs"] if r["backend"] == "compile"), comp["runs"]
+for name in ("compile_warmup", "fp8_compile_warmup"):
+    w = json.loads((out / f"{name}.json").read_text())
+    assert w["compile"]["graphs"] > 0 and w["compile"]["compile_s"] > 0, w
+fp8 = json.loads((out / "fp8.json").read_text())
+assert fp8["quantize_s"] > 0 and set(fp8["impl"]) == {"drafter", "target"}, fp8
+assert json.loads((out / "fp8_quality.json").read_text())["passed"], "the FP8 quality gate failed"
+prof = json.loads((out / "profile" / "results.json").read_text())
+assert {p["variant"] for p in prof["runs"]} == {"eager", "compile", "fp8", "fp8-compile", "graphs"}, prof["runs"]
+assert all("error" not in p and p["device_s"] > 0 for p in prof["runs"]), prof["runs"]
 print("compat_check: gpu_check.sh results are complete")
 PYEOF
 # the same interpreter and site as gpu_check.sh, with the extension it built in place

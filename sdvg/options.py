@@ -2,7 +2,7 @@
 
 Each option is declared once, with its default and help, in one of two halves: `MethodOptions`
 (what video you get: mode, tau, router, aggregation, contexts, forced block, early exit) or
-`RunOptions` (how it runs: scheduler, backend, run-ahead, graphs, stage timing, fast VAE).
+`RunOptions` (how it runs: scheduler, backend, run-ahead, graphs, stage timing, fast VAE, FP8).
 `GenerationOptions` is both as one flat keyword set, and everything else derives from it:
 
 - the API keywords of `SpeculativeVideoPipeline.__call__` / `.stream` (written out by hand for
@@ -13,8 +13,9 @@ Each option is declared once, with its default and help, in one of two halves: `
   side declares no defaults and refuses unknown or missing fields).
 
 Every rule on an option's value lives here: a method rule in `MethodOptions`, a run rule in
-`RunOptions`, the roles of a mode in `MODE_ROLES`, what needs the eager backend in
-`backend_conflicts`. This module imports no torch, so `sdvg --help` stays fast.
+`RunOptions`, the roles of a mode in `MODE_ROLES`, the roles a quantization runs in FP8 in
+`QUANTIZATION_ROLES`, what needs the eager backend (or FP8's backends) in `backend_conflicts`.
+This module imports no torch, so `sdvg --help` stays fast.
 """
 from __future__ import annotations
 
@@ -33,10 +34,21 @@ DRAFTER_CONTEXTS: tuple[str, ...] = ("own", "committed")
 SCHEDULERS: tuple[str, ...] = ("cpp", "reference")
 BACKENDS: tuple[str, ...] = ("eager", "compile", "tensorrt", "onnxruntime", "torch-tensorrt")
 TRT_RUNTIMES: tuple[str, ...] = ("torch", "cuda-python")  # how a TensorRT plan is driven (sdvg/engines/executor.py)
+# backend compile (sdvg/generation/compile.py): the torch.compile modes it takes (the CUDA-graph modes,
+# "reduce-overhead" and "max-autotune", would capture each region with static copies of its inputs, which
+# the KV cache's views and the per-layer weights do not suit: cuda_graphs=True captures whole forwards), and
+# the torch.compile backends (inductor generates the kernels; aot_eager and eager only trace: debugging, tests)
+COMPILE_MODES: tuple[str, ...] = ("default", "max-autotune-no-cudagraphs")
+COMPILERS: tuple[str, ...] = ("inductor", "aot_eager", "eager")
 EARLY_EXIT_ROLES: tuple[str, ...] = ("none", "target", "drafter", "both")
 EXIT_VERIFIERS: tuple[str, ...] = ("stability", "oracle", "head", "pattern")
 STAGE_TIMINGS: tuple[str, ...] = ("sync", "events")
 EXIT_BACKENDS: tuple[str, ...] = ("eager",)  # the stage backends that run a sparse (early-exit) forward
+QUANTIZATIONS: tuple[str, ...] = ("none", "fp8", "fp8-target", "fp8-drafter")
+# The roles whose DiT block linears each quantization runs in FP8 (sdvg/models/fp8.py).
+QUANTIZATION_ROLES: dict[str, tuple[str, ...]] = {"none": (), "fp8": ("drafter", "target"), "fp8-target": ("target",),
+                                                  "fp8-drafter": ("drafter",)}
+FP8_BACKENDS: tuple[str, ...] = ("eager", "compile")  # the stage backends that run an FP8 DiT (the eager loop's)
 # Speculative Forcing's published training-free thresholds (one 5-second setting): tau_red, tau_stab.
 PAPER_EXIT_THRESHOLDS: tuple[float, float] = (0.497, 0.327)
 
@@ -59,8 +71,8 @@ def _opt(default, help: str, choices: tuple[str, ...] | None = None, metavar: st
 MODE_ROLES: dict[str, tuple[str, ...]] = {"sdvg": ("drafter", "target"), "target": ("target",), "draft": ("drafter",)}
 # The run options that only the eager backend runs, and why (checked in one place: `backend_conflicts`).
 EAGER_ONLY: dict[str, str] = {
-    "cuda_graphs": "compile: compile_mode='reduce-overhead' captures its own graphs; engines run their own",
-    "fast_vae": "the static backends run their own VAE stage",
+    "cuda_graphs": "compile: its compiled regions are not captured in graphs; engines run their own",
+    "fast_vae": "compile decodes through its own compiled fast VAE; the engine backends run their own VAE stage",
 }
 
 
@@ -215,8 +227,8 @@ class MethodOptions:
 @dataclass(frozen=True)
 class RunOptions:
     """How a video runs: the scheduler, the stage backend, run-ahead, graphs, timing (frozen; validated
-    on construction). They change the cost and the statistics, never the video (the fast VAE: within
-    its documented tolerance)."""
+    on construction). They change the cost and the statistics, never the video (the fast VAE and FP8:
+    within their documented tolerances)."""
 
     skip_first_draft: bool = _opt(True, "under committed context and a forced block 0, do not draft block 0 "
                                         "(its draft is never used)")
@@ -242,11 +254,22 @@ class RunOptions:
                                      "makes itself (finite checks, scores), device time per stage from CUDA event "
                                      "pairs read at the end (stats stage_device_s; the stage times then measure the "
                                      "host's time in each call); same output", STAGE_TIMINGS)
-    backend: str | None = _opt(None, "how stages run: eager, compile (torch.compile'd static stages), tensorrt "
+    backend: str | None = _opt(None, "how stages run: eager, compile (the eager loop with each DiT block's "
+                                     "regions, the VAE decode and the reward model through torch.compile; "
+                                     "--compile-mode, --compile-cache), tensorrt "
                                      "(engines; needs --engines) or onnxruntime (the ONNX files of build_engines "
                                      "--format onnx; needs --engines) or torch-tensorrt (DiT stages from build_engines "
                                      "--format torch-tensorrt, the others TensorRT; needs --engines); default: the "
                                      "pipeline's", BACKENDS)
+    quantization: str | None = _opt(None, "run the DiTs' transformer-block linears (attention q/k/v/out, the FFN) "
+                                          "in FP8 e4m3, row-wise dynamic activation scales and per-output-channel weight "
+                                          "scales (torchao, else torch._scaled_mm): fp8 (both DiTs), fp8-target, "
+                                          "fp8-drafter or none; attention, norms, modulation, embeddings and proj_out "
+                                          "stay in the model's dtype. Changes the numerics within a tolerance, as "
+                                          "--fast-vae does (not bitwise: docs/engines.md, 'FP8'); needs CUDA compute "
+                                          "capability >= 8.9 and bf16 (or the CPU), backend eager or compile; default: "
+                                          "the pipeline's (none unless loaded with quantization=, which quantizes in "
+                                          "place)", QUANTIZATIONS)
 
     def __post_init__(self) -> None:
         _check_fields(self, RunOptions)
@@ -281,6 +304,12 @@ class GenerationOptions(RunOptions, MethodOptions):
     def run(self) -> RunOptions:
         return RunOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RunOptions)})
 
+    def fp8_roles(self) -> tuple[str, ...]:
+        """The roles whose DiT block linears run in FP8 (resolved options: `quantization` set)."""
+        if self.quantization is None:
+            raise OptionError("options are not resolved: call opts.resolved(preset) first")
+        return QUANTIZATION_ROLES[self.quantization]
+
     def exit_roles(self) -> tuple[str, ...]:
         """The roles whose denoising loop may let tokens exit early."""
         return {"none": (), "target": ("target",), "drafter": ("drafter",),
@@ -290,9 +319,10 @@ class GenerationOptions(RunOptions, MethodOptions):
     def replace(self, **changes) -> "GenerationOptions":
         return dataclasses.replace(self, **changes)
 
-    def resolved(self, preset, backend: str | None = None) -> "GenerationOptions":
+    def resolved(self, preset, backend: str | None = None, quantization: str | None = None) -> "GenerationOptions":
         """The options with a pipeline's defaults filled in where unset: the preset's `num_blocks`,
-        context modes, `kv_cache_frames` and window and, when given, the pipeline's stage `backend`.
+        context modes, `kv_cache_frames` and window and, when given, the pipeline's stage `backend`; its
+        `quantization` (given: the pipeline's default; else none).
         The rules that need the preset (the video's length, a window under recompute) are checked here."""
         changes = {}
         defaults = {"num_blocks": preset.video.num_blocks, "target_context": preset.target_context,
@@ -304,6 +334,8 @@ class GenerationOptions(RunOptions, MethodOptions):
                 changes[name] = value
         if self.backend is None and backend is not None:
             changes["backend"] = backend
+        if self.quantization is None:
+            changes["quantization"] = quantization or "none"
         out = self.replace(**changes) if changes else self
         out._check_contexts(preset, window_given=self.window_frames is not None)
         return out
@@ -371,6 +403,10 @@ def backend_conflicts(opts, backend: str | None) -> list[str]:
     if backend is None or backend in EXIT_BACKENDS:
         return []
     out = []
+    if opts.quantization not in (None, "none") and backend not in FP8_BACKENDS:
+        out.append(f"quantization {opts.quantization!r} runs the DiTs' linears in FP8, which only the "
+                   f"{' and '.join(FP8_BACKENDS)} backends run (the {backend} stages hold the weights they were built "
+                   "from); use backend eager (--backend eager) or drop --quantization")
     if opts.early_exit != "none":
         out.append(f"early_exit {opts.early_exit!r} runs a sparse forward over the active tokens, which only the "
                    f"{', '.join(EXIT_BACKENDS)} backend runs (the {backend} stages have static token counts); use "

@@ -105,12 +105,15 @@ class SpeculativeVideoPipeline:
     a video that does not fit raises `MemoryBudgetError` before anything of it is allocated."""
 
     def __init__(self, components: Components, backend: str = "eager", engines=None,
-                 sources: dict[str, str] | None = None, memory_budget_gib: float | None = None):
+                 sources: dict[str, str] | None = None, memory_budget_gib: float | None = None,
+                 compile_settings=None):
         self.components = components
+        self.compile_settings = compile_settings  # backend compile: a CompileSettings (None: its defaults)
         self.memory_budget_gib = memory_budget_gib
         self.preset = components.preset
         self._runners: dict = {}  # stage backend -> StageRunners (compiled modules / engines), built on first use
         self.default_backend = backend
+        self.default_quantization = "none"  # the calls' default quantization (a loader's quantization=)
         self.engines = engines
         self.sources = dict(sources or {})  # component -> checkpoint fingerprint (or random:preset:seed)
         self.build_flags: list[str] = []  # the `python -m build_engines` flags that load these weights
@@ -135,6 +138,7 @@ class SpeculativeVideoPipeline:
         backend = backend or self.default_backend
         if backend not in self._runners:
             self._runners[backend] = StageRunners(self.components, backend, self.engines,
+                                                   compile_settings=self.compile_settings,
                                                    build_flags=self.build_flags, executor=self.engine_executor)
         return self._runners[backend]
 
@@ -155,30 +159,46 @@ class SpeculativeVideoPipeline:
     @classmethod
     def from_preset(cls, name: str | Preset = "tiny", seed: int = 0, device: str = "cpu",
                     target_device: str | None = None, backend: str = "eager", engines=None, torch_dtype=None,
-                    memory_budget_gib: float | None = None, **preset_changes) -> "SpeculativeVideoPipeline":
+                    memory_budget_gib: float | None = None, quantization: str | None = None,
+                    compile_mode: str = "default", compile_cache=None, random_init: str = "cpu",
+                    **preset_changes) -> "SpeculativeVideoPipeline":
         """A pipeline with random weights of a named preset (`tiny`, `cpu-bench`, `real-size`).
         torch_dtype (torch.float32 / bfloat16 / float16) overrides the preset's precision;
-        memory_budget_gib: see the class."""
+        memory_budget_gib: see the class. quantization (fp8 | fp8-target | fp8-drafter | none): those DiTs'
+        block linears quantized in place (their model-dtype weights dropped), the calls' default.
+        compile_mode (default | max-autotune-no-cudagraphs) and compile_cache (inductor's persistent cache
+        folder): how backend "compile" compiles (sdvg/generation/compile.py). random_init: "cpu" (default) draws
+        the DiTs with the CPU generator, one model for a seed on every device (real-size: ~150 s of host drawing);
+        "device" with the device's own generator (no host draw, another model per device type; recorded in the
+        checkpoints' fingerprints)."""
+        from sdvg.generation.compile import CompileSettings
+        from sdvg.models.fp8 import check_load, load_in_place
         from sdvg.models.memory import check_budget_gib
 
         check_budget_gib(memory_budget_gib)  # before any weights are built
+        compiling = CompileSettings(compile_mode, cache_dir=compile_cache)  # refused before any weights are built
         preset = get_preset(name) if isinstance(name, str) else name
         if torch_dtype is not None:
             preset_changes["precision"] = precision_of(torch_dtype)
         if preset_changes:
             preset = dataclasses.replace(preset, **preset_changes)
         preset.validate()
-        sources = {role: random_fingerprint(preset.name, seed) for role in COMPONENT_ROLES}
-        pipe = cls(build_random(preset, seed=seed, drafter_device=device, target_device=target_device), backend,
-                   engines, sources, memory_budget_gib)
+        fp8 = check_load(quantization, backend, preset, {"drafter": device, "target": target_device or device})
+        sources = {role: random_fingerprint(preset.name, seed, random_init) for role in COMPONENT_ROLES}  # checked
+        pipe = cls(build_random(preset, seed=seed, drafter_device=device, target_device=target_device,
+                                random_init=random_init), backend, engines, sources, memory_budget_gib, compiling)
         pipe.build_flags = ["--weights-seed", str(seed)] if seed else []
+        load_in_place(pipe.components, fp8)
+        pipe.default_quantization = quantization or "none"
         return pipe
 
     @classmethod
     def from_pretrained(cls, preset: str | Preset = "wan2.1", *, drafter=None, target=None, vae=None, reward=None,
                         text_encoder=None, reward_tokenizer=None, drafter_device="cuda:0", target_device=None,
                         backend: str = "eager", engines=None, torch_dtype=None,
-                        memory_budget_gib: float | None = None, progress: bool = True) -> "SpeculativeVideoPipeline":
+                        memory_budget_gib: float | None = None, progress: bool = True,
+                        quantization: str | None = None, compile_mode: str = "default",
+                        compile_cache=None) -> "SpeculativeVideoPipeline":
         """Real weights. Each component is a local path (see docs/checkpoints.md for the formats), a
         hub repo `org/name[@revision][/path/in/repo]`, or None: the file the preset publishes for it
         (`Preset.sources`; `from_pretrained("wan2.1")` finds everything in the HF cache). `preset` may also be
@@ -188,10 +208,15 @@ class SpeculativeVideoPipeline:
         are reported together, with the command that fetches them. torch_dtype overrides the preset's
         precision. `reward=None` on a random-weight preset builds no reward model. memory_budget_gib: see
         the class. `progress`: a bar over the components as they load (each is logged at INFO on the `sdvg`
-        logger either way)."""
+        logger either way). quantization: as `from_preset`'s (the model-dtype weights load first; the
+        quantized linears' are dropped once their FP8 weights are made). compile_mode, compile_cache: as
+        `from_preset`'s."""
+        from sdvg.generation.compile import CompileSettings
+        from sdvg.models.fp8 import check_load, load_in_place
         from sdvg.models.memory import check_budget_gib
 
         check_budget_gib(memory_budget_gib)  # before any weights are read
+        compiling = CompileSettings(compile_mode, cache_dir=compile_cache)  # refused before any weights are read
         repo_specs = {}
         if isinstance(preset, str):  # a preset name, or the hub repo of a published model a preset loads
             name, repo_specs = preset_for(preset)
@@ -202,6 +227,8 @@ class SpeculativeVideoPipeline:
                      reward_tokenizer=reward_tokenizer)
         specs.update({role: spec for role, spec in repo_specs.items() if specs[role] is None})
         defaults = {} if preset.sources is None else {role: getattr(preset.sources, role) for role in specs}
+        fp8 = check_load(quantization, backend, preset, {"drafter": drafter_device,
+                                                         "target": target_device or drafter_device})
         paths = resolve_components(specs, defaults)
         needed = [role for role in ("drafter", "target", "vae", "text_encoder") if paths[role] is None]
         if needed:
@@ -212,9 +239,11 @@ class SpeculativeVideoPipeline:
         pipe = cls(load_pretrained(preset, paths["drafter"], paths["target"], paths["vae"], paths["reward"],
                                    paths["text_encoder"], paths["reward_tokenizer"], drafter_device, target_device,
                                    progress=progress),
-                   backend, engines, sources, memory_budget_gib)
+                   backend, engines, sources, memory_budget_gib, compiling)
         pipe.build_flags = [a for role, path in paths.items() if path is not None
                             for a in (f"--{role.replace('_', '-')}", str(path))]
+        load_in_place(pipe.components, fp8)
+        pipe.default_quantization = quantization or "none"
         return pipe
 
     # ------------------------------------------------------------------ components, placement, dtype
@@ -269,6 +298,9 @@ class SpeculativeVideoPipeline:
                                 f"torch.bfloat16), got {a!r}")
         if dtype is not None:
             precision_of(dtype)  # refused before anything moves
+        from sdvg.models.fp8 import before_to
+
+        before_to(self.components, device, dtype)  # FP8 weights: refused before anything moves; copies dropped
         if device is not None:
             self._move(device)
         if dtype is not None:
@@ -319,20 +351,31 @@ class SpeculativeVideoPipeline:
         self.components.text_encoder.enable_offload(device or self.components.drafter_device, "cpu")
         return self
 
-    def provenance(self) -> dict:
-        """What produced a video: versions, devices, the preset's and checkpoints' fingerprints."""
+    def provenance(self, options: GenerationOptions | None = None) -> dict:
+        """What produced a video: versions, devices, the preset's and checkpoints' fingerprints; with resolved
+        `options`, the FP8 implementation of each role they run in FP8 (`fp8_impl`)."""
         import sdvg
 
         c = self.components
-        return {"sdvg_version": sdvg.__version__, "torch_version": torch.__version__,
-                "devices": {"drafter": device_name(c.drafter_device), "target": device_name(c.target_device),
-                            "vae": device_name(c.vae.device)},
-                "precision": self.preset.precision, "preset_fingerprint": config_hash(self.preset),
-                "checkpoints": dict(self.sources)}
+        out = {"sdvg_version": sdvg.__version__, "torch_version": torch.__version__,
+               "devices": {"drafter": device_name(c.drafter_device), "target": device_name(c.target_device),
+                           "vae": device_name(c.vae.device)},
+               "precision": self.preset.precision, "preset_fingerprint": config_hash(self.preset),
+               "checkpoints": dict(self.sources)}
+        if options is not None:
+            from sdvg.models.fp8 import role_impls
+
+            out["fp8_impl"] = role_impls(c, options)
+        return out
 
     def resolve(self, options: GenerationOptions) -> GenerationOptions:
-        """The options with this pipeline's defaults filled in (num_blocks from the preset, backend)."""
-        return options.resolved(self.preset, self.default_backend)
+        """The options with this pipeline's defaults filled in (num_blocks from the preset, backend,
+        quantization); what they ask of the DiTs is checked here, before any work (`fp8.check_roles`)."""
+        from sdvg.models.fp8 import check_roles
+
+        out = options.resolved(self.preset, self.default_backend, self.default_quantization)
+        check_roles(self.components, out)
+        return out
 
     def session(self, prompt: str, num_blocks: int | None = None, input_video=None, input_frames: bool = False,
                 input_timeout_s: float = 30.0, input_queue_frames: int = 1024, input_drop_oldest: bool = False,
@@ -490,7 +533,7 @@ class SpeculativeVideoPipeline:
             blocks = generate_blocks(self.components, prompt, opts, report, runners=runners,
                                      memory_budget_gib=self.memory_budget_gib, video_input=video_input,
                                      start_latents=latents)
-        stats = RunStats(prompt, self.preset.name, opts, self.provenance())
+        stats = RunStats(prompt, self.preset.name, opts, self.provenance(opts))
         if frames is not None:
             stats.extra["input_video"] = input_summary(input_video, frames)
         if image is not None:
@@ -514,8 +557,8 @@ class SpeculativeVideoPipeline:
                score_emitted: bool = D.score_emitted, scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead,
                run_ahead_blocks: int = D.run_ahead_blocks, cuda_graphs: bool = D.cuda_graphs,
                fast_vae: bool = D.fast_vae, stage_timing: str = D.stage_timing,
-               backend: str | None = D.backend, prompt_schedule=None, input_video=None,
-               start_frame=None) -> BlockStream:
+               backend: str | None = D.backend, quantization: str | None = D.quantization, prompt_schedule=None,
+               input_video=None, start_frame=None) -> BlockStream:
         """Yield each block as soon as its frames are final; the returned stream's `.stats` is
         complete once it is exhausted. The keywords are the generation options
         (`sdvg.options.GenerationOptions`, whose field docs say what each does):
@@ -537,7 +580,9 @@ class SpeculativeVideoPipeline:
         fast_vae: channels-last, compiled steady-state VAE decode (cudnn.benchmark on CUDA; backend eager;
         within a tolerance of the plain decode). vae_decoder: wan | krea, the VAE's temporal-upsample cache
         (None: the preset's; docs/method.md). stage_timing: sync | events (no per-stage waits).
-        backend: eager | compile | tensorrt | onnxruntime | torch-tensorrt (None: the pipeline's)."""
+        backend: eager | compile | tensorrt | onnxruntime | torch-tensorrt (None: the pipeline's).
+        quantization: none | fp8 | fp8-target | fp8-drafter, the DiTs' block linears in FP8 (None: the
+        pipeline's; within a tolerance of the model dtype, docs/engines.md "FP8")."""
         options = _options(locals())
         return self.run(prompt, options, prompt_schedule=prompt_schedule, input_video=input_video,
                         start_frame=start_frame)
@@ -559,8 +604,8 @@ class SpeculativeVideoPipeline:
                  score_emitted: bool = D.score_emitted, scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead,
                  run_ahead_blocks: int = D.run_ahead_blocks,
                  cuda_graphs: bool = D.cuda_graphs, fast_vae: bool = D.fast_vae, stage_timing: str = D.stage_timing,
-                 backend: str | None = D.backend, prompt_schedule=None, input_video=None, start_frame=None,
-                 num_videos_per_prompt: int | None = 1,
+                 backend: str | None = D.backend, quantization: str | None = D.quantization, prompt_schedule=None,
+                 input_video=None, start_frame=None, num_videos_per_prompt: int | None = 1,
                  generator: torch.Generator | list[torch.Generator] | None = None, output_type: str = "np",
                  return_dict: bool = True,
                  callback_on_block_end: Callable[["SpeculativeVideoPipeline", BlockRecord], None] | None = None):

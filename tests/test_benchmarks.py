@@ -104,6 +104,26 @@ def test_host_syncs_benchmark_counts_before_and_after(tmp_path):
     assert "TF32" in (tmp_path / "results.md").read_text()
 
 
+def test_fp8_quality_gate_on_the_tiny_preset(tmp_path):
+    import fp8_quality
+
+    res = fp8_quality.main(["--preset", "tiny", "--num-blocks", "2", "--decision-blocks", "4", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["passed"] is res["passed"] is True
+    for role in ("drafter", "target"):
+        f = data["forward"][role]
+        assert 0 < f["relative_error"] <= f["gate"] == 0.05 and f["impl"] in ("torchao", "scaled_mm")
+    lat = data["latents"]
+    assert lat["channels"] == 16 and len(lat["mean_shift_in_std"]) == len(lat["std_change"]) == 16
+    assert 0 < lat["max_mean_shift_in_std"] <= 0.05 and 0 < lat["max_std_change"] <= 0.05
+    assert max(lat["mean_shift_in_std"]) == lat["max_mean_shift_in_std"]
+    d = data["decisions"]
+    assert len(d["scores"]["none"]) == len(d["scores"]["fp8"]) == 3 and d["gated"] is False
+    assert d["decisions"]["median_tau"]["accepted"]["model_dtype"] in (1, 2)  # the median splits the blocks
+    assert {"commit", "torch", "device"} <= set(data["provenance"])
+    assert "PASSED" in (tmp_path / "results.md").read_text()
+
+
 # --------------------------------------------------------------------------- benchmarks/gpu_check.sh
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -131,7 +151,7 @@ def test_gpu_check_dry_run_shows_the_plan_and_runs_nothing(tmp_path):
     assert start + run + rerun == need and ("does NOT fit" in lines[0]) == (need > session)
     steps = {m.group(1): int(m.group(2)) for m in re.finditer(r"^  (\S+)\s+(\d+) s  ", r.stdout, re.M)}
     assert list(steps) == ["wheels", "extension", "gpu-tests", "models", "eager", "compile_warmup", "compile", "fp8",
-                           "fp8_compile_warmup", "fp8_compile", "profile", "graphs", "pack"]
+                           "fp8_compile_warmup", "fp8_compile", "fp8_quality", "profile", "graphs", "pack"]
     assert sum(steps.values()) == run
     assert "MISSING: diffusers==" in r.stdout and "nothing installed, built or measured" in r.stdout
     assert not (tmp_path / "out").exists()

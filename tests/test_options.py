@@ -18,13 +18,14 @@ CHANGED = dict(mode="target", tau=-1.5, num_blocks=2, seed=7, router="pattern", 
                lazy_target_commit=False, score_emitted=True, scheduler="cpp", run_ahead=True, run_ahead_blocks=3,
                early_exit="target", exit_verifier="head", exit_eps=0.1, exit_thresholds=(0.4, 0.3),
                exit_head="head.safetensors", exit_pattern_steps=2.0, cuda_graphs=True,
-               fast_vae=True, stage_timing="events", vae_decoder="krea", interp_blocks=2, strength=0.6, force_reject_after_switch=False, recache=False, backend="eager")
+               fast_vae=True, stage_timing="events", vae_decoder="krea", interp_blocks=2, strength=0.6, force_reject_after_switch=False, recache=False, backend="eager",
+               quantization="fp8")
 CLI_TEXT = dict(mode="target", tau="-1.5", num_blocks="2", seed="7", router="pattern", accept_prob="0.25",
                 pattern="10", aggregation="mean", drafter_context="committed", target_context="recompute",
                 drafter_cache="recompute", kv_cache_frames="2", window_frames="6", sink_frames="3",
                 run_ahead_blocks="3", scheduler="cpp", early_exit="target", exit_verifier="head", exit_eps="0.1",
                 exit_thresholds="0.4,0.3", exit_head="head.safetensors", exit_pattern_steps="2.0", stage_timing="events",
-                vae_decoder="krea", backend="eager", interp_blocks="2", strength="0.6")
+                vae_decoder="krea", backend="eager", interp_blocks="2", strength="0.6", quantization="fp8")
 
 
 def test_changed_covers_every_option():
@@ -132,6 +133,9 @@ def test_native_config_gets_every_field_by_name():
     (dict(exit_pattern_steps=0.5), "exit_pattern_steps 0.5 must be >= 1"),
     (dict(early_exit="target", exit_verifier="head"), "needs the learned head's file"),
     (dict(mode="target", early_exit="drafter"), "names a role that mode 'target' does not run"),
+    (dict(quantization="int8"), "unknown quantization 'int8'; choose one of none, fp8, fp8-target, fp8-drafter"),
+    (dict(quantization="fp8", backend="tensorrt"), "quantization 'fp8' runs the DiTs' linears in FP8, which only the "
+                                                   "eager and compile backends run"),
 ])
 def test_bad_values_are_refused_by_name(changes, match):
     with pytest.raises(OptionError, match=match):
@@ -208,7 +212,8 @@ def test_method_and_run_options_partition_the_declaration():
     assert METHOD_OPTION_NAMES + RUN_OPTION_NAMES == OPTION_NAMES  # each declared once, method first
     assert {"mode", "tau", "router", "aggregation", "drafter_context", "force_first_reject", "early_exit",
             "target_context", "drafter_cache"} <= set(METHOD_OPTION_NAMES)
-    assert {"scheduler", "backend", "run_ahead", "cuda_graphs", "stage_timing", "fast_vae"} <= set(RUN_OPTION_NAMES)
+    assert {"scheduler", "backend", "run_ahead", "cuda_graphs", "stage_timing", "fast_vae",
+            "quantization"} <= set(RUN_OPTION_NAMES)
     opts = GenerationOptions(**CHANGED)
     assert isinstance(opts.method, MethodOptions) and isinstance(opts.run, RunOptions)
     assert GenerationOptions(**dataclasses.asdict(opts.method), **dataclasses.asdict(opts.run)) == opts
@@ -232,4 +237,5 @@ def test_every_backend_has_one_registry_entry():
     from sdvg.options import BACKENDS
 
     assert tuple(REGISTRY) == BACKENDS
-    assert [name for name, b in REGISTRY.items() if not b.static] == ["eager"]
+    # eager and compile run the eager loop (compile: its hot parts compiled); the engine backends static stages
+    assert [name for name, b in REGISTRY.items() if not b.static] == ["eager", "compile"]

@@ -40,8 +40,8 @@ def command_lines() -> list[tuple[str, list[str]]]:
 
 
 def test_the_docs_have_examples_to_check():
-    assert [w for w, _, _ in blocks("python")] == ["README.md", "README.md", "docs/live.md", "docs/live.md"]  # the
-    # API, live sessions, video-to-video
+    assert [w for w, _, _ in blocks("python")] == ["README.md", "README.md", "docs/engines.md", "docs/live.md",
+                                                   "docs/live.md"]  # the API, live sessions, FP8, video-to-video
     commands = command_lines()
     assert len(commands) >= 15 and any(argv[:1] == ["sweep"] for _, argv in commands)
 
@@ -67,6 +67,10 @@ def test_python_blocks_run_on_tiny(where, line, code, tmp_path, monkeypatch):
     if "v2v" in namespace:  # video-to-video: a clip, and the same frames pushed live
         assert namespace["v2v"].frames.shape == (1, 33, 64, 64, 3) and len(namespace["blocks"]) == 2
         assert namespace["live"].stats["input_video"]["source"] == "live"
+        return
+    if 'quantization="fp8"' in code:  # the FP8 example: both DiTs' block linears in FP8
+        stats = namespace["out"].stats
+        assert stats["quantization"] == "fp8" and set(stats["fp8_impl"]) == {"drafter", "target"}
         return
     if "session" in namespace:  # the live-session examples: the replayed schedule is the session's video
         session, replay = namespace["session"], namespace["replay"]

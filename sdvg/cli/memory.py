@@ -1,6 +1,6 @@
-"""`sdvg memory`: the resident memory of a pipeline per device (weights, KV caches per context mode,
-prompt K/V, VAE, ImageReward, umT5), computed before anything is allocated, and a per-device budget
-check (exit 2 when a device does not fit)."""
+"""`sdvg memory`: the resident memory of a pipeline per device (weights, FP8 weights with --quantization,
+KV caches per context mode, prompt K/V, VAE, ImageReward, umT5), computed before anything is allocated,
+and a per-device budget check (exit 2 when a device does not fit)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ from sdvg.options import add_option_flags, options_from_args
 from sdvg.cli.args import check_preset, in_flags, real
 
 MEMORY_OPTIONS = ("mode", "num_blocks", "target_context", "drafter_cache", "kv_cache_frames", "keep_first_frame",
-                  "window_frames", "sink_frames")
+                  "window_frames", "sink_frames", "quantization")
 
 
 def add_parser(sub, config: dict | None = None) -> None:
@@ -51,6 +51,13 @@ def run(args, load_pipeline=None) -> int:
     check_preset(args.preset)
     preset = get_preset(args.preset)
     opts = options_from_args(args).resolved(preset)
+    from sdvg.options import backend_conflicts
+
+    conflicts = backend_conflicts(opts, args.backend)
+    if conflicts:
+        print(f"error: {conflicts[0]}", file=sys.stderr)
+        return 2
+    fp8_roles = tuple(r for r in opts.fp8_roles() if r in opts.roles)  # quantized in place, as the CLI loads them
     roles = opts.roles
     contexts = {role: opts.role_context(role) for role in roles}
     te_device = args.text_encoder_device or args.device
@@ -63,7 +70,8 @@ def run(args, load_pipeline=None) -> int:
             print(f"error: {in_flags(why)}", file=sys.stderr)
             return 2
         prefix = opts.kv_cache_frames
-    items = plan_memory(preset, contexts, opts.num_blocks, args.device, args.target_device, te_device, prefix)
+    items = plan_memory(preset, contexts, opts.num_blocks, args.device, args.target_device, te_device, prefix,
+                        fp8_roles)
     if getattr(args, "backend", "eager") == "tensorrt":  # engines in place of the torch DiTs (docs/engines.md)
         from sdvg.engines.resident import engine_items
         from sdvg.engines.signatures import preset_signatures
@@ -82,7 +90,7 @@ def run(args, load_pipeline=None) -> int:
     totals = device_totals(items)
     if args.json:
         print(json.dumps({"preset": preset.name, "precision": preset.precision, "num_blocks": opts.num_blocks,
-                          "start_frame_latent_frames": prefix,
+                          "start_frame_latent_frames": prefix, "quantization": opts.quantization,
                           "backend": getattr(args, "backend", "eager"),
                           "contexts": {r: c.mode for r, c in contexts.items()},
                           "kv_cache_gib_per_mode": {r: {m: v[0] / GIB for m, v in d.items()} for r, d in modes.items()},
@@ -94,7 +102,8 @@ def run(args, load_pipeline=None) -> int:
         frames = opts.num_blocks * preset.video.frames_per_block
         print(f"sdvg memory: preset {preset.name}, {preset.precision}, {opts.num_blocks} blocks ({frames} latent "
               f"frames{f', after a start frame of {prefix}' if prefix else ''}), backend "
-              f"{getattr(args, 'backend', 'eager')}; nothing allocated")
+              f"{getattr(args, 'backend', 'eager')}{f', quantization {opts.quantization}' if fp8_roles else ''}; "
+              "nothing allocated")
         print("KV cache per context mode (* = this run's):")
         for role, d in modes.items():
             for mode, (nbytes, how) in d.items():

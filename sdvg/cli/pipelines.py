@@ -32,7 +32,8 @@ def build_pipeline(args):
 
 def pipeline_from_flags(args):
     """Random weights for a random-weight preset without checkpoint flags; real weights otherwise (the
-    preset's published files, each replaced by its flag when given)."""
+    preset's published files, each replaced by its flag when given). --quantization quantizes the DiTs it
+    names in place as they load (their model-dtype linear weights dropped)."""
     import torch
 
     from sdvg.config import get_preset
@@ -45,16 +46,20 @@ def pipeline_from_flags(args):
     backend = args.backend or BACKENDS[0]
     budget = getattr(args, "memory_budget_gib", None)
     dtype = getattr(torch, args.dtype) if getattr(args, "dtype", None) else None
+    quantization = getattr(args, "quantization", None)
+    compiling = dict(compile_mode=getattr(args, "compile_mode", "default"), compile_cache=getattr(args, "compile_cache",
+                                                                                                  None))
     if preset.random_weights and not any(paths.values()):
         pipe = SpeculativeVideoPipeline.from_preset(preset, device=args.device, target_device=args.target_device,
                                                     backend=backend, engines=args.engines, torch_dtype=dtype,
-                                                    memory_budget_gib=budget)
+                                                    memory_budget_gib=budget, quantization=quantization, **compiling)
     else:
         pipe = SpeculativeVideoPipeline.from_pretrained(preset, **paths, drafter_device=args.device,
                                                         target_device=args.target_device, backend=backend,
                                                         engines=args.engines, torch_dtype=dtype,
                                                         memory_budget_gib=budget,
-                                                        progress=not getattr(args, "quiet", False))
+                                                        progress=not getattr(args, "quiet", False),
+                                                        quantization=quantization, **compiling)
     if getattr(args, "offload_text_encoder", False):
         pipe.text_encoder.enable_offload(args.device)
     return pipe

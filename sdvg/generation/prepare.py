@@ -16,9 +16,10 @@ from sdvg.generation.schedule import FlowSchedule, strength_steps
 from sdvg.models.components import Components
 from sdvg.models.device_constants import to_device_async
 from sdvg.models.dit import block_causal_mask
+from sdvg.models.fp8 import check_roles, fp8_state, fp8_tensors, kept_copy, role_dit, tensor_bytes
 from sdvg.models.kv_cache import KVCacheSpec
-from sdvg.models.memory import (MemoryItem, check_budget, device_key, kv_arithmetic, prompt_kv_bytes,
-                                resident_items)
+from sdvg.models.memory import (MemoryItem, check_budget, device_key, fp8_weights_item, kv_arithmetic,
+                                prompt_kv_bytes, resident_items)
 from sdvg.models.reward import Aggregator
 from sdvg.options import GenerationOptions, backend_conflicts
 
@@ -337,10 +338,31 @@ def video_memory(comps: Components, opts: GenerationOptions, slack_frames: int =
 
 
 def resident_components(comps: Components) -> list[MemoryItem]:
-    """The weights a pipeline already holds, per device (measured)."""
-    return resident_items({"drafter": comps.drafter, "target": comps.target, "umT5 text encoder":
-                           comps.text_encoder.model, "VAE": comps.vae.vae,
-                           "ImageReward": comps.scorer.model if comps.scorer is not None else None})
+    """The weights a pipeline already holds, per device (measured), the FP8 copies kept for its DiTs
+    included (their own tensors: the rest is the DiT's)."""
+    items = resident_items({"drafter": comps.drafter, "target": comps.target, "umT5 text encoder":
+                            comps.text_encoder.model, "VAE": comps.vae.vae,
+                            "ImageReward": comps.scorer.model if comps.scorer is not None else None})
+    for role in ("drafter", "target"):
+        dit = getattr(comps, role)
+        held = kept_copy(dit) if dit is not None else None
+        if held is not None:
+            tensors = fp8_tensors(held)
+            items.append(MemoryItem(device_key(dit.device), f"{role} FP8 weights (kept copy)", tensor_bytes(tensors),
+                                    f"resident: {len(tensors) // 2} FP8 linears' e4m3 weights + fp32 row scales"))
+    return items
+
+
+def fp8_copy_items(comps: Components, opts: GenerationOptions) -> list[MemoryItem]:
+    """The FP8 copies this video makes (a role asked in FP8 whose DiT has none yet): e4m3 weights and
+    fp32 row scales of its block linears (`fp8_weights_item`)."""
+    items = []
+    for role in (r for r in opts.fp8_roles() if r in opts.roles):
+        dit = getattr(comps, role)
+        if dit is None or fp8_state(dit) is not None or kept_copy(dit) is not None:
+            continue
+        items.append(fp8_weights_item(dit.config, device_key(dit.device), f"{role} FP8 weights (a copy made now)").item)
+    return items
 
 
 def _fixes(opts: GenerationOptions) -> str:
@@ -382,7 +404,7 @@ def check_memory(comps: Components, opts: GenerationOptions, slack_frames: int =
         check_budget(visit, memory_budget_gib, resident, "keep the text encoder off this device "
                      "(TextEncoder.enable_offload with an execution device that has room), free memory on it, or a "
                      "larger budget (memory_budget_gib=... / --memory-budget-gib)")
-    needs = video_memory(comps, opts, slack_frames, runners, prefix_frames)
+    needs = fp8_copy_items(comps, opts) + video_memory(comps, opts, slack_frames, runners, prefix_frames)
     check_budget(needs, memory_budget_gib, resident, _fixes(opts))
     return needs
 
@@ -465,6 +487,7 @@ def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, s
     conflicts = backend_conflicts(opts, runners.backend)
     if conflicts:
         raise ValueError(conflicts[0])
+    check_roles(comps, opts)
     if opts.mode == "sdvg" and opts.router == "reward" and comps.scorer is None:
         raise ValueError("router 'reward' needs the ImageReward model; load one or use router 'random'/'pattern'")
     verifiers = exit_verifiers_for(comps, opts)  # bad exit settings refused before allocating
@@ -481,6 +504,7 @@ def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, s
             raise ValueError(why)
         prefix = start_latents.shape[2]
     check_memory(comps, opts, slack_frames, runners, memory_budget_gib, prompt, prefix)
+    dits = role_dits(comps, opts)
     emb = comps.text_encoder.encode(prompt)
     zf = p.video.frames_per_block
     contexts = {role: opts.role_context(role) for role in opts.roles}
@@ -503,8 +527,9 @@ def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, s
                          zf, p.video.tokens_per_frame(p.vae, dit.config), comps.vae, emitted_pixels,
                          verifiers.get(role))
 
-    drafter = role_model("drafter", comps.drafter, comps.drafter_device, slack_frames) if "drafter" in contexts else None
-    target = role_model("target", comps.target, comps.target_device, 0) if "target" in contexts else None
+    drafter = (role_model("drafter", dits["drafter"], comps.drafter_device, slack_frames) if "drafter" in contexts
+               else None)
+    target = role_model("target", dits["target"], comps.target_device, 0) if "target" in contexts else None
     for model in (drafter, target):
         if model is not None and start_latents is not None:
             model.start_from(start_latents.to(model.device))
@@ -517,10 +542,19 @@ def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, s
                  (1, p.vae.z_dim, zf, lh, lw), runners, emitted_pixels, StageGuard(opts))
 
 
+def role_dits(comps: Components, opts: GenerationOptions) -> dict:
+    """role -> the DiT each role of `opts` runs for this video: the pipeline's, or in FP8 (`opts.fp8_roles()`)
+    its FP8 copy (made once, then kept) or itself when it was quantized in place (`fp8.role_dit`). The eager
+    loop (backends eager and compile) runs the DiT given here; the engine backends, which build their
+    stages from the pipeline's own, are refused with FP8 (`backend_conflicts`)."""
+    fp8 = opts.fp8_roles()
+    return {role: role_dit(getattr(comps, role), role, role in fp8) for role in opts.roles}
+
+
 def start_frame_conflict(opts: GenerationOptions) -> str | None:
     """Why a start frame cannot go with `opts` (resolved), or None: what is not built with it yet, or a start frame
     whose frames (`kv_cache_frames`, written by one forward) do not fit a full role's attention window."""
-    if opts.backend not in (None, "eager"):
+    if opts.backend not in (None, "eager", "compile"):  # the engines' static stages
         return (f"start_frame with backend {opts.backend!r}: the static stages are shaped for caches without a start "
                 "frame's frames; run it with backend='eager'")
     for role in opts.roles:

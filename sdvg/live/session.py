@@ -167,8 +167,9 @@ class LiveSession:
         self._counter_totals: dict[str, float] = {}
         self._spans: list[tuple[int, dict]] = []  # (segment, span) of the finished segments
         self._stage_device_s: dict[str, float] | None = None
+        self._compile: dict | None = None  # backend compile: the segments' compile costs summed
         self._records_live: dict[int, dict] = {}
-        self.stats = RunStats(prompt, pipe.preset.name, opts, pipe.provenance(), keep_blocks=record_blocks)
+        self.stats = RunStats(prompt, pipe.preset.name, opts, pipe.provenance(opts), keep_blocks=record_blocks)
         self.stats.extra.update(live=True, num_blocks=num_blocks, updates=[], prompts=self.table.prompts)
         self.finished = False
         self._source, self.input_timeout_s = _input_source(pipe, input_video, input_frames, input_timeout_s,
@@ -335,6 +336,10 @@ class LiveSession:
         if report.stage_device_s is not None:
             total = self._stage_device_s or {}
             self._stage_device_s = {k: total.get(k, 0.0) + v for k, v in report.stage_device_s.items()}
+        if report.compile is not None:  # the counts summed over the segments, the settings kept
+            total = self._compile or {}
+            self._compile = {k: (total.get(k, 0) + v if isinstance(v, (int, float)) else v)
+                             for k, v in report.compile.items()}
         seg = self._segments
         if report.final_times is not None:  # run-ahead: a drafter commit may end after its block is emitted
             for b in self.stats.blocks:
@@ -436,6 +441,7 @@ class LiveSession:
         self.stats.counters = dict(self._counter_totals)
         self.stats.trace = [span for _, span in self._spans]
         self.stats.stage_device_s = self._stage_device_s
+        self.stats.compile = self._compile
         self.stats.extra.update(segments=self._segments + 1, prompt_encodes=self.table.bank.encodes,
                                 blocks_started=self._started, recache_forwards=self._recache_forwards)
         if self.input_ended:

@@ -100,10 +100,13 @@ def prompt_kv_bytes(dit, text_len: int, dtype: torch.dtype) -> tuple[int, str]:
 
 
 def plan_memory(preset: Preset, contexts: dict[str, RoleContext], num_blocks: int, drafter_device: str,
-                target_device: str, text_encoder_device: str, prefix_frames: int = 0) -> list[MemoryItem]:
+                target_device: str, text_encoder_device: str, prefix_frames: int = 0,
+                fp8_roles: tuple[str, ...] = ()) -> list[MemoryItem]:
     """Every resident component of a pipeline running `contexts` (role -> context), by device. The VAE and
     ImageReward live with the drafter (as `SpeculativeVideoPipeline` places them). `prefix_frames`: a start
-    frame's latent frames (kv_cache_frames), which a full context holds before block 0."""
+    frame's latent frames (kv_cache_frames), which a full context holds before block 0. `fp8_roles`: DiTs
+    quantized in place (`quantization=` at load, as the CLI loads them): their block linears as e4m3
+    weights and fp32 row scales (`fp8_weights_item`), the rest in the preset's precision."""
     elem = torch.empty((), dtype=torch_dtype(preset.precision)).element_size()
     items = []
     for role, device in (("drafter", drafter_device), ("target", target_device)):
@@ -111,7 +114,14 @@ def plan_memory(preset: Preset, contexts: dict[str, RoleContext], num_blocks: in
             continue
         dit = getattr(preset, role)
         n = dit.num_params()
-        items.append(MemoryItem(device, f"{role} weights", n * elem, f"{n / 1e9:.2f}B params x {elem} B"))
+        if role in fp8_roles:
+            fp8 = fp8_weights_item(dit, device, f"{role} FP8 weights")
+            n -= fp8.params
+            items.append(MemoryItem(device, f"{role} weights", n * elem, f"{n / 1e9:.2f}B params x {elem} B (the "
+                                                                       "rest: not quantized)"))
+            items.append(fp8.item)
+        else:
+            items.append(MemoryItem(device, f"{role} weights", n * elem, f"{n / 1e9:.2f}B params x {elem} B"))
         nbytes, how = kv_bytes(preset, role, contexts[role], num_blocks, prefix_frames=prefix_frames)
         items.append(MemoryItem(device, f"{role} KV cache", nbytes, how))
         text, how = prompt_kv_bytes(dit, preset.text_encoder.text_len, torch_dtype(preset.precision))
@@ -122,6 +132,21 @@ def plan_memory(preset: Preset, contexts: dict[str, RoleContext], num_blocks: in
         items.append(MemoryItem(device, {"vae": "VAE", "reward": "ImageReward", "text_encoder": "umT5 text encoder"}
                                 [name] + " weights", n * elem, f"{n / 1e6:.1f}M params x {elem} B"))
     return items
+
+
+@dataclass(frozen=True)
+class FP8Weights:
+    item: MemoryItem
+    params: int  # the quantized linears' weights (parameters no longer in the model's dtype)
+
+
+def fp8_weights_item(config, device: str, what: str) -> FP8Weights:
+    """The bytes of a DiT's FP8 block linears (sdvg/models/fp8.py): 1 B per weight, a 4 B scale per output row."""
+    from sdvg.models.fp8 import quantized_counts
+
+    weights, rows = quantized_counts(config)
+    return FP8Weights(MemoryItem(device, what, weights + 4 * rows,
+                                 f"{weights / 1e9:.2f}B params x 1 B (e4m3) + {rows} rows x 4 B"), weights)
 
 
 def device_totals(items: list[MemoryItem]) -> dict[str, int]:
@@ -175,6 +200,17 @@ def _count(n: int) -> str:
     return str(n)
 
 
+def storage_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold `t`'s memory: itself, or a tensor subclass's inner tensors (torchao's
+    FP8 weights: e4m3 data and fp32 scales, whose wrapper reports the original dtype)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return [x for n in names for x in storage_tensors(getattr(t, n))]
+    return [t]
+
+
 def resident_items(modules: dict[str, torch.nn.Module | None]) -> list[MemoryItem]:
     """The bytes of each named module's parameters and buffers, per device they sit on (measured)."""
     items = []
@@ -183,7 +219,7 @@ def resident_items(modules: dict[str, torch.nn.Module | None]) -> list[MemoryIte
             continue
         per_device: dict[str, dict[int, int]] = {}  # device -> element size -> values
         seen = set()
-        for t in (*module.parameters(), *module.buffers()):
+        for t in (x for p in (*module.parameters(), *module.buffers()) for x in storage_tensors(p)):
             if id(t) in seen:  # tied weights count once
                 continue
             seen.add(id(t))
