@@ -26,18 +26,21 @@ def _git(*args, root: Path = ROOT) -> str | None:
 
 
 def commit_of(root: Path = ROOT) -> dict:
-    """`commit`, `dirty` and `commit_source` of the project tree at `root`. git's answer only when git's
-    toplevel is `root` itself: a tree copied without its .git into a folder of another repository would
-    otherwise report that repository's HEAD. Else the commit named by $SDVG_COMMIT, else "unknown" (dirty
-    None: not known either way)."""
+    """`commit`, `dirty` and `commit_source` of the project tree at `root`. $SDVG_COMMIT, when set, names it
+    (the caller knows which commit it copied; a copied tree may carry a stale .git, as a lent GPU machine's
+    copy did: git's HEAD is then kept as `git_head`). Else git's answer when git's toplevel is `root`
+    itself (a tree copied without its .git into a folder of another repository would otherwise report
+    that repository's HEAD), else "unknown" (dirty None: not known either way)."""
     top = _git("rev-parse", "--show-toplevel", root=root)
-    if top is not None and Path(top).resolve() == Path(root).resolve():
+    own = top is not None and Path(top).resolve() == Path(root).resolve()
+    named = os.environ.get(COMMIT_VARIABLE, "").strip()
+    if named:
+        return {"commit": named, "dirty": None, "commit_source": COMMIT_VARIABLE,
+                "git_head": _git("rev-parse", "HEAD", root=root) if own else None}
+    if own:
         status = _git("status", "--porcelain", "--untracked-files=no", root=root)
         return {"commit": _git("rev-parse", "HEAD", root=root) or "unknown",
                 "dirty": bool(status) if status is not None else None, "commit_source": "git"}
-    named = os.environ.get(COMMIT_VARIABLE, "").strip()
-    if named:
-        return {"commit": named, "dirty": None, "commit_source": COMMIT_VARIABLE}
     return {"commit": "unknown", "dirty": None, "commit_source": None}
 
 

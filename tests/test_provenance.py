@@ -3,6 +3,7 @@ toplevel; a tree copied without its .git into a folder of another repository rep
 never that repository's HEAD."""
 import importlib.util
 import shutil
+import os
 import subprocess
 from pathlib import Path
 
@@ -63,10 +64,13 @@ def test_a_checkout_reports_its_own_head(tmp_path, monkeypatch):
     git(tmp_path / "project", "add", "benchmarks/provenance.py")
     git(tmp_path / "project", "commit", "-q", "-m", "provenance")
     head = git(tmp_path / "project", "rev-parse", "HEAD")
-    monkeypatch.setenv("SDVG_COMMIT", "not-this-one")  # git's answer wins in a checkout
+    monkeypatch.delenv("SDVG_COMMIT", raising=False)
     assert prov.commit_of() == {"commit": head, "dirty": False, "commit_source": "git"}
     (tmp_path / "project" / "README.md").write_text("changed\n")
     assert prov.commit_of()["dirty"] is True
+    # the caller's word wins: a copied tree may carry a stale .git (git's HEAD is kept beside it)
+    monkeypatch.setenv("SDVG_COMMIT", "e139029")
+    assert prov.commit_of() == {"commit": "e139029", "dirty": None, "commit_source": "SDVG_COMMIT", "git_head": head}
 
 
 def test_this_checkout_reports_its_head():
@@ -74,4 +78,6 @@ def test_this_checkout_reports_its_head():
     if top.returncode or Path(top.stdout.strip()).resolve() != ROOT:
         pytest.skip("this tree is not a git checkout of its own")
     p = load(ROOT / "benchmarks" / "provenance.py").provenance()
+    if os.environ.get("SDVG_COMMIT"):
+        pytest.skip("SDVG_COMMIT is set: it names the commit instead of git")
     assert (p["commit"], p["commit_source"]) == (git(ROOT, "rev-parse", "HEAD"), "git")

@@ -34,7 +34,7 @@ class RegionalCompile:
     static = False
 
     def make(self, runners, make_step, signature, dynamic, extra):
-        return runners.compile_settings.compile(make_step().eval())
+        return runners.compile_settings.compile(make_step().eval(), "reward")
 
 
 class EngineStages:
@@ -236,7 +236,8 @@ class StageRunners:
         if "vae_decode" not in self._stages:
             from sdvg.generation.fast_vae import FastVAEDecode
 
-            self._stages["vae_decode"] = FastVAEDecode(self.comps.vae, compile_fn=self.compile_settings.compile)
+            self._stages["vae_decode"] = FastVAEDecode(
+                self.comps.vae, compile_fn=lambda step: self.compile_settings.compile(step, "vae"))
         return self._stages["vae_decode"]
 
     def _vae_stage(self, cache):

@@ -17,8 +17,11 @@ statistics): the seconds dynamo and inductor spent compiling during it, and the 
 misses (a persistent inductor cache, `cache_dir`, turns a cold compilation into cache hits)."""
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +34,8 @@ from sdvg.options import COMPILE_MODES, COMPILERS
 # arithmetic rounds differently; bf16 carries ~3 significant digits through 40 layers)
 COMPILE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 4e-2}
 RECOMPILE_LIMIT = 64  # graphs per region: every token count of both DiTs (dynamo's default of 8 is too few)
+
+log = logging.getLogger(__name__)
 
 
 class CompileSettingsError(ValueError):
@@ -58,11 +63,11 @@ class CompileSettings:
         if self.cache_dir is not None:
             object.__setattr__(self, "cache_dir", str(check_cache_dir(self.cache_dir)))
 
-    def compile(self, fn):
-        """`fn` through torch.compile with these settings, static shapes."""
+    def compile(self, fn, part: str = "other"):
+        """`fn` through torch.compile with these settings, static shapes, as a `CompiledPart` named `part`."""
         if self.compiler != "inductor":
-            return torch.compile(fn, backend=self.compiler, dynamic=False)
-        return torch.compile(fn, mode=self.mode, dynamic=False)
+            return CompiledPart(part, torch.compile(fn, backend=self.compiler, dynamic=False))
+        return CompiledPart(part, torch.compile(fn, mode=self.mode, dynamic=False))
 
     def activate(self) -> None:
         """Process-wide settings a compile backend needs, set once it is made: the inductor cache folder and a
@@ -99,7 +104,48 @@ def check_cache_dir(path) -> Path:
 
 
 def compiled_regions(settings: CompileSettings) -> BlockRegions:
-    return BlockRegions(settings.compile(before_attention), settings.compile(after_attention))
+    return BlockRegions(settings.compile(before_attention, "dit.before_attention"),
+                        settings.compile(after_attention, "dit.after_attention"))
+
+
+def _graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+_PARTS: dict[str, list] = {}  # part -> [seconds of the calls that compiled, graphs], process-wide
+_PARTS_LOCK = threading.Lock()
+
+
+class CompiledPart:
+    """A compiled callable that times each call in which torch.compile compiled a graph, per part (the DiT
+    regions, the VAE step, the reward step), and logs it as it happens (INFO, this module's logger): a
+    cold start's cost by part, even when a time box ends it. The seconds are the wall time of those calls
+    (tracing, inductor, the first run); two threads compiling at once may each see the other's graph."""
+
+    def __init__(self, part: str, fn):
+        self.part, self.fn = part, fn
+
+    def __call__(self, *args, **kwargs):
+        before, t0 = _graphs_compiled(), time.perf_counter()
+        out = self.fn(*args, **kwargs)
+        made = _graphs_compiled() - before
+        if made:
+            seconds = time.perf_counter() - t0
+            with _PARTS_LOCK:
+                held = _PARTS.setdefault(self.part, [0.0, 0])
+                held[0] += seconds
+                held[1] += made
+            shape = next((list(a.shape) for a in args if isinstance(a, torch.Tensor)), None)
+            log.info("compiled %s (first tensor input %s): %d graph(s) in %.1f s", self.part, shape, made, seconds)
+        return out
+
+
+def parts_compiled() -> dict[str, tuple[float, int]]:
+    """part -> (seconds of the calls that compiled, graphs) so far in this process."""
+    with _PARTS_LOCK:
+        return {k: (v[0], v[1]) for k, v in _PARTS.items()}
 
 
 class CompileClock:
@@ -117,12 +163,16 @@ class CompileClock:
         return {"compile_s": sum(compilation_time_metrics.get("_compile.compile_inner", ())),
                 "graphs": counters["stats"]["unique_graphs"],
                 "cache_hits": counters["inductor"]["fxgraph_cache_hit"],
-                "cache_misses": counters["inductor"]["fxgraph_cache_miss"]}
+                "cache_misses": counters["inductor"]["fxgraph_cache_miss"], "by_part": parts_compiled()}
 
     def since(self) -> dict:
         now = self._read()
-        out = {k: now[k] - self._start[k] for k in now}
+        out = {k: now[k] - self._start[k] for k in now if k != "by_part"}
         out["compile_s"] = round(out["compile_s"], 3)
+        start = self._start["by_part"]
+        out["by_part"] = {part: {"seconds": round(s - start.get(part, (0.0, 0))[0], 3),
+                                 "graphs": g - start.get(part, (0.0, 0))[1]}
+                          for part, (s, g) in now["by_part"].items() if g > start.get(part, (0.0, 0))[1]}
         return {"mode": self.settings.mode, "compiler": self.settings.compiler, "cache_dir": inductor_cache_dir(),
                 **out}
 
