@@ -97,3 +97,23 @@ def test_compile_backend_video_through_the_eager_loop(tiny_pipe):
     a = pipe(PROMPT, num_blocks=2, mode="target", start_frame=image)
     b = pipe(PROMPT, num_blocks=2, mode="target", start_frame=image, backend="compile")
     assert torch.equal(a.latents, b.latents)
+
+
+def test_cli_refuses_a_bad_compile_cache_before_loading(tmp_path, capsys, monkeypatch):
+    """`sdvg generate --backend compile --compile-cache FILE`: refused by name, nothing built or written."""
+    import sdvg.pipeline as pipeline
+    from sdvg import cli
+
+    monkeypatch.setattr(pipeline, "build_random", lambda *a, **k: (_ for _ in ()).throw(
+        AssertionError("a model was built before the compile settings were checked")))
+    a_file = tmp_path / "cache"
+    a_file.write_text("x")
+    out = tmp_path / "v.mp4"
+    code = cli.main(["generate", "--prompt", PROMPT, "--backend", "compile", "--compile-cache", str(a_file),
+                     "--quiet", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code != 0 and "is a file, not a folder" in err and "--compile-cache" in err, err
+    assert not out.exists()
+    with pytest.raises(SystemExit) as bad:  # argparse: the mode's choices
+        cli.main(["generate", "--prompt", PROMPT, "--backend", "compile", "--compile-mode", "reduce-overhead"])
+    assert bad.value.code == 2 and "max-autotune-no-cudagraphs" in capsys.readouterr().err

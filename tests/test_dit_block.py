@@ -77,3 +77,22 @@ def test_cached_and_full_forwards_are_bitwise_the_reference(dtype):
     a = dit(x[1], t, text, cache=caches["eager"], active=active)
     b = dit(x[1], t, text, cache=caches["reference"], active=active, regions=REFERENCE_REGIONS)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_regions_under_autograd_give_the_same_values_and_gradients(dtype):
+    """With autograd recording (a forward outside no_grad, e.g. through `forward_with`), the folded casts
+    fall back to the plain form: the same values, and gradients flow to the weights."""
+    dit = _dit(dtype)
+    block = dit.model.blocks[0]
+    x = torch.randn(1, 48, 48).to(dtype)
+    t_mod, cos, sin = torch.randn(1, 3, 6, 48), torch.randn(48, 6), torch.randn(48, 6)
+    with torch.no_grad():
+        want = EAGER_REGIONS.before_attention(block, x, t_mod, cos, sin, 4, 3, 16)
+    got = EAGER_REGIONS.before_attention(block, x, t_mod, cos, sin, 4, 3, 16)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    q, k, v, mod = got
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    out = EAGER_REGIONS.after_attention(block, x, o, mod, k, v, 4, 3, 16)
+    out.float().square().mean().backward()
+    assert block.attn1.to_q.weight.grad is not None and block.ffn.net[2].weight.grad.abs().sum() > 0

@@ -6,6 +6,8 @@ import copy
 import json
 import threading
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -35,7 +37,11 @@ def impl(request, monkeypatch):
     name = request.param
     if name == "torchao":
         pytest.importorskip("torchao")
+    why = fp8.impl_error(name, "cpu", torch.float32)
+    if why:  # e.g. torch 2.11's CPU _scaled_mm takes per-tensor scales only
+        pytest.skip(f"{name} does not run on this torch's CPU: {why[:200]}")
     monkeypatch.setattr(fp8, "_IMPL_BY_DEVICE", {})
+    monkeypatch.setattr(fp8, "_COPIES", weakref.WeakKeyDictionary())  # no copy made under another impl is reused
     monkeypatch.setattr(fp8, "choose_impl", lambda device, dtype: (name, None if name == "torchao" else "forced"))
     return name
 
@@ -95,6 +101,9 @@ def _linear(dtype, n=48, k=64, bias=True, seed=2):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [True, False])
 def test_both_implementations_match_the_reference(dtype, bias):
+    why = fp8.impl_error("scaled_mm", "cpu", dtype)
+    if why:
+        pytest.skip(f"torch._scaled_mm does not run row-wise FP8 on this torch's CPU: {why[:200]}")
     lin = _linear(dtype, bias=bias)
     x = _rows(dtype)[[0, 4, 5]]  # [3, 5, 64], the spike row included
     ref = fp8.reference_linear(x, *fp8.quantize_rows(lin.weight), lin.bias)
@@ -114,7 +123,8 @@ def test_both_implementations_match_the_reference(dtype, bias):
 def test_fp8_linear_against_the_model_dtype_within_the_table(dtype):
     lin = _linear(dtype, n=256, k=512)
     x = torch.randn(64, 512, generator=torch.Generator().manual_seed(3)).to(dtype)
-    err = fp8.relative_error(fp8.ScaledMMLinear.from_linear(lin)(x), lin(x))
+    chosen = {"reference": fp8.ReferenceLinear}.get(fp8.choose_impl("cpu", dtype)[0], fp8.ScaledMMLinear)
+    err = fp8.relative_error(chosen.from_linear(lin)(x), lin(x))
     assert 1e-3 < err <= fp8.FP8_TOLERANCE["linear"], err  # quantized (not the model's own arithmetic), within 5 %
 
 

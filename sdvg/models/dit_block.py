@@ -27,11 +27,19 @@ import torch.nn.functional as F
 from sdvg.models.rope import apply_rope
 
 
+def folds(*tensors: torch.Tensor) -> bool:
+    """Whether an fp32 result can be rounded straight into a preallocated output (`out=`): not while autograd
+    records (`out=` is not differentiable); the plain `.to(dtype)` form gives the same values then."""
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
 def modulated_norm(norm, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, groups: int,
                    group_len: int) -> torch.Tensor:
     """norm(x) * (1 + scale) + shift in fp32, rounded once into x's dtype. x [B, S, dim]; scale, shift
     [B, G, 1, dim] fp32 (one row per modulation group of `group_len` tokens) -> [B, S, dim]."""
     h = norm(x.float()).unflatten(1, (groups, group_len))  # [B, G, T, dim] fp32
+    if not folds(h, scale, shift):
+        return (h * (1 + scale) + shift).flatten(1, 2).to(x.dtype).contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, whatever x's layout
     torch.add(h * (1 + scale), shift, out=out.unflatten(1, (groups, group_len)))
     return out
@@ -40,9 +48,11 @@ def modulated_norm(norm, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tens
 def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, groups: int, group_len: int) -> torch.Tensor:
     """x + y * gate in fp32 (x and y widened exactly), rounded once into x's dtype. x, y [B, S, dim];
     gate [B, G, 1, dim] fp32 -> [B, S, dim] (contiguous)."""
+    gated = y.unflatten(1, (groups, group_len)) * gate  # [B, G, T, dim] fp32
+    if not folds(x, gated):
+        return (x.unflatten(1, (groups, group_len)) + gated).flatten(1, 2).to(x.dtype).contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    torch.add(x.unflatten(1, (groups, group_len)), y.unflatten(1, (groups, group_len)) * gate,
-              out=out.unflatten(1, (groups, group_len)))
+    torch.add(x.unflatten(1, (groups, group_len)), gated, out=out.unflatten(1, (groups, group_len)))
     return out
 
 

@@ -189,17 +189,28 @@ def choose_impl(device, dtype: torch.dtype) -> tuple[str, str | None]:
     key = f"{torch.device(device)}:{dtype}"
     with _LOCK:
         if key not in _IMPL_BY_DEVICE:
-            why = torchao_error() or _smoke(lambda x, w, b: F.linear(x, torchao_weight(w), b), "torchao",
-                                            device, dtype)
+            why = impl_error("torchao", device, dtype)
             impl = "torchao" if why is None else "scaled_mm"
             if why is not None:
-                why_not_mm = _smoke(lambda x, w, b: ScaledMMLinear(*quantize_rows(w), b)(x), "torch._scaled_mm",
-                                    device, dtype)
+                why_not_mm = impl_error("scaled_mm", device, dtype)
                 if why_not_mm is not None:
                     impl, why = "reference", f"{why}; {why_not_mm}"
                 log.info("FP8 linears on %s run through %s: %s", key, impl, why)
             _IMPL_BY_DEVICE[key] = (impl, why)
         return _IMPL_BY_DEVICE[key]
+
+
+def impl_error(impl: str, device, dtype: torch.dtype) -> str | None:
+    """Why implementation `impl` cannot run FP8 linears on `device` in `dtype` (one small linear against the
+    reference), or None when it can."""
+    if impl == "torchao":
+        return torchao_error() or _smoke(lambda x, w, b: F.linear(x, torchao_weight(w), b), "torchao", device,
+                                         dtype)
+    if impl == "scaled_mm":
+        return _smoke(lambda x, w, b: ScaledMMLinear(*quantize_rows(w), b)(x), "torch._scaled_mm", device, dtype)
+    if impl == "reference":
+        return None
+    raise ValueError(f"unknown FP8 implementation {impl!r}; one of {', '.join(IMPLS)}")
 
 
 def _smoke(linear, name: str, device, dtype: torch.dtype) -> str | None:

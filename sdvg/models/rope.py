@@ -43,12 +43,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     Computed in float32 and rounded once into x's dtype. Eagerly, a bf16 x is widened exactly inside
     each product and each rotated channel is rounded straight into the output (`out=`), so no widened
     copy of x and no stacked fp32 result is made; under torch.compile (which traces no strided `out=`)
-    the stacked form, which inductor fuses into one kernel."""
+    the stacked form, which inductor fuses into one kernel, and with autograd recording (out= is not
+    differentiable) too: the same values."""
     pairs = x.unflatten(-1, (-1, 2))  # [B, S, H, D/2, 2] view
     x1, x2 = pairs[..., 0], pairs[..., 1]
     c, s = cos[None, :, None, :], sin[None, :, None, :]
-    if torch.compiler.is_compiling():
-        return torch.stack([x1.float() * c - x2.float() * s, x1.float() * s + x2.float() * c], dim=-1).flatten(-2).to(x.dtype)
+    grad = torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad)
+    if torch.compiler.is_compiling() or grad:  # out= is neither traced nor differentiable: the stacked form
+        x1, x2 = x1.float(), x2.float()
+        return torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2).to(x.dtype)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rotated = out.unflatten(-1, (-1, 2))
     torch.sub(x1 * c, x2 * s, out=rotated[..., 0])
