@@ -1,13 +1,17 @@
 """SIGTERM on `sdvg serve` (a real process): every socket gets `completed` and a 1001 close after
-the frames already made, and every session's MP4 is finished with exactly those frames."""
+the frames already made, and every session's MP4 is finished with exactly those frames. It listens on
+`--port 0` and is reached on the port it printed."""
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import queue
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -18,7 +22,7 @@ pytest.importorskip("fastapi")
 msgpack = pytest.importorskip("msgpack")
 websockets = pytest.importorskip("websockets")
 
-from serve_harness import free_port, recv_json  # noqa: E402
+from serve_harness import recv_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,16 +31,28 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_sigterm_completes_every_socket_and_finishes_every_mp4(tmp_path):
     from sdvg.io.video_writer import read_mp4_frames
 
-    port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "sdvg.cli", "serve", "--preset", "tiny", "--port", str(port),
-                             "--video-dir", str(tmp_path), "--quiet",
+    proc = subprocess.Popen([sys.executable, "-m", "sdvg.cli", "serve", "--preset", "tiny", "--port", "0",
+                             "--video-dir", str(tmp_path),
                              "--send-buffer-frames", "4096"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in iter(proc.stdout.readline, b"")], daemon=True).start()
     try:
         deadline = time.monotonic() + 300
+        port = None
+        while port is None:  # --port 0: the port bound is the one printed
+            assert time.monotonic() < deadline, "sdvg serve did not print its URL"
+            try:
+                line = lines.get(timeout=1).decode(errors="replace")
+            except queue.Empty:
+                assert proc.poll() is None, "sdvg serve exited before printing its URL"
+                continue
+            printed = re.match(r"sdvg serve: http://127\.0\.0\.1:(\d+)/", line)
+            port = int(printed.group(1)) if printed else None
+        assert port > 0
         while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
+            assert proc.poll() is None, "sdvg serve exited"
             assert time.monotonic() < deadline, "sdvg serve did not come up"
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):

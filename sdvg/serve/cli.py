@@ -4,9 +4,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sdvg.serve.config import ServeConfig
+from sdvg.serve.config import ServeConfig, check_port
 
 _D = ServeConfig()
+
+
+def port_number(text: str) -> int:
+    """--port's type: an integer from 0 to 65535 (argparse refuses anything else: exit 2 before anything loads)."""
+    try:
+        return check_port(int(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc) if text.strip().lstrip("-").isdigit() else
+                                         f"{text!r} is not a port number (an integer from 0 to 65535)") from None
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -17,7 +26,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     add_generation_args(p)  # generate's preset, model and device flags; the option flags are the server's defaults
     p.add_argument("--host", default=_D.host, help="address to bind (default: 127.0.0.1, loopback only; any "
                                                    "other needs --token)")
-    p.add_argument("--port", type=int, default=_D.port, help=f"TCP port (default: {_D.port}; 0: any free port)")
+    p.add_argument("--port", type=port_number, default=_D.port,
+                   help=f"TCP port, 0 to 65535, bound before any model loads (default: {_D.port}; 0: any free port, "
+                        "the one bound is printed)")
     p.add_argument("--token", help="shared secret every HTTP request and websocket must carry (Authorization: "
                                    "Bearer T, or ?token=T); required beyond loopback")
     p.add_argument("--max-sessions", type=int, default=_D.max_sessions,
@@ -71,6 +82,7 @@ def run_serve(args, load_pipeline=None) -> int:
     """`load_pipeline(args)`: the pipeline the server serves (default: from the preset, checkpoint and device
     flags, as `sdvg generate` builds it)."""
     from sdvg.options import options_from_args
+    from sdvg.serve.listen import PortError, bind_socket, bound_url
     from sdvg.serve.protocol import ProtocolError
     from sdvg.serve.security import check_bind
 
@@ -88,6 +100,10 @@ def run_serve(args, load_pipeline=None) -> int:
         print(f"error: sdvg serve needs the serve extra: pip install 'sdvg[serve]' ({exc})", file=sys.stderr)
         return 2
     if args.ray_replicas > 0:
+        if cfg.port == 0:
+            raise PortError("--port 0 with --ray-replicas: Ray's proxy binds the port itself and does not say which "
+                            "one it took; give a port (e.g. --port 8000)")
+        bind_socket(cfg.host, cfg.port).close()  # checked before any replica loads (Ray's proxy binds it again)
         try:
             from sdvg.serve.ray_app import run
         except ImportError as exc:
@@ -98,10 +114,14 @@ def run_serve(args, load_pipeline=None) -> int:
     if load_pipeline is None:
         from sdvg.cli import build_pipeline as load_pipeline
 
-    pipe = load_pipeline(args)
-    app = create_app(pipe, cfg, defaults)
-    if not args.quiet:
-        print(f"sdvg serve: http://{cfg.host}:{cfg.port}/ (preset {args.preset}, at most {cfg.max_sessions} "
-              f"sessions)", file=sys.stderr, flush=True)
-    serve(app, cfg, args.log_level)
+    sock = bind_socket(cfg.host, cfg.port)  # a taken or foreign address: exit 2 before any model loads
+    try:
+        pipe = load_pipeline(args)
+        app = create_app(pipe, cfg, defaults)
+        if not args.quiet:
+            print(f"sdvg serve: {bound_url(sock)} (preset {args.preset}, at most {cfg.max_sessions} sessions)",
+                  file=sys.stderr, flush=True)
+        serve(app, cfg, args.log_level, sock)
+    finally:
+        sock.close()
     return 0

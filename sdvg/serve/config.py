@@ -3,6 +3,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_PORT = 65535
+
+
+def check_port(port: int) -> int:
+    """A TCP port to listen on: 0 (any free port) to 65535; a ValueError naming the fix otherwise."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= MAX_PORT:
+        raise ValueError(f"port {port!r} must be an integer from 0 to {MAX_PORT} (0: any free port)")
+    return port
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -35,6 +44,7 @@ class ServeConfig:
     video_dir: str | None = None  # where session MP4s and uploads live (default: a temporary folder)
 
     def __post_init__(self) -> None:
+        check_port(self.port)
         for name in ("max_sessions", "send_buffer_frames", "max_message_bytes", "max_image_bytes", "max_blocks",
                      "update_burst", "flood_close_after", "keep_videos", "max_prompt_chars", "max_upload_store_bytes",
                      "max_concurrent_uploads"):

@@ -1,7 +1,11 @@
 """uvicorn, with a shutdown that drains first: on SIGTERM / SIGINT the block in progress ends,
 every session's MP4 is finished, each socket gets `{"status": "completed"}` and is closed (1001),
-and only then does uvicorn close connections."""
+and only then does uvicorn close connections.
+
+`serve` takes the socket `sdvg.serve.listen.bind_socket` bound before any model loaded."""
 from __future__ import annotations
+
+import socket
 
 import uvicorn
 
@@ -18,5 +22,10 @@ def uvicorn_config(app, cfg, log_level: str = "warning") -> uvicorn.Config:
                           timeout_graceful_shutdown=cfg.drain_timeout_s, lifespan="on")
 
 
-def serve(app, cfg, log_level: str = "warning") -> None:
-    DrainingServer(uvicorn_config(app, cfg, log_level)).run()
+def serve(app, cfg, log_level: str = "warning", sock: socket.socket | None = None) -> None:
+    """Serve until SIGTERM / SIGINT, on `sock` (from `listen.bind_socket`; None: uvicorn binds cfg's address). A server
+    that never started (its lifespan failed) raises RuntimeError."""
+    server = DrainingServer(uvicorn_config(app, cfg, log_level))
+    server.run(sockets=None if sock is None else [sock])
+    if not server.started:
+        raise RuntimeError("the server did not start (its log above says why)")
