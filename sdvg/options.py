@@ -56,6 +56,7 @@ SEED_MAX = 2**63 - 1
 # Upper bounds of the size options, so no size derived from them can pass 2^63 (checked before loading).
 MAX_BLOCKS = 10**9  # far past any video; keeps every size derived from it well inside int64 (checked anyway)
 MAX_FRAMES = 1_000_000  # latent frames of a context, window or sink
+MAX_STEPS = 1000  # denoising steps: past the table's 1000 entries, Krea's integer steps repeat
 MAX_INTERP_BLOCKS = 1024  # a prompt blend longer than this is a mistake (Krea's demo uses 4)
 
 
@@ -160,6 +161,12 @@ class MethodOptions:
     strength: float = _opt(1.0, "video-to-video: how far the input video is noised before both roles denoise it, "
                                 "in (0, 1]; each role's steps start at strength * 1000 (Krea's rule; 1.0: pure "
                                 "noise, the input is ignored; docs/live.md)", metavar="S")
+    target_steps: int | None = _opt(None, "the target's denoising steps (Krea's num_denoising_steps): N model calls "
+                                          "by Krea's rule, linspace(1000, 0, N) truncated to integers for a recompute "
+                                          "target (5: its default list), the first N of linspace(1000, 0, N + 1) then "
+                                          "the t = 0 commit for a full-context one (4: Self-Forcing's); the drafter "
+                                          "keeps its distilled schedule; default: the preset's lists "
+                                          "(docs/method.md)", metavar="N")
 
     def __post_init__(self) -> None:
         _check_fields(self, MethodOptions)
@@ -176,6 +183,8 @@ class MethodOptions:
             raise OptionError(f"strength {strength} must lie in (0, 1]: 1.0 starts from pure noise, smaller values keep "
                               "more of the input video (Krea's demo uses 0.6 to 0.9)")
         set_("strength", strength)
+        if self.target_steps is not None:
+            set_("target_steps", _integer("target_steps", self.target_steps, low=1, high=MAX_STEPS))
         if self.kv_cache_frames is not None:
             set_("kv_cache_frames", _integer("kv_cache_frames", self.kv_cache_frames, low=1, cap=MAX_FRAMES))
         for name in ("window_frames", "sink_frames"):
@@ -358,6 +367,8 @@ class GenerationOptions(RunOptions, MethodOptions):
                               f"{self.exit_verifier!r}: pass --exit-verifier head, or drop --exit-head")
         for role in (r for r in self.exit_roles() if r in self.roles):
             steps = len(preset.recompute_timesteps if modes[role] == "recompute" else preset.timesteps)
+            if role == "target" and self.target_steps is not None:
+                steps = self.target_steps
             if self.exit_verifier == "pattern" and self.exit_pattern_steps > steps:
                 raise OptionError(f"exit_pattern_steps {self.exit_pattern_steps:g} exceeds the {role}'s {steps} denoising "
                                   f"steps ({modes[role]} context): give a mean in [1, {steps}]")
@@ -555,7 +566,7 @@ _FROM_TEXT = {"tau": (float, "a number (e.g. -0.7, inf, -inf)"), "accept_prob": 
               "kv_cache_frames": (int, "an integer"), "window_frames": (int, "an integer"),
               "sink_frames": (int, "an integer"), "run_ahead_blocks": (int, "an integer"),
               "interp_blocks": (int, "an integer"),
-              "strength": (float, "a number"),
+              "strength": (float, "a number"), "target_steps": (int, "an integer"),
               "exit_eps": (float, "a number"), "exit_pattern_steps": (float, "a number"),
               "exit_thresholds": (str, "two numbers RED,STAB"), "exit_head": (str, "a path")}
 

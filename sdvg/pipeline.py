@@ -552,6 +552,7 @@ class SpeculativeVideoPipeline:
                exit_pattern_steps: float = D.exit_pattern_steps, vae_decoder: str | None = D.vae_decoder,
                interp_blocks: int = D.interp_blocks, force_reject_after_switch: bool = D.force_reject_after_switch,
                recache: bool = D.recache, strength: float = D.strength,
+               target_steps: int | None = D.target_steps,
                # the run options (RunOptions): how it runs, never what video it gives
                skip_first_draft: bool = D.skip_first_draft, lazy_target_commit: bool = D.lazy_target_commit,
                score_emitted: bool = D.score_emitted, scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead,
@@ -579,7 +580,8 @@ class SpeculativeVideoPipeline:
         cuda_graphs: replay the drafter's steps from graphs captured per block position (backend eager).
         fast_vae: channels-last, compiled steady-state VAE decode (cudnn.benchmark on CUDA; backend eager;
         within a tolerance of the plain decode). vae_decoder: wan | krea, the VAE's temporal-upsample cache
-        (None: the preset's; docs/method.md). stage_timing: sync | events (no per-stage waits).
+        (None: the preset's; docs/method.md). target_steps: the target's denoising steps by Krea's rule (None:
+        the preset's lists; docs/method.md). stage_timing: sync | events (no per-stage waits).
         backend: eager | compile | tensorrt | onnxruntime | torch-tensorrt (None: the pipeline's).
         quantization: none | fp8 | fp8-target | fp8-drafter, the DiTs' block linears in FP8 (None: the
         pipeline's; within a tolerance of the model dtype, docs/engines.md "FP8")."""
@@ -599,7 +601,7 @@ class SpeculativeVideoPipeline:
                  exit_head: str | None = D.exit_head, exit_pattern_steps: float = D.exit_pattern_steps,
                  vae_decoder: str | None = D.vae_decoder, interp_blocks: int = D.interp_blocks,
                  force_reject_after_switch: bool = D.force_reject_after_switch, recache: bool = D.recache,
-                 strength: float = D.strength,
+                 strength: float = D.strength, target_steps: int | None = D.target_steps,
                  skip_first_draft: bool = D.skip_first_draft, lazy_target_commit: bool = D.lazy_target_commit,
                  score_emitted: bool = D.score_emitted, scheduler: str = D.scheduler, run_ahead: bool = D.run_ahead,
                  run_ahead_blocks: int = D.run_ahead_blocks,

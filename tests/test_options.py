@@ -18,14 +18,14 @@ CHANGED = dict(mode="target", tau=-1.5, num_blocks=2, seed=7, router="pattern", 
                lazy_target_commit=False, score_emitted=True, scheduler="cpp", run_ahead=True, run_ahead_blocks=3,
                early_exit="target", exit_verifier="head", exit_eps=0.1, exit_thresholds=(0.4, 0.3),
                exit_head="head.safetensors", exit_pattern_steps=2.0, cuda_graphs=True,
-               fast_vae=True, stage_timing="events", vae_decoder="krea", interp_blocks=2, strength=0.6, force_reject_after_switch=False, recache=False, backend="eager",
+               fast_vae=True, stage_timing="events", vae_decoder="krea", interp_blocks=2, strength=0.6, target_steps=3, force_reject_after_switch=False, recache=False, backend="eager",
                quantization="fp8")
 CLI_TEXT = dict(mode="target", tau="-1.5", num_blocks="2", seed="7", router="pattern", accept_prob="0.25",
                 pattern="10", aggregation="mean", drafter_context="committed", target_context="recompute",
                 drafter_cache="recompute", kv_cache_frames="2", window_frames="6", sink_frames="3",
                 run_ahead_blocks="3", scheduler="cpp", early_exit="target", exit_verifier="head", exit_eps="0.1",
                 exit_thresholds="0.4,0.3", exit_head="head.safetensors", exit_pattern_steps="2.0", stage_timing="events",
-                vae_decoder="krea", backend="eager", interp_blocks="2", strength="0.6", quantization="fp8")
+                vae_decoder="krea", backend="eager", interp_blocks="2", strength="0.6", target_steps="3", quantization="fp8")
 
 
 def test_changed_covers_every_option():

@@ -1,3 +1,4 @@
+import numpy as np
 import torch
 
 from sdvg.generation.noise import block_noise, derive_seed, gaussian
@@ -53,3 +54,36 @@ def test_noise_streams_are_independent_and_reproducible():
     assert not torch.equal(a, block_noise((2, 3), seed=1, block=3))
     assert not torch.equal(gaussian((2, 3), 1, 2, 1, "drafter"), gaussian((2, 3), 1, 2, 1, "target"))
     assert len({derive_seed(0, b, s, r) for b in range(5) for s in range(4) for r in ("init", "drafter")}) == 40
+
+
+def test_counted_steps_follow_krea_and_keep_the_default_lists():
+    from sdvg.config import get_preset
+    from sdvg.generation.schedule import counted_steps
+
+    preset = get_preset("wan2.1")
+    assert counted_steps(5, recompute=True) == preset.recompute_timesteps  # Krea's default: its five calls
+    assert counted_steps(4, recompute=False) == preset.timesteps  # Self-Forcing's four, then the commit
+    assert counted_steps(4, recompute=True) == (1000.0, 666.0, 333.0, 0.0)  # linspace(1000, 0, 4).long()
+    assert counted_steps(1, recompute=True) == (1000.0,)
+    assert counted_steps(5, recompute=True, strength=0.6) == (600.0, 450.0, 300.0, 150.0, 0.0)
+    for bad in (0, -1, True, 2.0):
+        try:
+            counted_steps(bad, recompute=True)
+        except ValueError as exc:
+            assert "step count" in str(exc)
+        else:
+            raise AssertionError(f"{bad!r} was taken")
+
+
+def test_target_steps_reach_the_target_only_and_the_default_count_is_bitwise(tiny_pipe):
+    pipe = tiny_pipe
+    kw = dict(num_blocks=2, seed=3, scheduler="reference", mode="target")
+    plain = pipe("a red fox", **kw).frames
+    assert np.array_equal(pipe("a red fox", target_steps=4, **kw).frames, plain)  # tiny's full target: 4 steps
+    five = pipe("a red fox", target_steps=5, **kw)
+    assert not np.array_equal(five.frames, plain)
+    assert five.stats[0].as_dict()["target_steps"] == 5
+    recompute = dict(kw, target_context="recompute")
+    assert np.array_equal(pipe("a red fox", target_steps=5, **recompute).frames, pipe("a red fox", **recompute).frames)
+    drafts = dict(kw, mode="draft")  # the drafter keeps its distilled schedule
+    assert np.array_equal(pipe("a red fox", target_steps=2, **drafts).frames, pipe("a red fox", **drafts).frames)

@@ -12,7 +12,7 @@ import torch
 from sdvg.config import RoleContext
 from sdvg.generation.guard import StageGuard
 from sdvg.generation.noise import gaussian
-from sdvg.generation.schedule import FlowSchedule, strength_steps
+from sdvg.generation.schedule import FlowSchedule, counted_steps, strength_steps
 from sdvg.models.components import Components
 from sdvg.models.device_constants import to_device_async
 from sdvg.models.dit import block_causal_mask
@@ -522,7 +522,7 @@ def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, s
             cache = graphs.cache(dit, spec, dit.dtype, device)
         else:
             cache = allocate_cache(comps, dit, device, context, opts.num_blocks, slack, runners, prefix)
-        schedule = role_schedule(p, context, opts.strength)
+        schedule = role_schedule(p, context, opts.strength, opts.target_steps if role == "target" else None)
         return RoleModel(dit, role, cache, dit.encode_text(emb), device, context, schedule, counters, runners,
                          zf, p.video.tokens_per_frame(p.vae, dit.config), comps.vae, emitted_pixels,
                          verifiers.get(role))
@@ -597,9 +597,12 @@ def exit_verifiers_for(comps: Components, opts: GenerationOptions) -> dict:
     return out
 
 
-def role_schedule(preset, context: RoleContext, strength: float = 1.0) -> FlowSchedule:
+def role_schedule(preset, context: RoleContext, strength: float = 1.0, count: int | None = None) -> FlowSchedule:
     """A full context runs the preset's `timesteps` (then the t = 0 commit); a recompute context runs
     `recompute_timesteps` (Krea's five calls, the last at t = 0). `strength` < 1 (video-to-video) starts
-    either list at step strength * 1000 (`strength_steps`, Krea's rule)."""
+    either list at step strength * 1000 (`strength_steps`, Krea's rule). `count` (the target's `target_steps`;
+    None: the preset's lists) runs that many steps by Krea's rule instead (`counted_steps`)."""
+    if count is not None:
+        return FlowSchedule.from_steps(counted_steps(count, context.recompute, strength), preset.shift)
     steps = preset.recompute_timesteps if context.recompute else preset.timesteps
     return FlowSchedule.from_steps(strength_steps(tuple(steps), strength), preset.shift)

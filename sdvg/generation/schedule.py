@@ -13,6 +13,11 @@ nearest table timestep, so t = 0 uses sigma_999 = 0.0049801, not 0:
   clean t = 0 forward that commits the block (its K/V only; no x0 is taken from it);
 - Krea's target: steps (1000, 750, 500, 250, 0) -> five model calls at (1000, 937.5, 833.3, 625, 0); the
   fifth is a denoising step at sigma 0.0049801 and its x0 is the block's output.
+
+Another step count (`counted_steps`, the `target_steps` option, Krea's `num_denoising_steps`) follows
+Krea's `v2v.get_denoising_schedule`: n calls at `linspace(1000, 0, n)` in float32, truncated to integers
+(n = 5 is the list above; n = 4 gives 1000, 666, 333, 0). A full-context role, whose t = 0 forward only
+commits, takes the first n of `linspace(1000, 0, n + 1)` (n = 4 is Self-Forcing's list above).
 """
 from __future__ import annotations
 
@@ -60,6 +65,18 @@ def strength_steps(steps: tuple[float, ...], strength: float) -> tuple[float, ..
     n = _grid_size(steps)
     grid = torch.linspace(strength * NUM_TRAIN_TIMESTEPS, 0, n, dtype=torch.float32).to(torch.long)
     return tuple(float(x) for x in grid[: len(steps)].tolist())
+
+
+def counted_steps(count: int, recompute: bool, strength: float = 1.0) -> tuple[float, ...]:
+    """`count` denoising steps by Krea's rule (`get_denoising_schedule(timesteps, strength, steps=count)`):
+    `linspace(strength * 1000, 0, count)` in float32, truncated to integers, for a recompute role (its last
+    call, at 0, gives the block); a full-context role, committed by its own t = 0 forward after its steps,
+    takes the first `count` of `linspace(strength * 1000, 0, count + 1)`."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"a step count must be an integer >= 1, got {count!r}")
+    grid = torch.linspace(strength * NUM_TRAIN_TIMESTEPS, 0, count if recompute else count + 1,
+                          dtype=torch.float32).to(torch.long)
+    return tuple(float(x) for x in grid[:count].tolist())
 
 
 def _grid_size(steps: tuple[float, ...]) -> int:
