@@ -4,10 +4,14 @@ SDVG_CUDA=auto (default) builds the CUDA variant when torch was built with CUDA,
 CUDA toolkit is found and a GPU is visible; SDVG_CUDA=1 forces it (e.g. to compile on
 a machine without a GPU), SDVG_CUDA=0 forces the CPU build.
 """
+import ast
 import os
+from pathlib import Path
 
 from setuptools import find_packages, setup
 from torch.utils import cpp_extension
+
+HERE = Path(__file__).resolve().parent
 
 INSTALL_REQUIRES = ["torch>=2.11", "diffusers>=0.42,<1", "transformers>=5,<6", "tokenizers>=0.21",
                     "huggingface_hub>=1,<3", "safetensors>=0.4", "numpy>=1.26", "matplotlib>=3.8", "imageio>=2.31",
@@ -43,6 +47,31 @@ def cuda_library_includes() -> list[str]:
     return dirs
 
 
+def version() -> str:
+    """`sdvg.__version__`, the one place the version is written (read without importing the package)."""
+    tree = ast.parse((HERE / "sdvg" / "__init__.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "__version__":
+            return ast.literal_eval(node.value)
+    raise SystemExit("sdvg/__init__.py has no __version__")
+
+
+# What an index shows: the licence (LICENSE, Apache-2.0), the audience, the platform sdvg is tested on.
+CLASSIFIERS = [
+    "Development Status :: 3 - Alpha",
+    "Intended Audience :: Science/Research",
+    "Intended Audience :: Developers",
+    "Environment :: GPU :: NVIDIA CUDA",
+    "Operating System :: POSIX :: Linux",
+    "Programming Language :: Python :: 3",
+    "Programming Language :: Python :: 3.11",
+    "Programming Language :: Python :: 3.12",
+    "Programming Language :: C++",
+    "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    "Topic :: Multimedia :: Video",
+]
+
+
 def extension():
     args = {"cxx": ["-O3"]}  # torch picks the C++ standard it needs
     if want_cuda():
@@ -56,8 +85,14 @@ def extension():
 
 setup(
     name="sdvg",
-    version="0.1.0",
+    version=version(),
     description="Speculative decoding for block-autoregressive video diffusion",
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    license_files=["LICENSE"],
+    classifiers=CLASSIFIERS,
+    keywords=["video diffusion", "speculative decoding", "Wan2.1", "Self-Forcing", "diffusers", "realtime video"],
     packages=find_packages(include=["sdvg", "sdvg.*", "build_engines", "build_engines.*"]),
     package_data={"sdvg": ["assets/*.json", "data/*.txt", "data/README.md"]},
     ext_modules=[extension()],
