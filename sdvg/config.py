@@ -259,8 +259,13 @@ class VideoConfig:
     frames_per_block: int = 3  # latent frames
     num_blocks: int = 9
 
+    @staticmethod
+    def size_multiple(vae: VAEConfig, dit: DiTConfig) -> int:
+        """What each side of a video must be a multiple of: the VAE's spatial stride times the DiT's patch."""
+        return vae.spatial_stride * dit.patch_size[1]
+
     def validate(self, vae: VAEConfig, dit: DiTConfig) -> None:
-        mult = vae.spatial_stride * dit.patch_size[1]
+        mult = self.size_multiple(vae, dit)
         for name, v in (("height", self.height), ("width", self.width)):
             if v < mult or v % mult:
                 raise ConfigError(f"{name} {v} must be a positive multiple of {mult} (VAE stride x patch size)")

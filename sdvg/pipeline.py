@@ -132,6 +132,29 @@ class SpeculativeVideoPipeline:
 
         self._memory_budget_gib = check_budget_gib(value)
 
+    def resized(self, height: int, width: int) -> "SpeculativeVideoPipeline":
+        """These models making `height` x `width` videos: a view that shares every weight (nothing is copied or
+        loaded) under the preset with that video size, or this pipeline at its own size. Each side must be a
+        multiple of the VAE's stride times the patch size (ConfigError naming it); only the eager backend makes
+        another size (compiled regions and engines are built for the preset's). The view's own stage runners,
+        start-frame memo and memory checks follow its size."""
+        from sdvg.config import ConfigError
+
+        video = self.preset.video
+        if (height, width) == (video.height, video.width):
+            return self
+        if self.default_backend != "eager":
+            raise ConfigError(f"{width}x{height}: backend {self.default_backend!r} runs stages built for the preset's "
+                              f"{video.width}x{video.height}; only backend eager makes other sizes")
+        video = dataclasses.replace(video, height=height, width=width)
+        video.validate(self.preset.vae, self.preset.target)
+        view = SpeculativeVideoPipeline(dataclasses.replace(self.components, preset=self.preset.replace(video=video)),
+                                        self.default_backend, self.engines, self.sources, self.memory_budget_gib,
+                                        self.compile_settings)
+        view.default_quantization, view.build_flags = self.default_quantization, list(self.build_flags)
+        view.engine_executor = self.engine_executor
+        return view
+
     def runners(self, backend: str | None = None):
         from sdvg.generation.backends import StageRunners
 

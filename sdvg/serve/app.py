@@ -57,7 +57,8 @@ class TokenGate:
 
 def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI:
     """The server of one pipeline (models loaded once). `defaults`: the server's GenerationOptions."""
-    engine = Engine(pipe, defaults, max_input_video_bytes=cfg.max_input_video_bytes)
+    engine = Engine(pipe, defaults, max_input_video_bytes=cfg.max_input_video_bytes, max_steps=cfg.max_steps,
+                    max_pixels=cfg.max_pixels)
     metrics = ServeMetrics()
     folder = Path(cfg.video_dir) if cfg.video_dir else Path(tempfile.mkdtemp(prefix="sdvg-serve-"))
     videos = VideoStore(folder / "videos", cfg.fps, cfg.keep_videos)
@@ -308,8 +309,9 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
         if session.superset:
             image = spec.start_frame  # uint8 [H, W, 3] as decoded, or None
             start = None if image is None else {"height": int(image.shape[0]), "width": int(image.shape[1])}
+            h, w = (spec.height, spec.width) if spec.height is not None else engine.size
             session.outbox.text({"status": "params", "state": state, "seed": spec.options.seed,
-                                 "num_blocks": spec.options.num_blocks, "prompt": spec.prompt,
+                                 "num_blocks": spec.options.num_blocks, "prompt": spec.prompt, "width": w, "height": h,
                                  "options": spec.options.as_dict(), "start_frame": start,
                                  "request_id": spec.request_id})
 

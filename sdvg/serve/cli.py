@@ -52,6 +52,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         f"(default: {_D.max_concurrent_uploads})")
     p.add_argument("--max-blocks", type=int, default=_D.max_blocks,
                    help=f"largest num_blocks a client may ask for (default: {_D.max_blocks})")
+    p.add_argument("--max-steps", type=int, default=_D.max_steps,
+                   help=f"largest num_denoising_steps a client may ask for (the target's steps, Krea's rule; "
+                        f"default: {_D.max_steps})")
+    p.add_argument("--max-pixels", type=int, default=_D.max_pixels,
+                   help=f"largest width * height a client may ask for; any size the models make up to it, the "
+                        f"preset's always (default: {_D.max_pixels}, Krea's 832x480)")
     p.add_argument("--updates-per-s", type=float, default=_D.updates_per_s,
                    help=f"mid-stream updates per second per socket (default: {_D.updates_per_s:g})")
     p.add_argument("--input-frames-per-s", type=float, default=_D.input_frames_per_s,
@@ -75,6 +81,7 @@ def config_of(args) -> ServeConfig:
                        send_buffer_frames=args.send_buffer_frames, max_message_bytes=args.max_message_bytes,
                        max_upload_bytes=args.max_upload_bytes, max_upload_store_bytes=args.max_upload_store_bytes,
                        max_concurrent_uploads=args.max_concurrent_uploads, max_blocks=args.max_blocks,
+                       max_steps=args.max_steps, max_pixels=args.max_pixels,
                        updates_per_s=args.updates_per_s, input_frames_per_s=args.input_frames_per_s, video_dir=args.video_dir, fps=args.fps)
 
 

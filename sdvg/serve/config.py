@@ -30,6 +30,8 @@ class ServeConfig:
     max_upload_bytes: int = 256 * 2**20  # POST /upload_video
     max_prompt_chars: int = 2000
     max_blocks: int = 256  # num_blocks a client may ask for
+    max_steps: int = 8  # num_denoising_steps a client may ask for (the target's; 1..max_steps)
+    max_pixels: int = 832 * 480  # width * height a client may ask for (Krea's default size; the preset's is always made)
     updates_per_s: float = 20.0  # sustained mid-stream update rate per socket
     update_burst: int = 40  # updates allowed at once before the rate applies
     input_frames_per_s: float = 60.0  # webcam `image` frames per socket per second (their own budget; burst: 1 s)
@@ -47,7 +49,7 @@ class ServeConfig:
         check_port(self.port)
         for name in ("max_sessions", "send_buffer_frames", "max_message_bytes", "max_image_bytes", "max_blocks",
                      "update_burst", "flood_close_after", "keep_videos", "max_prompt_chars", "max_upload_store_bytes",
-                     "max_concurrent_uploads"):
+                     "max_concurrent_uploads", "max_steps", "max_pixels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
         if self.max_queue < 0:

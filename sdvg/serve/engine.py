@@ -12,6 +12,8 @@ video's blocks only when the whole video is done.) Mid-stream prompt and router 
 from __future__ import annotations
 
 import random
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -19,6 +21,7 @@ from sdvg.options import GenerationOptions, OptionError
 from sdvg.serve.protocol import KreaParams, ProtocolError, UPLOAD_ID, option_fields
 
 WEBCAM_QUEUE_FRAMES = 24  # webcam frames a session keeps waiting (2 blocks); the oldest make room beyond
+SIZES_KEPT = 4  # pipeline views (one per video size) kept; each shares the weights, only its runners are its own
 
 
 @dataclass(frozen=True)
@@ -33,17 +36,24 @@ class SessionSpec:
     webcam: bool = False
     input_video: str | None = None
     start_frame: Any = None
+    height: int | None = None  # the video's size (None: the preset's)
+    width: int | None = None
 
 
 class Engine:
     """`pipe`: a SpeculativeVideoPipeline (models loaded once); `defaults`: the server's options
     (`sdvg serve --tau ...`) that a client's fields override."""
 
-    def __init__(self, pipe, defaults: GenerationOptions | None = None, max_input_video_bytes: int | None = None):
+    def __init__(self, pipe, defaults: GenerationOptions | None = None, max_input_video_bytes: int | None = None,
+                 max_steps: int = 8, max_pixels: int | None = None):
         self.pipe = pipe
         self.max_input_video_bytes = max_input_video_bytes  # an uploaded input video's frames, as read
         self.defaults = defaults or GenerationOptions()
         self.preset = pipe.preset
+        self.max_steps = max_steps  # num_denoising_steps: 1..max_steps
+        self.max_pixels = max_pixels  # width * height of a size other than the preset's (None: the preset's only)
+        self._views: OrderedDict[tuple[int, int], Any] = OrderedDict()  # (height, width) -> pipe.resized(...)
+        self._views_lock = threading.Lock()
 
     @property
     def live(self) -> bool:
@@ -54,20 +64,54 @@ class Engine:
     def size(self) -> tuple[int, int]:  # height, width
         return self.preset.video.height, self.preset.video.width
 
+    @property
+    def size_multiple(self) -> int:
+        """What each side of a video must be a multiple of (the VAE stride times the patch size)."""
+        return self.preset.video.size_multiple(self.preset.vae, self.preset.target)
+
+    def pipe_at(self, height: int | None, width: int | None):
+        """The pipeline making `height` x `width` videos (None: the preset's size): a view sharing the weights
+        (`pipe.resized`), the last SIZES_KEPT kept; a pipeline without views makes its preset's size only."""
+        if height is None or (height, width) == self.size or not hasattr(self.pipe, "resized"):
+            return self.pipe
+        with self._views_lock:
+            view = self._views.pop((height, width), None) or self.pipe.resized(height, width)
+            self._views[(height, width)] = view
+            while len(self._views) > SIZES_KEPT:
+                self._views.popitem(last=False)
+        return view
+
+    def check_size(self, width: int, height: int) -> None:
+        """A size this server makes: each side a positive multiple of `size_multiple`, at most `max_pixels` pixels
+        (the preset's own size always), the eager backend for another size; ProtocolError naming the field."""
+        if (height, width) == self.size:
+            return
+        m = self.size_multiple
+        for name, value in (("width", width), ("height", height)):
+            if value < m or value % m:
+                near = max(m, value // m * m)
+                raise ProtocolError(name, f"{value}: the models make sides that are multiples of {m} (the VAE's "
+                                    f"stride times the patch size); send {near}")
+        if self.max_pixels is None or width * height > self.max_pixels:
+            most = "" if self.max_pixels is None else f"at most {self.max_pixels} pixels (--max-pixels), or "
+            raise ProtocolError("width", f"{width}x{height} is {width * height} pixels; this server makes {most}"
+                                f"{self.size[1]}x{self.size[0]}, its preset's size")
+        if not hasattr(self.pipe, "resized") or getattr(self.pipe, "default_backend", "eager") != "eager":
+            raise ProtocolError("width", f"{width}x{height}: this server's stages are built for its preset's "
+                                f"{self.size[1]}x{self.size[0]} (backend eager makes other sizes); send that size")
+
     # ------------------------------------------------------------------ parameters -> options
     def spec(self, params: KreaParams, max_blocks: int, upload_known, upload_path=None,
              start_image=None) -> SessionSpec:
         """The session's options; a field sdvg cannot honour raises ProtocolError naming it. `upload_path(id)`:
         an upload's server-side file or None (the server passes `UploadStore.claim`: the session keeps it)."""
-        height, width = self.size
-        for name, value, ours in (("width", params.width, width), ("height", params.height, height)):
-            if value is not None and value != ours:
-                raise ProtocolError(name, f"{value}: this server's preset {self.preset.name!r} makes "
-                                          f"{width}x{height} videos only; send {ours} or leave it out")
-        steps = len(self.preset.timesteps)
-        if params.num_denoising_steps is not None and params.num_denoising_steps != steps:
-            raise ProtocolError("num_denoising_steps", f"{params.num_denoising_steps}: the models of preset "
-                                f"{self.preset.name!r} take {steps} steps; send {steps} or leave it out")
+        height = self.size[0] if params.height is None else params.height
+        width = self.size[1] if params.width is None else params.width
+        self.check_size(width, height)
+        steps = params.num_denoising_steps
+        if steps is not None and not 1 <= steps <= self.max_steps:
+            raise ProtocolError("num_denoising_steps", f"{steps}: this server runs 1 to {self.max_steps} steps "
+                                "(--max-steps); leave it out for the preset's")
         if params.timestep_shift is not None and params.timestep_shift != self.preset.shift:
             raise ProtocolError("timestep_shift", f"{params.timestep_shift}: the preset's schedule uses shift "
                                 f"{self.preset.shift:g}; send it or leave it out")
@@ -108,15 +152,17 @@ class Engine:
         seed = params.seed if params.seed is not None else random.randint(0, 2**24 - 1)  # Krea's rule
         values = {**option_fields(params), "seed": seed, "num_blocks": params.num_blocks,
                   "kv_cache_frames": params.kv_cache_num_frames, "keep_first_frame": params.keep_first_frame,
-                  "scheduler": "reference", "run_ahead": False, "strength": params.strength}
+                  "scheduler": "reference", "run_ahead": False, "strength": params.strength,
+                  "target_steps": steps}
         for name, value in option_fields(params).items():  # each alone first: the error names its field
             try:
                 GenerationOptions(**{name: value})
             except (OptionError, TypeError, ValueError) as exc:
                 raise ProtocolError(name, str(exc)) from None
+        pipe = self.pipe_at(height, width)
         try:
             options = self.defaults.replace(**values)
-            options = self.pipe.resolve(options)
+            options = pipe.resolve(options)
         except (OptionError, TypeError, ValueError) as exc:
             field = next((n for n in values if n in str(exc).split()[:3] or str(exc).startswith(n)), None)
             if field == "kv_cache_frames":
@@ -135,18 +181,19 @@ class Engine:
             if why:
                 raise ProtocolError("start_frame", why)
         return SessionSpec(params.prompt, options, params.request_id, bool(params.webcam_mode), path,
-                           start_image if params.start_frame is not None else None)
+                           start_image if params.start_frame is not None else None, height, width)
 
     # ------------------------------------------------------------------ generation
     def read_input(self, spec: SessionSpec) -> tuple[GenerationOptions, Any]:
         """An uploaded input video's frames, read (ffmpeg) and fitted: (options with num_blocks capped by the
         clip, as in Krea, uint8 frames). It touches no model, so it runs off the generation worker."""
-        return self.pipe.input_clip(spec.input_video, spec.options, fit_blocks=True,
-                                    max_bytes=self.max_input_video_bytes)
+        return self.pipe_at(spec.height, spec.width).input_clip(spec.input_video, spec.options, fit_blocks=True,
+                                                                max_bytes=self.max_input_video_bytes)
 
     def start(self, spec: SessionSpec, clip: tuple[GenerationOptions, Any] | None = None) -> Iterator:
         """The blocks of one generation (run on the generation worker's thread only). `clip`: the input video
         `read_input` read (read here when not given)."""
+        pipe = self.pipe_at(spec.height, spec.width)
         if self.live:
             keywords = _keywords(spec.options)
             num_blocks = keywords.pop("num_blocks")
@@ -154,13 +201,13 @@ class Engine:
             if spec.input_video is not None:  # Krea's rule: the video's length caps num_blocks
                 options, frames = clip if clip is not None else self.read_input(spec)
                 num_blocks = options.num_blocks
-            return self.pipe.session(spec.prompt, num_blocks=num_blocks, input_video=frames,
-                                     input_frames=spec.webcam, input_timeout_s=3600.0,
-                                     input_queue_frames=WEBCAM_QUEUE_FRAMES, input_drop_oldest=True,
-                                     start_frame=spec.start_frame, **keywords)
+            return pipe.session(spec.prompt, num_blocks=num_blocks, input_video=frames,
+                                input_frames=spec.webcam, input_timeout_s=3600.0,
+                                input_queue_frames=WEBCAM_QUEUE_FRAMES, input_drop_oldest=True,
+                                start_frame=spec.start_frame, **keywords)
         if spec.start_frame is not None:
-            return self.pipe.run(spec.prompt, spec.options, start_frame=spec.start_frame)
-        return self.pipe.run(spec.prompt, spec.options)
+            return pipe.run(spec.prompt, spec.options, start_frame=spec.start_frame)
+        return pipe.run(spec.prompt, spec.options)
 
     @staticmethod
     def input_ready(generation) -> bool:

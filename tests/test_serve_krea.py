@@ -1,0 +1,92 @@
+"""Krea Realtime Video's clients against sdvg serve, as they are used: the step counts and sizes Krea's page
+sends, its uploads, webcam frames, queueing, late updates and downloads (docs/server.md). The client here is
+written from reading Krea's `templates/release_demo.html` and `test_client.py` (krea-ai/realtime-video at
+acf4b7b): the same message names, field types and order."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+msgpack = pytest.importorskip("msgpack")
+websockets = pytest.importorskip("websockets")
+
+from serve_harness import run_session, running_server  # noqa: E402
+
+from sdvg.serve.protocol import ProtocolError, parse_params  # noqa: E402
+
+
+def page_parameters(prompt: str, width: int = 832, height: int = 480, num_blocks: int = 9, steps: int = 5) -> dict:
+    """What Krea's page sends first (`sendParams`, text-to-video mode, no seed typed): its fields in its order,
+    numbers as its msgpack encoder writes them (`Number(...)` of the inputs: the shift slider's "5.0" is 5)."""
+    return {"prompt": prompt, "width": width, "height": height, "num_blocks": num_blocks,
+            "num_denoising_steps": steps, "timestep_shift": 5}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pipe):
+    from sdvg.serve.engine import Engine
+
+    return Engine(tiny_pipe, max_steps=8, max_pixels=832 * 480)
+
+
+def spec_of(engine, data):
+    return engine.spec(parse_params(data), 256, lambda _: False)
+
+
+def test_the_pages_default_steps_and_sizes_are_taken(engine, tiny_pipe):
+    spec = spec_of(engine, page_parameters("a lighthouse"))
+    assert (spec.width, spec.height, spec.options.target_steps) == (832, 480, 5)
+    portrait = spec_of(engine, page_parameters("a lighthouse", width=480, height=832))  # one of Krea's shapes
+    assert (portrait.width, portrait.height) == (480, 832)
+    assert spec_of(engine, {"prompt": "x"}).options.target_steps is None  # left out: the preset's lists
+    assert (spec_of(engine, {"prompt": "x"}).width, spec_of(engine, {"prompt": "x"}).height) == (64, 64)
+    view = engine.pipe_at(480, 832)  # another size: the same weights, the size its own
+    assert view.components.drafter is tiny_pipe.components.drafter and view.preset.video.width == 832
+    assert engine.pipe_at(480, 832) is view and engine.pipe_at(64, 64) is tiny_pipe
+
+
+@pytest.mark.parametrize("data, field, words", [
+    (page_parameters("x", width=840), "width", "multiples of 16 (the VAE's stride times the patch size); send 832"),
+    (page_parameters("x", height=40), "height", "send 32"),
+    (page_parameters("x", width=1664, height=960), "width", "at most 399360 pixels (--max-pixels)"),
+    (page_parameters("x", steps=9), "num_denoising_steps", "1 to 8 steps (--max-steps)"),
+    (page_parameters("x", steps=0), "num_denoising_steps", "1 to 8 steps"),
+])
+def test_steps_and_sizes_past_the_bounds_are_refused_by_name(engine, data, field, words):
+    with pytest.raises(ProtocolError) as exc:
+        spec_of(engine, data)
+    assert exc.value.field == field and words in str(exc.value), str(exc.value)
+
+
+def test_only_the_eager_backend_makes_other_sizes(tiny_pipe):
+    from sdvg.config import ConfigError
+    from sdvg.serve.engine import Engine
+
+    class Compiled:  # a pipeline whose stages are built for its preset's size
+        preset, default_backend = tiny_pipe.preset, "compile"
+
+        def resized(self, height, width):
+            raise AssertionError("never asked")
+
+    with pytest.raises(ProtocolError, match="backend eager makes other sizes"):
+        spec_of(Engine(Compiled(), max_pixels=832 * 480), page_parameters("x"))
+    tiny_pipe.default_backend = "compile"
+    try:
+        with pytest.raises(ConfigError, match="only backend eager makes other sizes"):
+            tiny_pipe.resized(480, 832)
+    finally:
+        tiny_pipe.default_backend = "eager"
+
+
+def test_a_session_at_another_size_and_step_count_is_bitwise_the_pipelines(tiny_pipe, tmp_path):
+    want = list(tiny_pipe.resized(64, 96).stream("a red fox", num_blocks=2, seed=4, target_steps=3,
+                                                 scheduler="reference"))
+    with running_server(tiny_pipe, tmp_path) as (url, _):
+        out = asyncio.run(run_session(url, {"prompt": "a red fox", "width": 96, "height": 64, "num_blocks": 2,
+                                            "seed": 4, "num_denoising_steps": 3}, fmt="raw", superset=True))
+    params = next(t for t in out["texts"] if t.get("status") == "params")
+    assert (params["width"], params["height"], params["options"]["target_steps"]) == (96, 64, 3)
+    assert np.array_equal(np.stack(out["frames"]), np.concatenate([b.frames.numpy() for b in want]))
