@@ -8,6 +8,8 @@ import json
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 from contextlib import contextmanager
 
 import msgpack
@@ -155,3 +157,19 @@ async def run_session(url: str, params: dict, fmt: str = "jpeg", superset: bool 
             if on_frame is not None:
                 await on_frame(ws, len(out["frames"]))
     return out
+
+
+def upload(url: str, path: str, data: bytes, filename: str = "f.bin"):
+    """POST a multipart file upload: (status, JSON body), or ("reset", None) when refused mid-body."""
+    boundary = "sdvgboundary"
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{filename}\"\r\n"
+            "Content-Type: application/octet-stream\r\n\r\n").encode() + data + f"\r\n--{boundary}--\r\n".encode()
+    req = urllib.request.Request(f"http://{url}{path}", data=body, method="POST",
+                                 headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+    except urllib.error.URLError:  # refused from its Content-Length while the body was still being sent
+        return "reset", None

@@ -15,7 +15,7 @@ pytest.importorskip("fastapi")
 msgpack = pytest.importorskip("msgpack")
 websockets = pytest.importorskip("websockets")
 
-from serve_harness import TIMEOUT, block_gate, recv_json, run_session, running_server  # noqa: E402
+from serve_harness import TIMEOUT, block_gate, recv_json, run_session, running_server, upload  # noqa: E402
 
 PROMPT = "a red fox running through fresh snow"
 SEEDS = (5, 7)
@@ -317,22 +317,6 @@ def test_handshake_refusals_oversize_message_and_update_flood(server):
     assert 'sdvg_serve_refused_messages_total{reason="rate"}' in metrics
 
 
-def upload(url: str, path: str, data: bytes, filename: str = "f.bin"):
-    """POST a multipart file upload: (status, JSON body), or ("reset", None) when refused mid-body."""
-    boundary = "sdvgboundary"
-    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{filename}\"\r\n"
-            "Content-Type: application/octet-stream\r\n\r\n").encode() + data + f"\r\n--{boundary}--\r\n".encode()
-    req = urllib.request.Request(f"http://{url}{path}", data=body, method="POST",
-                                 headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-    except urllib.error.URLError:  # refused from its Content-Length while the body was still being sent
-        return "reset", None
-
-
 def test_uploads_return_ids_and_check_type_and_size(server):
     import io
 
@@ -346,7 +330,8 @@ def test_uploads_return_ids_and_check_type_and_size(server):
     png = io.BytesIO()
     Image.new("RGB", (8, 8)).save(png, format="PNG")
     status, body = post("/upload_start_frame", png.getvalue(), "../../evil.png")
-    assert status == 200 and body["id"].startswith("up_") and "path" not in body and body["filename"] == "evil.png"
+    assert status == 200 and body["id"].startswith("up_") and body["filename"] == "evil.png"
+    assert body["path"] == body["id"]  # Krea's page reads `path`: the opaque id, never a server path
     assert app.state.uploads.known(body["id"])
     assert post("/upload_start_frame", b"#!/bin/sh\nrm -rf /\n", "x.png")[0] == 415
     assert post("/upload_video", b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 64)[0] == 200

@@ -13,16 +13,30 @@ pytest.importorskip("fastapi")
 msgpack = pytest.importorskip("msgpack")
 websockets = pytest.importorskip("websockets")
 
-from serve_harness import run_session, running_server  # noqa: E402
+from serve_harness import decode_jpeg, run_session, running_server, upload  # noqa: E402
 
 from sdvg.serve.protocol import ProtocolError, parse_params  # noqa: E402
 
 
-def page_parameters(prompt: str, width: int = 832, height: int = 480, num_blocks: int = 9, steps: int = 5) -> dict:
-    """What Krea's page sends first (`sendParams`, text-to-video mode, no seed typed): its fields in its order,
-    numbers as its msgpack encoder writes them (`Number(...)` of the inputs: the shift slider's "5.0" is 5)."""
-    return {"prompt": prompt, "width": width, "height": height, "num_blocks": num_blocks,
-            "num_denoising_steps": steps, "timestep_shift": 5}
+def page_parameters(prompt: str, width: int = 832, height: int = 480, num_blocks: int = 9, steps: int = 5,
+                    video: str | None = None, start_frame: str | None = None, strength: float = 0.8,
+                    webcam_fps: int | None = None, seed: int | None = None) -> dict:
+    """What Krea's page sends first (`sendParams`): its fields in its order, numbers as its msgpack encoder writes
+    them (`Number(...)` of the inputs: the shift slider's "5.0" is 5). Webcam mode (`webcam_fps` given) adds
+    webcam_mode, webcam_fps, strength; otherwise an uploaded video adds input_video and strength, an uploaded start
+    frame start_frame (each the upload reply's `path`); a typed seed comes last."""
+    out = {"prompt": prompt, "width": width, "height": height, "num_blocks": num_blocks,
+           "num_denoising_steps": steps, "timestep_shift": 5}
+    if webcam_fps is not None:
+        out.update(webcam_mode=True, webcam_fps=webcam_fps, strength=strength)
+    else:
+        if video is not None:
+            out.update(input_video=video, strength=strength)
+        if start_frame is not None:
+            out["start_frame"] = start_frame
+    if seed is not None:
+        out["seed"] = seed
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +104,55 @@ def test_a_session_at_another_size_and_step_count_is_bitwise_the_pipelines(tiny_
     params = next(t for t in out["texts"] if t.get("status") == "params")
     assert (params["width"], params["height"], params["options"]["target_steps"]) == (96, 64, 3)
     assert np.array_equal(np.stack(out["frames"]), np.concatenate([b.frames.numpy() for b in want]))
+
+
+def jpeg_roundtrip(frames: np.ndarray) -> np.ndarray:
+    from sdvg.serve.encode import jpeg
+
+    return np.stack([decode_jpeg(jpeg(f, 90)) for f in frames])
+
+
+def write_clip(path, frames: int = 21, seed: int = 3) -> None:
+    import imageio_ffmpeg
+
+    writer = imageio_ffmpeg.write_frames(str(path), (80, 48), fps=16, quality=None, output_params=["-crf", "0"],
+                                         macro_block_size=1)
+    writer.send(None)
+    rng = np.random.default_rng(seed)
+    for _ in range(frames):
+        writer.send(rng.integers(0, 256, size=(48, 80, 3), dtype=np.uint8).tobytes())
+    writer.close()
+
+
+def test_the_pages_uploads_are_sent_back_by_their_path_and_used(tiny_pipe, tmp_path):
+    """The page posts the file, keeps `result.path` and sends it as start_frame / input_video: the opaque upload
+    id (no server path), which the session then uses (its frames are the pipeline's from that image / clip)."""
+    import io
+
+    from PIL import Image
+
+    from sdvg.io.video_input import read_video
+
+    image = np.random.default_rng(4).integers(0, 256, size=(64, 64, 3), dtype=np.uint8)
+    png = io.BytesIO()
+    Image.fromarray(image).save(png, format="PNG")
+    write_clip(tmp_path / "in.mp4")
+    with running_server(tiny_pipe, tmp_path / "server") as (url, _):
+        status, frame = upload(url, "/upload_start_frame", png.getvalue(), "start.png")
+        assert status == 200 and frame["path"].startswith("up_") and "/" not in frame["path"]
+        assert frame["filename"] == "start.png"
+        status, clip = upload(url, "/upload_video", (tmp_path / "in.mp4").read_bytes(), "in.mp4")
+        assert status == 200 and clip["path"].startswith("up_")
+        started = asyncio.run(run_session(url, page_parameters("a lighthouse", 64, 64, 1, seed=6,
+                                                               start_frame=frame["path"]), session_id="page-sf"))
+        driven = asyncio.run(run_session(url, page_parameters("a lighthouse", 64, 64, 9, seed=6, video=clip["path"]),
+                                         session_id="page-v2v"))
+    want = list(tiny_pipe.stream("a lighthouse", num_blocks=1, seed=6, target_steps=5, start_frame=image,
+                                 scheduler="reference"))
+    assert started["texts"] == [{"session_id": "page-sf", "status": "completed"}]
+    assert np.array_equal(np.stack(started["frames"]), jpeg_roundtrip(want[0].frames.numpy()))
+    session = tiny_pipe.session("a lighthouse", num_blocks=2, seed=6, target_steps=5, scheduler="reference",
+                                input_video=read_video(tmp_path / "in.mp4", 21, 16), strength=0.8)
+    assert driven["texts"] == [{"session_id": "page-v2v", "status": "completed"}]  # 9 blocks asked, the clip has 2
+    assert np.array_equal(np.stack(driven["frames"]), jpeg_roundtrip(np.concatenate([b.frames.numpy()
+                                                                                      for b in session])))

@@ -162,7 +162,9 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
             return JSONResponse({"error": str(exc)}, status_code=exc.status)
         finally:
             receiving -= 1
-        return {"id": upload_id, "filename": Path(filename or "").name[:128], "bytes": len(data), "type": kind}
+        # `path`: Krea's name for what its page sends back as start_frame / input_video; here the same opaque id
+        return {"path": upload_id, "id": upload_id, "filename": Path(filename or "").name[:128], "bytes": len(data),
+                "type": kind}
 
     @app.post("/upload_video")
     async def upload_video(request: Request):
