@@ -156,3 +156,72 @@ def test_the_pages_uploads_are_sent_back_by_their_path_and_used(tiny_pipe, tmp_p
     assert driven["texts"] == [{"session_id": "page-v2v", "status": "completed"}]  # 9 blocks asked, the clip has 2
     assert np.array_equal(np.stack(driven["frames"]), jpeg_roundtrip(np.concatenate([b.frames.numpy()
                                                                                       for b in session])))
+
+
+def test_image_text_is_base64_or_a_data_url_and_bounded():
+    import base64
+
+    from sdvg.serve.uploads import UploadError, image_bytes
+
+    data = b"\xff\xd8\xff" + bytes(range(200))
+    text = base64.b64encode(data).decode()
+    assert image_bytes(data, 1000) == image_bytes(text, 1000) == data
+    assert image_bytes("data:image/jpeg;base64," + text, 1000) == data
+    for bad, status, words in (("data:image/jpeg," + text, 400, "must be base64"), ("not base64!", 400, "not base64"),
+                               (text, 413, "more than 100 bytes"), (data, 413, "at most 100")):
+        with pytest.raises(UploadError, match=words) as exc:
+            image_bytes(bad, 100 if status == 413 else 1000)
+        assert exc.value.status == status
+
+
+def webcam_frames(count: int, width: int, height: int) -> list[bytes]:
+    """JPEG frames as the page's canvas.toBlob makes them (quality 0.9), from moving gradients."""
+    import io
+
+    from PIL import Image
+
+    out = []
+    y, x = np.mgrid[0:height, 0:width]
+    for t in range(count):
+        rgb = np.stack([(x * 4 + t * 9) % 256, (y * 4 + t * 5) % 256, ((x + y) * 2) % 256], -1).astype(np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(rgb).save(buf, format="JPEG", quality=90)
+        out.append(buf.getvalue())
+    return out
+
+
+def test_the_pages_webcam_frames_in_base64_drive_the_session(tiny_pipe, tmp_path):
+    """Webcam mode as the page runs it: parameters with webcam_mode, webcam_fps and strength, then each camera frame
+    as `{image: <base64 of the JPEG>, timestamp: Date.now(), strength}` (a data URL here and there, which Krea
+    decodes too): the session is the pipeline's, fed the same decoded frames."""
+    import base64
+    import time
+
+    jpegs = webcam_frames(21, 64, 64)
+
+    async def go(url):
+        frames, texts = [], []
+        async with websockets.connect(f"ws://{url}/session/page-cam", max_size=2**26) as ws:
+            await ws.recv()  # ready
+            await ws.send(msgpack.packb(page_parameters("a lighthouse", 64, 64, 2, webcam_fps=30, seed=2)))
+            for i, data in enumerate(jpegs):
+                text = base64.b64encode(data).decode()
+                await ws.send(msgpack.packb({"image": ("data:image/jpeg;base64," + text) if i % 5 == 0 else text,
+                                             "timestamp": int(time.time() * 1000), "strength": 0.8}))
+            while True:
+                m = await asyncio.wait_for(ws.recv(), 240)
+                if isinstance(m, bytes):
+                    frames.append(decode_jpeg(m))
+                    continue
+                texts.append(m)
+                if '"completed"' in m:
+                    return frames, texts
+
+    with running_server(tiny_pipe, tmp_path) as (url, _):
+        frames, texts = asyncio.run(go(url))
+    assert len(texts) == 1, texts  # completed, nothing else
+    session = tiny_pipe.session("a lighthouse", num_blocks=2, seed=2, target_steps=5, scheduler="reference",
+                                input_frames=True, strength=0.8)
+    session.update(input_frames=np.stack([decode_jpeg(j) for j in jpegs]))
+    want = np.concatenate([b.frames.numpy() for b in session])
+    assert np.array_equal(np.stack(frames), jpeg_roundtrip(want))

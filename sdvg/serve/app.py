@@ -26,7 +26,7 @@ from sdvg.serve.protocol import UPLOAD_ID, ProtocolError, parse_params, parse_up
 from sdvg.serve.security import RateLimit, token_matches, token_of, valid_session_id
 from sdvg.serve.sessions import Outbox, Session, SessionManager
 from sdvg.serve.uploads import (IMAGE_KINDS, VIDEO_KINDS, UploadError, UploadStore, check_image, decode_frame,
-                                sniff)
+                                image_bytes, sniff)
 from sdvg.serve.videos import VideoStore
 
 STATIC = Path(__file__).parent / "static"
@@ -352,8 +352,6 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
             session.next_seed = u.seed
             ack(session, "seed", None, u.request_id, effective="next reset")
         if u.image is not None:  # a webcam frame: queued for the blocks to come (no ack; Krea sends none)
-            if len(u.image) > cfg.max_image_bytes:
-                raise ProtocolError("image", f"{len(u.image)} bytes; at most {cfg.max_image_bytes}")
             if not session.spec.webcam:
                 raise ProtocolError("image", "this session takes no webcam frames: start it with webcam_mode: true")
             if session.state == "done":  # sent before the client heard `completed`: nothing more is read
@@ -362,7 +360,8 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
             if session.state != "running":
                 raise ProtocolError("image", f"the session is {session.state}; send webcam frames once it runs")
             try:  # off the event loop (other sockets go on); this socket's next message waits: its order holds
-                frame = await asyncio.to_thread(decode_frame, u.image, cfg.max_webcam_pixels)
+                frame = await asyncio.to_thread(lambda: decode_frame(image_bytes(u.image, cfg.max_image_bytes),
+                                                                     cfg.max_webcam_pixels))
             except UploadError as exc:
                 raise ProtocolError("image", str(exc)) from None
             if session.state == "done":  # the run ended while it was decoded

@@ -91,7 +91,7 @@ class Update(BaseModel):
     interp_steps: int | None = Field(default=None, ge=1, le=64)
     interpolation_steps: int | None = Field(default=None, ge=1, le=64)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    image: bytes | None = None
+    image: bytes | str | None = None  # the bytes, base64 or a base64 data URL (uploads.image_bytes)
     strength: float | None = Field(default=None, ge=0.0, le=1.0)
     request_id: str | None = Field(default=None, max_length=128)
     timestamp: float | None = None

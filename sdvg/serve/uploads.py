@@ -5,10 +5,13 @@ which are also decoded under a pixel limit), capped in size while it is read, st
 server's own folder with a name made from the id, and deleted `upload_ttl_s` after its POST or when the
 server stops. A session that names an upload claims it: a claimed upload outlives its TTL (a queued
 session, a reset) until every socket that claimed it has closed.
-Webcam frames (`decode_frame`) are not uploads: they are decoded from the message itself."""
+Webcam frames (`image_bytes`, `decode_frame`) are not uploads: they are decoded from the message itself."""
 from __future__ import annotations
 
+import base64
+import binascii
 import io
+import re
 import secrets
 import threading
 import time
@@ -17,6 +20,9 @@ from pathlib import Path
 VIDEO_KINDS = {"mp4": lambda h: h[4:8] == b"ftyp", "webm": lambda h: h[:4] == b"\x1a\x45\xdf\xa3"}
 IMAGE_KINDS = {"jpeg": lambda h: h[:3] == b"\xff\xd8\xff", "png": lambda h: h[:8] == b"\x89PNG\r\n\x1a\n",
                "webp": lambda h: h[:4] == b"RIFF" and h[8:12] == b"WEBP"}
+
+
+DATA_URL = re.compile(r"data:[\w.+/-]{0,100}(?:;[\w.+=-]{1,100}){0,4},")  # `data:image/jpeg;base64,` before the data
 
 
 class UploadError(ValueError):
@@ -43,6 +49,31 @@ def check_image(data: bytes, max_pixels: int) -> tuple[int, int]:
         raise
     except Exception as exc:  # PIL's many decode errors
         raise UploadError(400, f"not a decodable image ({type(exc).__name__})") from None
+
+
+def image_bytes(image: bytes | str, max_bytes: int) -> bytes:
+    """A webcam `image` as its bytes: bytes as sent, or text in base64 or as a base64 data URL (Krea's page sends the
+    base64 part of a data URL; Krea's server decodes both); the length is checked before anything is decoded.
+    UploadError names what is wrong."""
+    if isinstance(image, (bytes, bytearray)):
+        data = bytes(image)
+    else:
+        text = image
+        if text.startswith("data:"):
+            header = DATA_URL.match(text)
+            if header is None or ";base64," not in header.group(0):
+                raise UploadError(400, "a data URL must be base64 (data:image/jpeg;base64,...)")
+            text = text[header.end():]
+        if len(text) > (max_bytes + 2) // 3 * 4:
+            raise UploadError(413, f"{len(text)} base64 characters: more than {max_bytes} bytes")
+        try:
+            data = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            raise UploadError(400, "text that is not base64: send the image's bytes, base64 or a base64 data "
+                                   "URL") from None
+    if len(data) > max_bytes:
+        raise UploadError(413, f"{len(data)} bytes; at most {max_bytes}")
+    return data
 
 
 def decode_frame(data: bytes, max_pixels: int):
