@@ -33,7 +33,7 @@ from sdvg.io.video_batch import (OUTPUT_TYPES, PipelineOutput, VideoOutput,  # n
                                  batch_output, convert_frames)
 from sdvg.models.components import Components, build_random, load_pretrained
 from sdvg.models.fingerprint import file_fingerprint, random_fingerprint
-from sdvg.models.hub import preset_for, resolve_components
+from sdvg.models.hub import HubAccess, preset_for, resolve_components
 from sdvg.options import DEFAULTS as D
 from sdvg.options import OPTION_NAMES, SEED_MAX, GenerationOptions, OptionError
 
@@ -221,7 +221,8 @@ class SpeculativeVideoPipeline:
                         backend: str = "eager", engines=None, torch_dtype=None,
                         memory_budget_gib: float | None = None, progress: bool = True,
                         quantization: str | None = None, compile_mode: str = "default",
-                        compile_cache=None) -> "SpeculativeVideoPipeline":
+                        compile_cache=None, cache_dir=None, token: str | bool | None = None,
+                        local_files_only: bool | None = None) -> "SpeculativeVideoPipeline":
         """Real weights. Each component is a local path (see docs/checkpoints.md for the formats), a
         hub repo `org/name[@revision][/path/in/repo]`, or None: the file the preset publishes for it
         (`Preset.sources`; `from_pretrained("wan2.1")` finds everything in the HF cache). `preset` may also be
@@ -233,13 +234,16 @@ class SpeculativeVideoPipeline:
         the class. `progress`: a bar over the components as they load (each is logged at INFO on the `sdvg`
         logger either way). quantization: as `from_preset`'s (the model-dtype weights load first; the
         quantized linears' are dropped once their FP8 weights are made). compile_mode, compile_cache: as
-        `from_preset`'s."""
+        `from_preset`'s. cache_dir, token, local_files_only: as huggingface_hub's (the cache folder, default
+        HF_HUB_CACHE; the access token, default HF_TOKEN or the stored login; True reads the cache only,
+        default HF_HUB_OFFLINE); `sdvg download PRESET --cache-dir DIR` fills the same cache."""
         from sdvg.generation.compile import CompileSettings
         from sdvg.models.fp8 import check_load, load_in_place
         from sdvg.models.memory import check_budget_gib
 
         check_budget_gib(memory_budget_gib)  # before any weights are read
         compiling = CompileSettings(compile_mode, cache_dir=compile_cache)  # refused before any weights are read
+        hub = HubAccess(cache_dir=cache_dir, token=token, local_files_only=local_files_only)  # likewise
         repo_specs = {}
         if isinstance(preset, str):  # a preset name, or the hub repo of a published model a preset loads
             name, repo_specs = preset_for(preset)
@@ -252,7 +256,7 @@ class SpeculativeVideoPipeline:
         defaults = {} if preset.sources is None else {role: getattr(preset.sources, role) for role in specs}
         fp8 = check_load(quantization, backend, preset, {"drafter": drafter_device,
                                                          "target": target_device or drafter_device})
-        paths = resolve_components(specs, defaults)
+        paths = resolve_components(specs, defaults, hub, preset.name)
         needed = [role for role in ("drafter", "target", "vae", "text_encoder") if paths[role] is None]
         if needed:
             raise ValueError(f"preset {preset.name!r} publishes no weights; give {', '.join(needed)} (local paths "

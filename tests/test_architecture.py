@@ -16,7 +16,8 @@ import readme_layout  # noqa: E402
 
 # Lowest first; a module may import modules of its own rank or lower ones.
 RANKS = {
-    "sdvg": 0, "sdvg.config": 0, "sdvg.options": 0, "sdvg.bounded": 0, "sdvg.runtime": 0, "sdvg._native": 0, "sdvg._C": 0,
+    "sdvg": 0, "sdvg.config": 0, "sdvg.options": 0, "sdvg.bounded": 0, "sdvg.names": 0, "sdvg.runtime": 0,
+    "sdvg._native": 0, "sdvg._C": 0,
     "sdvg.models": 1, "sdvg.io": 1,
     "sdvg.engines": 2,
     "sdvg.generation": 3,

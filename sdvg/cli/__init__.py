@@ -1,5 +1,5 @@
-"""Command line: `sdvg generate`, `sdvg config`, `sdvg memory`, `sdvg sweep`, `sdvg calibrate`,
-`sdvg calibrate-exit`, `sdvg train-exit-head`, one module per command (parsing and dispatch only).
+"""Command line: `sdvg generate`, `sdvg config`, `sdvg memory`, `sdvg download`, `sdvg sweep`, `sdvg calibrate`,
+`sdvg calibrate-exit`, `sdvg train-exit-head`, `sdvg serve`, one module per command (parsing and dispatch only).
 
 The generation flags are derived from `sdvg.options` (one declaration); the algorithms live in
 `sdvg.evaluation` and `sdvg.pipeline`. No module here imports torch until a command runs, so

@@ -6,12 +6,12 @@ import argparse
 import logging
 import sys
 
-from sdvg.cli import calibrate, calibrate_exit, config, generate, memory, serve, sweep, train_exit_head
+from sdvg.cli import calibrate, calibrate_exit, config, download, generate, memory, serve, sweep, train_exit_head
 from sdvg.cli.args import config_values
 from sdvg.cli.pipelines import Loader, build_pipeline
 
 # In the order `sdvg --help` lists them.
-COMMANDS = (generate, config, memory, sweep, calibrate, calibrate_exit, train_exit_head, serve)
+COMMANDS = (generate, config, memory, download, sweep, calibrate, calibrate_exit, train_exit_head, serve)
 
 # Exit statuses (README): 0 done; 2 bad arguments or input files (found before or while loading: an
 # option, a path, a prompts file, a checkpoint, a config); 1 a runtime failure (a device, the disk, the

@@ -7,8 +7,9 @@ A component is given as
   and a file inside it; `org/name` alone takes the file (or folder patterns) the preset names for
   that component when the repo is the preset's, and the whole repo otherwise.
 
-Nothing is fetched when `HF_HUB_OFFLINE=1`: what is not cached is reported, every missing file at
-once, with the command that fetches it.
+Nothing is fetched when `HF_HUB_OFFLINE=1` (or `local_files_only=True`): what is not cached is reported,
+every missing file at once, with the command that fetches it (`sdvg download PRESET` for a preset's own
+files). `HubAccess` carries the cache folder, token and offline choice of one load or download.
 """
 from __future__ import annotations
 
@@ -78,6 +79,43 @@ def published_repos() -> list[tuple[str, str, list[str]]]:
     return [(repo, preset, roles) for (repo, preset), roles in rows.items()]
 
 
+@dataclass(frozen=True)
+class HubAccess:
+    """How the hub is reached for one load or download: the cache folder (None: huggingface_hub's,
+    `HF_HUB_CACHE` / `HF_HOME`), the token (None: huggingface_hub's, `HF_TOKEN` or a stored login) and
+    whether only cached files may be used (None: `HF_HUB_OFFLINE`)."""
+
+    cache_dir: str | None = None
+    token: str | bool | None = None
+    local_files_only: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.cache_dir is not None:
+            object.__setattr__(self, "cache_dir", str(Path(self.cache_dir).expanduser()))
+            if Path(self.cache_dir).exists() and not Path(self.cache_dir).is_dir():
+                raise NotADirectoryError(f"cache_dir {self.cache_dir} is a file; give the folder of a Hugging Face "
+                                         "cache (or a new folder to fill)")
+        if self.token is not None and not isinstance(self.token, bool) and (not isinstance(self.token, str)
+                                                                            or not self.token.strip()):
+            raise ValueError("token must be a non-empty string (a Hugging Face access token), True (the stored "
+                             "login) or None (HF_TOKEN or the stored login)")
+        if self.local_files_only is not None and not isinstance(self.local_files_only, bool):
+            raise ValueError(f"local_files_only={self.local_files_only!r}: give True, False or None (HF_HUB_OFFLINE)")
+
+    @property
+    def offline(self) -> bool:
+        from huggingface_hub import constants
+
+        return bool(constants.HF_HUB_OFFLINE) if self.local_files_only is None else self.local_files_only
+
+    @property
+    def cache(self) -> Path:
+        """The cache folder files land in."""
+        from huggingface_hub import constants
+
+        return Path(self.cache_dir or constants.HF_HUB_CACHE)
+
+
 class MissingWeightsError(FileNotFoundError):
     """Weights named by a hub repo are not in the local cache (offline) or not on the hub."""
 
@@ -120,25 +158,25 @@ def parse_source(spec: str, default: HubSource | None, role: str | None = None) 
     return replace(base, revision=rev) if rev else base
 
 
-def resolve_source(source: HubSource) -> Path:
+def resolve_source(source: HubSource, access: HubAccess = HubAccess()) -> Path:
     """The local path of a hub file or folder (fetched unless offline); raises what huggingface_hub raises."""
     from huggingface_hub import hf_hub_download, snapshot_download
-    from huggingface_hub import constants
 
-    offline = bool(constants.HF_HUB_OFFLINE)
+    where = dict(revision=source.revision, local_files_only=access.offline, cache_dir=access.cache_dir,
+                 token=access.token)
     if source.filename is not None:
-        return Path(hf_hub_download(source.repo_id, source.filename, revision=source.revision,
-                                    local_files_only=offline))
-    folder = Path(snapshot_download(source.repo_id, revision=source.revision,
-                                    allow_patterns=list(source.patterns) or None, local_files_only=offline))
+        return Path(hf_hub_download(source.repo_id, source.filename, **where))
+    folder = Path(snapshot_download(source.repo_id, allow_patterns=list(source.patterns) or None, **where))
     if source.patterns and not any(any(folder.glob(p)) for p in source.patterns):
         raise FileNotFoundError(f"no file of {source.repo_id} matches {list(source.patterns)} in {folder}")
     return folder
 
 
-def resolve_components(specs: dict[str, str | Path | None], defaults: dict[str, HubSource | None]) -> dict:
+def resolve_components(specs: dict[str, str | Path | None], defaults: dict[str, HubSource | None],
+                       access: HubAccess = HubAccess(), preset: str | None = None) -> dict:
     """{role: local path or None} for every role of `specs`: a local path is kept, a hub spec (or None
-    with a preset default) is resolved. Every missing file is collected and reported together."""
+    with a preset default) is resolved. Every missing file is collected and reported together, with
+    `sdvg download PRESET` for the files of `preset` (a preset name) that are its published defaults."""
     out: dict[str, Path | None] = {}
     missing: list[Missing] = []
     for role, spec in specs.items():
@@ -157,19 +195,30 @@ def resolve_components(specs: dict[str, str | Path | None], defaults: dict[str, 
                 raise FileNotFoundError(f"{role}: {spec} is neither a local file or folder nor a hub repo id "
                                         "(org/name[@revision][/path/in/repo])")
         try:
-            out[role] = resolve_source(source)
+            out[role] = resolve_source(source, access)
         except Exception as exc:  # huggingface_hub's not-cached / not-found / offline errors
             if not _is_missing(exc):
                 raise
             missing.append(Missing(role, source, type(exc).__name__))
     if missing:
-        lines = [f"  {m.role}: {m.source.repo_id} {m.source.filename or list(m.source.patterns)} "
-                 f"(revision {m.source.revision}; {m.reason})" for m in missing]
-        fetch = [f"  {m.fetch_command()}" for m in missing]
-        raise MissingWeightsError("weights not found in the Hugging Face cache:\n" + "\n".join(lines)
-                                  + "\nfetch them (online) with:\n" + "\n".join(fetch)
-                                  + "\nor pass local paths for these components")
+        raise MissingWeightsError(missing_message(missing, defaults, access, preset))
     return out
+
+
+def missing_message(missing: list[Missing], defaults: dict[str, HubSource | None], access: HubAccess,
+                    preset: str | None) -> str:
+    """What is missing, and the commands that fetch it: one `sdvg download PRESET` for the preset's own
+    files, one `hf download` line for each other file."""
+    lines = [f"  {m.role}: {m.source.repo_id} {m.source.filename or list(m.source.patterns)} "
+             f"(revision {m.source.revision}; {m.reason})" for m in missing]
+    published = preset in PRESETS and PRESETS[preset].sources is not None
+    own = [m for m in missing if published and m.source == defaults.get(m.role)
+           and m.source == getattr(PRESETS[preset].sources, m.role)]
+    cache = f" --cache-dir {access.cache_dir}" if access.cache_dir else ""
+    fetch = [f"  sdvg download {preset}{cache}"] if own else []
+    fetch += [f"  {m.fetch_command()}{cache}" for m in missing if m not in own]
+    return ("weights not found in the Hugging Face cache " + f"({access.cache}):\n" + "\n".join(lines)
+            + "\nfetch them (online) with:\n" + "\n".join(fetch) + "\nor pass local paths for these components")
 
 
 def _is_missing(exc: Exception) -> bool:
