@@ -465,5 +465,12 @@ PRESETS: dict[str, Preset] = {
 
 def get_preset(name: str) -> Preset:
     if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        raise ConfigError(unknown_preset(name))
     return PRESETS[name]
+
+
+def unknown_preset(name: str) -> str:
+    """The refusal of a name that is no preset: the closest ones, then all of them."""
+    from sdvg.names import did_you_mean
+
+    return f"unknown preset {name!r}{did_you_mean(name, PRESETS)}; choose one of {sorted(PRESETS)}"

@@ -23,7 +23,7 @@ RANKS = {
     "sdvg.generation": 3,
     "sdvg.evaluation": 4, "sdvg.live": 4,
     "sdvg.pipeline": 5,
-    "sdvg.cli": 6, "sdvg.serve": 6,
+    "sdvg.cli": 6, "sdvg.serve": 6, "sdvg.__main__": 6,
 }
 
 
@@ -104,7 +104,7 @@ def _python(code: str) -> str:
 def test_import_sdvg_and_cli_help_do_not_import_torch():
     assert _python("import sys, sdvg; print('torch' in sys.modules)") == "False"
     code = ("import sys, contextlib, io\nfrom sdvg import cli\n"
-            "for cmd in ([], ['generate'], ['sweep'], ['calibrate'], ['memory']):\n"
+            "for cmd in ([], ['generate'], ['sweep'], ['calibrate'], ['memory'], ['download']):\n"
             "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
             "        cli.main(cmd + ['--help'])\n"
             "print('torch' in sys.modules)")

@@ -36,10 +36,11 @@ def wan_repos(paths) -> dict[str, dict[str, bytes]]:
         "gdhe17/Self-Forcing": {"checkpoints/self_forcing_dmd.pt": paths["drafter"].read_bytes(),
                                 "README.md": b"# not a component\n"},
         "krea/krea-realtime-video": {TARGET_FILE: paths["target"].read_bytes()},
-        "Wan-AI/Wan2.1-T2V-1.3B": {"Wan2.1_VAE.pth": (paths["vae"] / "diffusion_pytorch_model.safetensors").read_bytes(),
-                                   "models_t5_umt5-xxl-enc-bf16.pth": b"umt5" * 1000,
-                                   **{f"google/umt5-xxl/{k}": v for k, v in folder(paths["text_encoder"] / "tokenizer").items()},
-                                   "diffusion_pytorch_model.safetensors": b"\0" * 5000},
+        "Wan-AI/Wan2.1-T2V-1.3B": {
+            "Wan2.1_VAE.pth": (paths["vae"] / "diffusion_pytorch_model.safetensors").read_bytes(),
+            "models_t5_umt5-xxl-enc-bf16.pth": b"umt5" * 1000,
+            **{f"google/umt5-xxl/{k}": v for k, v in folder(paths["text_encoder"] / "tokenizer").items()},
+            "diffusion_pytorch_model.safetensors": b"\0" * 5000},
         "THUDM/ImageReward": {"ImageReward.pt": paths["reward"].read_bytes()},
         "google-bert/bert-base-uncased": {**folder(paths["reward_tokenizer"]), "vocab.txt": b"[PAD]\n[UNK]\n",
                                           "config.json": b"{}", "model.safetensors": b"\0" * 3000},
@@ -190,10 +191,12 @@ def test_from_pretrained_reads_the_cache_it_is_given_and_names_the_download(tiny
     add_repo(cache, "test-org/wan", {f"{d}/{p.name}": p for d in ("text_encoder", "tokenizer")
                                      for p in (tiny_files["text_encoder"] / d).iterdir()})
     preset = dataclasses.replace(tiny_preset, sources=PresetSources(
-        drafter=HubSource("test-org/drafter", "self_forcing.pt"), target=HubSource("test-org/target", "krea.safetensors"),
+        drafter=HubSource("test-org/drafter", "self_forcing.pt"),
+        target=HubSource("test-org/target", "krea.safetensors"),
         vae=HubSource("test-org/vae", patterns=("vae/*",)),
         text_encoder=HubSource("test-org/wan", patterns=("text_encoder/*", "tokenizer/*")),
-        reward=HubSource("test-org/reward", "ImageReward.pt"), reward_tokenizer=HubSource("test-org/bert", patterns=("*",))))
+        reward=HubSource("test-org/reward", "ImageReward.pt"),
+        reward_tokenizer=HubSource("test-org/bert", patterns=("*",))))
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty"))  # the default cache holds nothing
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")

@@ -53,6 +53,8 @@ def test_every_sdvg_command_line_parses(where, argv):
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:
+        if exc.code == 0 and argv in (["--version"], ["--help"]):  # answered by the parser itself
+            return
         pytest.fail(f"{where}: `sdvg {shlex.join(argv)}` does not parse (exit {exc.code})")
     assert callable(args.func)
 

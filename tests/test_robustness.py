@@ -268,7 +268,9 @@ def test_engine_manifest_may_not_name_a_file_outside_its_entry(tmp_path):
 
 
 def test_exit_statuses_follow_the_convention(tmp_path, capsys):
-    assert _main("generate", "--prompt", PROMPT, "--preset", "nope", "--out", str(tmp_path / "v.mp4")) == 2
+    with pytest.raises(SystemExit) as refused:  # by the parser: nothing imported, nothing loaded
+        _main("generate", "--prompt", PROMPT, "--preset", "nope", "--out", str(tmp_path / "v.mp4"))
+    assert refused.value.code == 2 and "unknown preset 'nope'" in capsys.readouterr().err
 
     def disk_full(args):
         raise OSError(28, "No space left on device")

@@ -7,7 +7,7 @@ import math
 import re
 import sys
 
-from sdvg.config import MAX_BUDGET_GIB, PRESETS
+from sdvg.config import MAX_BUDGET_GIB, PRESETS, unknown_preset
 from sdvg.io.exit_status import device_type
 from sdvg.options import OPTION_NAMES, PROTOCOLS, add_option_flags, flag_of, option_type
 
@@ -110,8 +110,9 @@ def add_model_args(p: argparse.ArgumentParser, engines: bool = True, loading: bo
     (--dtype, --offload-text-encoder), for the commands that build one."""
     random = sorted(k for k, v in PRESETS.items() if v.random_weights)
     real_weights = sorted(k for k, v in PRESETS.items() if not v.random_weights)
-    p.add_argument("--preset", default="tiny", help=f"random weights: {', '.join(random)}; real weights (from the "
-                                                     f"HF cache, or the flags below): {', '.join(real_weights)}")
+    p.add_argument("--preset", default="tiny", type=preset_name,
+                   help=f"random weights: {', '.join(random)}; real weights (from the HF cache, or the flags below): "
+                        f"{', '.join(real_weights)}")
     where = " (a local path or a hub repo org/name[@revision][/file]; default: the preset's)"
     p.add_argument("--drafter", help="drafter checkpoint: Self-Forcing .pt, .safetensors or diffusers folder" + where)
     p.add_argument("--target", help="target checkpoint: Krea .safetensors, original Wan or diffusers folder" + where)
@@ -226,7 +227,15 @@ def config_values(argv: list[str]) -> dict:
 def check_preset(name: str) -> None:
     """An unknown preset is bad input (exit 2), refused before any model loads."""
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        raise ValueError(unknown_preset(name))
+
+
+def preset_name(text: str) -> str:
+    """argparse type of --preset: a preset's name, refused at parse time (exit 2, nothing imported or
+    loaded), the closest names offered."""
+    if text not in PRESETS:
+        raise argparse.ArgumentTypeError(unknown_preset(text))
+    return text
 
 
 def say(args, message: str) -> None:

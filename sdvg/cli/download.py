@@ -21,7 +21,8 @@ def add_parser(sub, config: dict | None) -> None:
                         "with HF_HUB_CACHE=DIR or from_pretrained(..., cache_dir=DIR)")
     d.add_argument("--token", help="a Hugging Face access token for gated or private repos (default: HF_TOKEN, or "
                                    "the login of `hf auth login`)")
-    d.add_argument("--dry-run", action="store_true", help="list the files, their sizes and what is cached; fetch nothing")
+    d.add_argument("--dry-run", action="store_true",
+                   help="list the files, their sizes and what is cached; fetch nothing")
     d.add_argument("--quiet", action="store_true", help="no progress bars")
     d.set_defaults(func=run)
 

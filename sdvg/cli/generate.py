@@ -33,9 +33,15 @@ def add_parser(sub, config: dict | None) -> None:
                         "--kv-cache-frames latent frames (Krea's start_frame; docs/live.md)")
     g.add_argument("--offset", type=count(0), default=0, help="skip the first N prompts of --prompts-file")
     g.add_argument("--limit", type=count(0), default=0, help="at most N prompts (0 = all)")
-    g.add_argument("--out", default="video.mp4", help="the MP4 (with --prompts-file: <stem>_<line>.mp4 per prompt)")
+    g.add_argument("--out", default=DEFAULT_OUT, help=f"the MP4 (default: {DEFAULT_OUT} in the current folder; with "
+                                                       "--prompts-file: <stem>_<line>.mp4 per prompt)")
     g.add_argument("--stats", help="statistics (docs/stats.md): JSON, or JSON Lines with --prompts-file; "
                                    "default: --out with .json / .jsonl")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace outputs that exist; without it an existing output is kept and this run's outputs "
+                        "take the next free numbered names (video-1.mp4, video-1.json, ...), said on stderr")
+    g.add_argument("--create-dirs", action="store_true",
+                   help="create the outputs' missing folders (without it a missing folder is refused)")
     g.add_argument("--fps", type=fps_type, default=DEFAULT_FPS,
                    help=f"frames per second of the MP4 (default: {DEFAULT_FPS}, Wan2.1's)")
     g.add_argument("--crf", type=count(0, 51), default=DEFAULT_CRF,
@@ -50,12 +56,16 @@ def add_parser(sub, config: dict | None) -> None:
     add_config(g, config)
 
 
+DEFAULT_OUT = "video.mp4"
+
+
 def run(args, load_pipeline) -> int:
     from sdvg.live.updates import cli_prompt
 
+    if args.prompt is None and args.prompts_file is None and args.prompt_schedule is None:
+        raise ValueError("give --prompt TEXT, --prompts-file FILE or --prompt-schedule FILE")
     args.prompt = cli_prompt(args)  # --prompt-schedule FILE: the first prompt, carrying the schedule
     from sdvg.io.locks import lock_outputs
-    from sdvg.io.outputs import check_output_paths, generate_outputs
 
     if (args.prompt is None) == (args.prompts_file is None):
         raise ValueError("give either --prompt TEXT or --prompts-file FILE")
@@ -69,13 +79,8 @@ def run(args, load_pipeline) -> int:
         prompts = every[first:first + args.limit] if args.limit else every[first:]
         if not prompts:
             raise ValueError(f"--offset {args.offset} leaves no prompt of the {len(every)} in {args.prompts_file}")
-    out = Path(args.out)
     many = args.prompts_file is not None  # a prompts file: one video per line, <out>_<line>.mp4, JSON Lines stats
-    stats_path = Path(args.stats) if args.stats else out.with_suffix(".jsonl" if many else ".json")
-    if out.suffix.lower() != ".mp4":
-        raise ValueError(f"--out {out} must end in .mp4")
-    videos = {i: video_path(out, i, many) for i in range(first, first + len(prompts))}
-    check_output_paths(**generate_outputs(stats_path, videos, args.timeline, args.exit_map, many))
+    out, stats_path = outputs.output_names(args, range(first, first + len(prompts)), many)  # checked; none lost
     opts = options_from_args(args)
     outputs.warn_unused_exit_flags(args, opts)
     _check_input_video(args, opts)

@@ -1,5 +1,6 @@
-"""What `sdvg generate` writes beside the videos: the check of a stats file it resumes, the timeline and
-early-exit map PNGs, the note on unread early-exit flags, and the summary line."""
+"""What `sdvg generate` writes and where: the output names (an existing output kept, this run's outputs
+numbered, unless --overwrite), the check of a stats file it resumes, the timeline and early-exit map
+PNGs, the note on unread early-exit flags, and the summary line."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,42 @@ import sys
 from pathlib import Path
 
 from sdvg.cli.video import video_path
+
+
+def files_of(bases: dict, indices, many: bool) -> dict[str, Path]:
+    """Every file a run writes (flag -> path) from its base names (out, stats, timeline, exit_map)."""
+    from sdvg.io.outputs import generate_outputs
+
+    videos = {i: video_path(Path(bases["out"]), i, many) for i in indices}
+    return generate_outputs(Path(bases["stats"]), videos, bases["timeline"], bases["exit_map"], many)
+
+
+def output_names(args, indices, many: bool) -> tuple[Path, Path]:
+    """(--out, the stats path) this run writes, every file of the run checked (`check_output_paths`). An
+    existing output is kept: unless --overwrite (or --resume, which continues the files it finds), this
+    run's outputs take the first free numbered names, said on stderr (--timeline and --exit-map in `args`
+    are renamed alike). What cannot be an output at all (a folder, a device, two flags naming one file) is
+    refused as given, not renamed around."""
+    from sdvg.io.outputs import check_output_paths, unused_outputs
+
+    out = Path(args.out)
+    if out.suffix.lower() != ".mp4":
+        raise ValueError(f"--out {out} must end in .mp4")
+    stats = Path(args.stats) if args.stats else out.with_suffix(".jsonl" if many else ".json")
+    given = dict(out=out, stats=stats, timeline=args.timeline, exit_map=args.exit_map)
+    check_output_paths(**files_of(given, indices, many))
+    if args.overwrite or args.resume:
+        return out, stats
+    chosen, existing = unused_outputs(given, lambda bases: files_of(bases, indices, many))
+    if existing:
+        check_output_paths(**files_of(chosen, indices, many))
+        args.timeline = None if chosen["timeline"] is None else str(chosen["timeline"])
+        args.exit_map = None if chosen["exit_map"] is None else str(chosen["exit_map"])
+        video = chosen["out"].with_name(f"{chosen['out'].stem}_NNNN.mp4") if many else chosen["out"]
+        more = f" (and {len(existing) - 1} more of this run's outputs)" if len(existing) > 1 else ""
+        print(f"{existing[0]} exists{more}: kept; this run writes {video} and {chosen['stats']} instead "
+              "(--overwrite replaces the old ones)", file=sys.stderr)
+    return chosen["out"], chosen["stats"]
 
 
 def done_prompts(stats_path: Path, prompts: dict[int, str], options: dict) -> set[int]:

@@ -9,6 +9,7 @@ import sys
 from sdvg.cli import calibrate, calibrate_exit, config, download, generate, memory, serve, sweep, train_exit_head
 from sdvg.cli.args import config_values
 from sdvg.cli.pipelines import Loader, build_pipeline
+from sdvg.names import did_you_mean
 
 # In the order `sdvg --help` lists them.
 COMMANDS = (generate, config, memory, download, sweep, calibrate, calibrate_exit, train_exit_head, serve)
@@ -19,10 +20,68 @@ COMMANDS = (generate, config, memory, download, sweep, calibrate, calibrate_exit
 EXIT_BAD_INPUT, EXIT_RUNTIME = 2, 1
 
 
+class CommandLineParser(argparse.ArgumentParser):
+    """argparse as a person meets it: a flag no command knows is refused by the command it was given to,
+    with the closest flags offered; a misspelt choice (a command, --mode, ...) with the closest choices; a
+    long usage is cut to one line that points at --help. Every command's parser is one of these."""
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            where = self
+            if self._subparsers is not None and getattr(parsed, "command", None):
+                where = self._subparsers._group_actions[0].choices[parsed.command]
+            flag = extras[0].split("=", 1)[0]
+            known = [o for a in where._actions for o in a.option_strings if o.startswith("--")]
+            hint = did_you_mean(flag, known) if flag.startswith("-") else ""
+            where.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        return parsed
+
+    def _check_value(self, action, value):
+        if action.choices is not None and value not in action.choices:
+            names = [str(c) for c in action.choices]
+            raise argparse.ArgumentError(action, f"invalid choice: {value!r}{did_you_mean(str(value), names)} "
+                                                 f"(choose from {', '.join(names)})")
+
+    def error(self, message):
+        usage = self.format_usage()
+        if usage.count("\n") > 1:
+            usage = f"usage: {self.prog} [options] ...  (`{self.prog} --help` lists them)\n"
+        self.exit(2, f"{usage}{self.prog}: error: {message}\n")
+
+
+def version_line() -> str:
+    """`sdvg --version`: sdvg's version, the Python and the installed torch (read from its metadata: torch
+    is not imported)."""
+    import platform
+    from importlib import metadata
+
+    from sdvg import __version__
+
+    try:
+        torch = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch = "not installed"
+    return f"sdvg {__version__} (Python {platform.python_version()}, torch {torch})"
+
+
+class VersionAction(argparse.Action):
+    """--version: print `version_line()` and exit 0 (computed only when asked)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0,
+                         help="print sdvg's version, the Python and the installed torch, and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line())
+        parser.exit()
+
+
 def build_parser(config: dict | None = None) -> argparse.ArgumentParser:
     """The command line; `config` (from --protocol / --config) sets the generation options' defaults, so
     flags given on the command line still win."""
-    parser = argparse.ArgumentParser(prog="sdvg", description="speculative decoding for video diffusion")
+    parser = CommandLineParser(prog="sdvg", description="speculative decoding for video diffusion")
+    parser.add_argument("--version", action=VersionAction)
     parser.add_argument(*LOG_LEVEL_FLAG, **LOG_LEVEL_ARGS, default="warning")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
@@ -69,12 +128,14 @@ def main(argv=None, load_pipeline: Loader | None = None) -> int:
     from sdvg.io.exit_status import is_input_error
     from sdvg.io.interrupts import exit_code_of, signals_interrupt
     from sdvg.io.locks import lock_command_outputs
+    from sdvg.io.outputs import check_output_folders
     from sdvg.io.prompts import with_prompts_file_resolved
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(config_values(argv)).parse_args(argv)
     configure_logging(args.log_level)
     try:
+        check_output_folders(args)  # a missing folder without --create-dirs: refused before the lock makes it
         # before the first block too (loading): exit 128 + signal, no traceback; every output locked before loading
         with signals_interrupt(), lock_command_outputs(args):
             return args.func(with_prompts_file_resolved(args), load_pipeline or build_pipeline)

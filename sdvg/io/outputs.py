@@ -77,6 +77,40 @@ def check_output_paths(**paths) -> dict[str, Path]:
     return out
 
 
+def check_output_folders(args) -> None:
+    """A command with --create-dirs writes only into folders that exist unless it is given: a missing one is
+    refused before anything is locked, created or loaded (the outputs' folders are their base names')."""
+    from sdvg.io.locks import command_outputs
+
+    if getattr(args, "create_dirs", True):
+        return
+    for out in command_outputs(args):
+        folder = Path(out).parent
+        if not folder.is_dir():
+            raise OutputPathError(f"{out}: the folder {folder} does not exist; create it (mkdir -p {folder}) or pass "
+                                  "--create-dirs")
+
+
+def numbered(path: Path, n: int) -> Path:
+    """`<stem>-<n><suffix>` beside `path` (n = 0: `path` itself)."""
+    return path if n == 0 else path.with_name(f"{path.stem}-{n}{path.suffix}")
+
+
+def unused_outputs(bases: dict[str, Path | None], files_of) -> tuple[dict[str, Path | None], list[Path]]:
+    """An existing output is never overwritten silently: `bases` (flag -> path) as given when none of the
+    files they name (`files_of(bases)`, flag -> path) exists, else the first numbered set (`<stem>-1<suffix>`,
+    `-2`, ...) of which none does. Returns (the bases to write, the existing files that moved them)."""
+    existing = [p for p in files_of(bases).values() if p is not None and (p.exists() or p.is_symlink())]
+    if not existing:
+        return bases, []
+    for n in range(1, 10_000):
+        moved = {k: None if p is None else numbered(Path(p), n) for k, p in bases.items()}
+        if not any(p.exists() or p.is_symlink() for p in files_of(moved).values() if p is not None):
+            return moved, existing
+    raise OutputPathError(f"{existing[0]} and 9999 numbered names beside it exist; give another path or pass "
+                          "--overwrite")
+
+
 def _existing_parent(folder: Path) -> Path:
     while not folder.exists():
         folder = folder.parent
