@@ -153,11 +153,12 @@ def test_reset_restarts_at_block_0(server, refs):
 
 
 def test_hostile_messages_get_errors_and_the_server_carries_on(server):
+    """An sdvg client (sdvg=1) hears each refusal by name; plain clients: tests/test_serve_krea.py."""
     url, _ = server
 
     async def go():
         errors = []
-        async with websockets.connect(f"ws://{url}/session/hostile1", max_size=2**26) as ws:
+        async with websockets.connect(f"ws://{url}/session/hostile1?sdvg=1", max_size=2**26) as ws:
             await recv_json(ws, 30)
             for bad in (b"\xc1\xff\x00", msgpack.packb([1, 2]), msgpack.packb({"prompt": "x", "bogus": 1}),
                         msgpack.packb({"prompt": 3}), msgpack.packb({"prompt": "x", "num_blocks": "9"}),
@@ -185,7 +186,7 @@ def test_hostile_messages_get_errors_and_the_server_carries_on(server):
                     got += 1
                 elif json.loads(m).get("status") == "completed":
                     break
-                else:
+                elif json.loads(m).get("status") not in ("params", "stats"):
                     errors.append(json.loads(m))
             return errors, got
 
@@ -357,8 +358,9 @@ def test_a_start_frame_upload_starts_the_video_from_the_image(server, tiny_pipe,
     assert status == 200
     _, video = upload(url, "/upload_video", b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 64)
     out = asyncio.run(run_session(url, params(start_frame=body["id"]), fmt="raw", superset=True, session_id="sf1"))
-    bad = asyncio.run(run_session(url, params(start_frame=video["id"]), fmt="raw", session_id="sf2"))
-    unknown = asyncio.run(run_session(url, params(start_frame="up_" + "1" * 32), fmt="raw", session_id="sf3"))
+    bad = asyncio.run(run_session(url, params(start_frame=video["id"]), fmt="raw", superset=True, session_id="sf2"))
+    unknown = asyncio.run(run_session(url, params(start_frame="up_" + "1" * 32), fmt="raw", superset=True,
+                                      session_id="sf3"))
     ref = list(tiny_pipe.stream(PROMPT, num_blocks=2, seed=5, kv_cache_frames=3, keep_first_frame=False,
                                 start_frame=image, scheduler="reference"))
     assert out["texts"][-1]["status"] == "completed"
@@ -455,8 +457,8 @@ def test_max_sessions_2_queues_the_third_and_refuses_beyond_the_queue(tiny_pipe,
                 await ws.send(msgpack.packb({"action": "pause"}))
                 await until(ws, "ack")
                 socks.append(ws)
-            for i in (2, 3):  # the third speaks sdvg's superset: told when it gets its slot
-                ws = await websockets.connect(f"ws://{url}/session/q{i}?fmt=raw" + ("&sdvg=1" if i == 2 else ""))
+            for i in (2, 3):  # sdvg's superset: the third is told when it gets its slot (plain: test_serve_krea.py)
+                ws = await websockets.connect(f"ws://{url}/session/q{i}?fmt=raw&sdvg=1")
                 await recv_json(ws, 30)
                 await ws.send(msgpack.packb(params(num_blocks=1)))
                 socks.append(ws)
@@ -616,17 +618,22 @@ def test_an_uploaded_input_video_drives_a_session_and_a_broken_one_is_refused_at
     assert np.array_equal(np.stack(out["frames"]), want)
     status, body = upload(url, "/upload_video", b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 64)
 
-    async def broken(upload_id):
-        async with websockets.connect(f"ws://{url}/session/vid2") as ws:
+    async def broken(upload_id, query):
+        async with websockets.connect(f"ws://{url}/session/vid2{query}") as ws:
             await recv_json(ws, 30)
             await ws.send(msgpack.packb({"prompt": PROMPT, "input_video": upload_id}))
             while True:
                 msg = await recv_json(ws, TIMEOUT)
-                if msg.get("status") == "error":
+                if "error" in msg:
                     return msg
 
-    error = asyncio.run(broken(body["id"]))
+    error = asyncio.run(broken(body["id"], "?sdvg=1"))
+    assert error["status"] == "error" and error["field"] is None
     assert "could not start" in error["error"] and "cannot be read" in error["error"], error
+    assert "the uploaded video cannot be read" in error["error"] and str(tmp_path) not in error["error"]
+    assert "/uploads/" not in error["error"]  # never the server's path of the upload
+    plain = asyncio.run(broken(body["id"], ""))  # Krea's shape, which its page shows as a server error
+    assert set(plain) == {"error"} and plain["error"] == error["error"]
 
 
 def _write_clip(path, frames=21, seed=3):

@@ -225,3 +225,113 @@ def test_the_pages_webcam_frames_in_base64_drive_the_session(tiny_pipe, tmp_path
     session.update(input_frames=np.stack([decode_jpeg(j) for j in jpegs]))
     want = np.concatenate([b.frames.numpy() for b in session])
     assert np.array_equal(np.stack(frames), jpeg_roundtrip(want))
+
+
+async def plain_run(ws, until_completed: int = 1):
+    """Frames and text messages on a plain socket until `until_completed` completed messages came."""
+    frames, texts = 0, []
+    while sum('"completed"' in t for t in texts) < until_completed:
+        m = await asyncio.wait_for(ws.recv(), 240)
+        if isinstance(m, bytes):
+            frames += 1
+        else:
+            texts.append(m)
+    return frames, [__import__("json").loads(t) for t in texts]
+
+
+def test_a_plain_client_is_answered_as_krea_answers_and_never_hears_an_sdvg_message(tiny_pipe, tmp_path, caplog):
+    """Parameters Krea's pydantic takes (loose types, unknown fields, values sdvg does not honour) start a run; ones it
+    refuses, or past the server's bounds, get Krea's `{"error": [...]}` and the socket waits for better ones; every
+    update sdvg would refuse (sdvg-only fields and actions, an image on a text session, strength alone, a non-map, a
+    text frame, a prompt too late for the run) is dropped without a reply; the operator is told."""
+    import json
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="sdvg.serve")
+    with running_server(tiny_pipe, tmp_path) as (url, app):
+        async def go():
+            async with websockets.connect(f"ws://{url}/session/plain-1") as ws:
+                assert set(json.loads(await ws.recv())) == {"status", "worker"}  # Krea's ready, exactly
+                refused = []
+                for bad in ({"prompt": 3}, [1, 2], page_parameters("x", 64, 64, steps=9),
+                            page_parameters("x", 1664, 960)):
+                    await ws.send(msgpack.packb(bad))
+                    refused.append(json.loads(await asyncio.wait_for(ws.recv(), 30)))
+                loose = {"prompt": "a lighthouse", "width": "70", "height": 64.0, "num_blocks": "2", "seed": "6",
+                         "num_denoising_steps": 5, "timestep_shift": 6.5, "context_noise": 0.2, "strength": 0.5,
+                         "interp_blocks": 3, "bogus": {"x": 1}, "scheduler": "cpp"}
+                await ws.send(msgpack.packb(loose))
+                for update in ({"tau": 0.5}, {"action": "ping"}, {"action": "pause"}, {"image": b"\xff\xd8\xff"},
+                               {"strength": 0.4}, [1, 2, 3], {"interp_steps": 3}, {"unknown": True},
+                               {"seed": "not a number"}, {"prompt": "a lighthouse in fog", "interp_steps": "soon"}):
+                    await ws.send(msgpack.packb(update))
+                await ws.send("a text frame")
+                first = await plain_run(ws)
+                await ws.send(msgpack.packb({"prompt": "too late for this run"}))  # the run is over
+                await ws.send(msgpack.packb({"action": "reset"}))
+                second = await plain_run(ws)
+                return refused, first, second
+
+        refused, first, second = asyncio.run(go())
+        adjusted = {s.labels["reason"]: s.value for m in app.state.metrics.plain_adjusted.collect()
+                    for s in m.samples if s.name.endswith("_total")}
+    for reply, loc in zip(refused, (["prompt"], [], ["num_denoising_steps"], ["width"])):
+        assert set(reply) == {"error"} and isinstance(reply["error"], list), reply  # Krea's shape
+        assert reply["error"][0]["loc"] == loc and reply["error"][0]["msg"], reply
+    assert "1 to 8 steps" in refused[2]["error"][0]["msg"]
+    assert first == (9 + 12, [{"session_id": "plain-1", "status": "completed"}])  # 2 blocks at 64x64, nothing else
+    assert second == (9 + 12, [{"session_id": "plain-1", "status": "completed"}])
+    assert adjusted["ignored_field"] >= 6 and adjusted["floored"] == 1 and adjusted["dropped_update"] >= 6
+    assert adjusted["refused_params"] == 4
+    said = caplog.text
+    assert "session plain-1 (plain client)" in said and "unknown parameter 'bogus' ignored" in said
+    assert "width 70 floored to 64" in said
+
+
+def test_a_queued_plain_client_waits_silently_then_runs(tiny_pipe, tmp_path):
+    """Every slot busy: an sdvg client would hear `queued`; a plain one (Krea's page treats any message with a
+    session_id as the end) hears nothing until its frames come, then Krea's completed; a gauge counts it."""
+    import json
+    import time
+
+    with running_server(tiny_pipe, tmp_path, max_sessions=1, max_queue=2) as (url, app):
+        gauge = app.state.metrics.plain_queued
+
+        async def go():
+            async with websockets.connect(f"ws://{url}/session/holder?sdvg=1") as holder, \
+                    websockets.connect(f"ws://{url}/session/plain-q") as plain:
+                await holder.recv()
+                await holder.send(msgpack.packb({"prompt": "a fox", "num_blocks": 1}))
+                await holder.send(msgpack.packb({"action": "pause"}))
+                while json.loads(await holder.recv()).get("status") != "ack":
+                    pass
+                await plain.recv()  # ready
+                await plain.send(msgpack.packb(page_parameters("a lighthouse", 64, 64, 1)))
+                deadline = time.monotonic() + 30
+                while gauge._value.get() != 1:
+                    assert time.monotonic() < deadline, "the plain client was never queued"
+                    await asyncio.sleep(0.05)
+                await holder.send(msgpack.packb({"action": "resume"}))
+                return await plain_run(plain)
+
+        frames, texts = asyncio.run(go())
+    assert frames == 9 and texts == [{"session_id": "plain-q", "status": "completed"}]
+    assert gauge._value.get() == 0
+
+
+def test_krea_test_client_as_its_users_run_it(tiny_pipe, tmp_path):
+    """Krea's test_client.py with its parameters line enabled, as its users run it: /session/test123 (fmt jpeg), a
+    prompt, a seed and num_blocks 1000 (capped at the server's --max-blocks, told to the operator), then the same
+    image every few seconds (ignored on a text-to-video session, as Krea's server ignores it)."""
+    jpeg = webcam_frames(1, 64, 64)[0]
+
+    async def go(url):
+        async with websockets.connect(f"ws://{url}/session/test123") as ws:
+            await ws.recv()
+            await ws.send(msgpack.packb({"prompt": "A cat riding a skateboard", "seed": 5366, "num_blocks": 1000}))
+            await ws.send(msgpack.packb({"image": jpeg}))
+            return await plain_run(ws)
+
+    with running_server(tiny_pipe, tmp_path, max_blocks=2) as (url, _):
+        frames, texts = asyncio.run(go(url))
+    assert frames == 9 + 12 and texts == [{"session_id": "test123", "status": "completed"}]

@@ -22,6 +22,7 @@ from sdvg.serve.config import ServeConfig
 from sdvg.serve.encode import FORMATS
 from sdvg.serve.engine import Engine
 from sdvg.serve.metrics import ServeMetrics
+from sdvg.serve.plain import params_error, plain_params, plain_update
 from sdvg.serve.protocol import UPLOAD_ID, ProtocolError, parse_params, parse_update
 from sdvg.serve.security import RateLimit, token_matches, token_of, valid_session_id
 from sdvg.serve.sessions import Outbox, Session, SessionManager
@@ -227,8 +228,16 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
             return
 
     def refuse(session: Session, error: ProtocolError, reason: str) -> None:
+        """A refused message, counted: sdvg's `error` to an sdvg client; to a plain one Krea's reply to bad parameters
+        before its run started, else nothing (Krea is silent), the operator told (sdvg.serve.plain)."""
         metrics.refused.labels(reason).inc()
-        session.outbox.text(error.reply())
+        if session.superset:
+            session.outbox.text(error.reply())
+        elif session.spec is None:
+            session.adjusted.tell("refused_params", f"parameters refused: {error}")
+            session.outbox.text(params_error(error))
+        else:
+            session.adjusted.tell("dropped_update", f"{error}; dropped without a reply")
 
     async def receive_loop(websocket: WebSocket, session: Session) -> None:
         rate = RateLimit(cfg.updates_per_s, cfg.update_burst)
@@ -238,8 +247,9 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
             try:
                 message = await asyncio.wait_for(websocket.receive(), cfg.idle_timeout_s if waiting else None)
             except asyncio.TimeoutError:
-                session.outbox.text({"status": "error", "error": f"idle for {cfg.idle_timeout_s:g} s; closing",
-                                     "field": None})
+                if session.superset:
+                    session.outbox.text({"status": "error", "error": f"idle for {cfg.idle_timeout_s:g} s; closing",
+                                         "field": None})
                 session.outbox.close(1000)
                 return
             if message["type"] == "websocket.disconnect":
@@ -281,8 +291,17 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
                 return
 
     async def start(session: Session, obj) -> None:
+        if not session.superset:  # read as Krea reads it, then what sdvg takes (sdvg.serve.plain)
+            obj = plain_params(obj, engine, cfg, session.adjusted.tell, uploads.known)
         params = parse_params(obj, cfg.max_prompt_chars)
-        image = await start_image(params.start_frame)
+        try:
+            image = await start_image(params.start_frame)
+        except ProtocolError as exc:
+            if session.superset:
+                raise
+            session.adjusted.tell("ignored_field", f"{exc}; ignored (Krea goes on without a start frame it cannot "
+                                  "load)")
+            params, image = params.model_copy(update={"start_frame": None}), None
         spec = engine.spec(params, cfg.max_blocks, uploads.known, uploads.claim, start_image=image)
         session.upload = params.input_video  # claimed: kept past its TTL until this socket closes
         admitted(session, spec)
@@ -304,8 +323,11 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
     def admitted(session: Session, spec) -> None:
         state = manager.admit(session, spec)
         if state == "busy":
-            session.outbox.text({"status": "error", "error": f"busy: {cfg.max_sessions} sessions are generating "
-                                 f"and {cfg.max_queue} are waiting; try again later", "field": None})
+            busy = f"busy: {cfg.max_sessions} sessions are generating and {cfg.max_queue} are waiting; try again later"
+            if session.superset:
+                session.outbox.text({"status": "error", "error": busy, "field": None})
+            else:
+                session.adjusted.tell("busy", busy + "; closed (1013) without a message")
             session.outbox.close(1013)
             return
         if session.superset:
@@ -322,6 +344,10 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
             session.outbox.text({"status": "ack", "field": field, "block": block, "request_id": request_id, **extra})
 
     async def handle_update(session: Session, obj) -> None:
+        if not session.superset:  # read as Krea's loop reads it; what is dropped is told to the operator
+            obj = plain_update(obj, session.spec.prompt, session.adjusted.tell)
+            if obj is None:
+                return
         u = parse_update(obj, cfg.max_prompt_chars)
         if u.action in ("pause", "resume", "ping") and not session.superset:
             raise ProtocolError("action", f"{u.action!r} is sdvg's superset: connect with ?sdvg=1")

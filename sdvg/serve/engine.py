@@ -187,8 +187,11 @@ class Engine:
     def read_input(self, spec: SessionSpec) -> tuple[GenerationOptions, Any]:
         """An uploaded input video's frames, read (ffmpeg) and fitted: (options with num_blocks capped by the
         clip, as in Krea, uint8 frames). It touches no model, so it runs off the generation worker."""
-        return self.pipe_at(spec.height, spec.width).input_clip(spec.input_video, spec.options, fit_blocks=True,
-                                                                max_bytes=self.max_input_video_bytes)
+        try:
+            return self.pipe_at(spec.height, spec.width).input_clip(spec.input_video, spec.options, fit_blocks=True,
+                                                                    max_bytes=self.max_input_video_bytes)
+        except Exception as exc:  # the reply names the upload, never the server's path of it
+            raise type(exc)(str(exc).replace(spec.input_video, "the uploaded video")) from None
 
     def start(self, spec: SessionSpec, clip: tuple[GenerationOptions, Any] | None = None) -> Iterator:
         """The blocks of one generation (run on the generation worker's thread only). `clip`: the input video

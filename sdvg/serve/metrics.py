@@ -31,6 +31,11 @@ class ServeMetrics:
                                         "written)", registry=r)
         self.refused = Counter("sdvg_serve_refused_messages", "client messages refused, by reason", ["reason"],
                                registry=r)
+        self.plain_adjusted = Counter("sdvg_serve_plain_adjusted", "what plain (Krea) clients sent that sdvg took "
+                                      "otherwise than asked (ignored, capped, floored) or dropped without a reply, "
+                                      "by reason", ["reason"], registry=r)
+        self.plain_queued = Gauge("sdvg_serve_plain_sessions_queued", "plain (Krea) clients waiting for a slot, "
+                                  "told nothing (Krea has no queue)", registry=r)
         self._later = self._accepted = 0
 
     def block(self, index: int, decision: str) -> None:

@@ -38,9 +38,10 @@ CLIENT_OPTIONS: tuple[str, ...] = tuple(n for n in OPTION_NAMES if n not in SERV
 class ProtocolError(ValueError):
     """A client message the server refuses: `field` names the field (None: the whole message)."""
 
-    def __init__(self, field: str | None, message: str):
+    def __init__(self, field: str | None, message: str, details: list[dict] | None = None):
         super().__init__(f"{field}: {message}" if field else message)
         self.field, self.message = field, message
+        self.details = details  # Krea's error list, when its pydantic would refuse the message (sdvg.serve.plain)
 
     def reply(self) -> dict:
         return {"status": "error", "error": str(self), "field": self.field}

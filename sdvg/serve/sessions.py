@@ -30,6 +30,7 @@ from sdvg.serve.config import ServeConfig
 from sdvg.serve.encode import encode_block
 from sdvg.serve.engine import Engine, SessionSpec
 from sdvg.serve.metrics import ServeMetrics
+from sdvg.serve.plain import Adjusted, failure
 from sdvg.serve.videos import VideoStore
 
 PRODUCER = {"forced": "target", "rejected": "target", "target": "target", "accepted": "drafter",
@@ -84,6 +85,7 @@ class Session:
     def __init__(self, session_id: str, fmt: str, superset: bool, loop: asyncio.AbstractEventLoop,
                  outbox: Outbox):
         self.id, self.fmt, self.superset, self.loop, self.outbox = session_id, fmt, superset, loop, outbox
+        self.adjusted = Adjusted(session_id, outbox.metrics.plain_adjusted)  # a plain client's: told to the operator
         self.spec: SessionSpec | None = None
         self.upload: str | None = None  # the input_video upload this socket claimed (released when it closes)
         self.state = "new"  # new | queued | running | done | closed
@@ -106,6 +108,17 @@ class Session:
     def post_text(self, message: dict) -> None:
         """A text message after every block already handed over (from any thread)."""
         self.post(self._ordered, ("text", message))
+
+    def post_error(self, message: str, field: str | None = None, failed: bool = False) -> None:
+        """An error, after every block already handed over (from any thread): sdvg's `error` to an sdvg client;
+        to a plain one Krea's `{"error"}` when the run `failed` (could not start, broke off), else nothing (Krea
+        is silent), the operator told either way."""
+        if self.superset:
+            self.post_text({"status": "error", "error": message, "field": field})
+            return
+        self.adjusted.tell("run_failed" if failed else "dropped_update", message)
+        if failed:
+            self.post_text(failure(message))
 
     def post_close(self, code: int) -> None:
         self.post(self._ordered, ("close", code))
@@ -172,6 +185,9 @@ class SessionManager:
             session.state = "queued"
             self._counts()
             self._tell_positions()
+            if not session.superset:
+                session.adjusted.tell("queued", f"every slot is busy: waits at position {len(self.queue)}, told "
+                                      "nothing (Krea has no queue; sdvg_serve_plain_sessions_queued)")
             return "queued"
 
     def command(self, session: Session, *command) -> None:
@@ -227,12 +243,15 @@ class SessionManager:
         self._tell_positions()
 
     def _tell_positions(self) -> None:
+        """sdvg clients hear their place in the queue; plain ones wait silently (Krea has no queue)."""
         for pos, s in enumerate(self.queue, 1):
-            s.post_text({"status": "queued", "position": pos, "session_id": s.id})
+            if s.superset:
+                s.post_text({"status": "queued", "position": pos, "session_id": s.id})
 
     def _counts(self) -> None:
         self.metrics.sessions_active.set(len(self.active))
         self.metrics.sessions_queued.set(len(self.queue))
+        self.metrics.plain_queued.set(sum(not s.superset for s in self.queue))
 
     def _runnable(self) -> list[Session]:
         """Sessions whose next block can run now: not paused, no command waiting, and (webcam) its frames queued."""
@@ -298,20 +317,20 @@ class SessionManager:
                 return
             s.reading = False
             if isinstance(clip, Exception):
-                s.post_text({"status": "error", "error": f"could not start: {clip}", "field": None})
+                s.post_error(f"could not start: {clip}", failed=True)
                 self._finished(s)
                 return
             self._begin(s, spec, clip)
         elif cmd[0] == "update":  # live sessions only (engine.live)
             if s.reading:  # its input video is still being read
-                s.post_text({"status": "error", "error": f"{cmd[2]}: the session's input video is still being "
-                             "read; send it once the first frames came", "field": cmd[2]})
+                s.post_error(f"{cmd[2]}: the session's input video is still being read; send it once the first "
+                             "frames came", cmd[2])
                 return
             changes, field, request_id = cmd[1], cmd[2], cmd[3]
             try:
                 block = self.engine.update(s.generation, **changes)
             except Exception as exc:
-                s.post_text({"status": "error", "error": f"{field}: {exc}", "field": field})
+                s.post_error(f"{field}: {exc}", field)
                 return
             if s.superset and field != "image":  # webcam frames are not acknowledged (Krea sends nothing)
                 s.post_text({"status": "ack", "field": field, "block": block, "request_id": request_id})
@@ -322,7 +341,7 @@ class SessionManager:
             s.generation = self.engine.start(spec, clip)
             s.writer = self.videos.writer(s.id)
         except Exception as exc:  # e.g. a memory budget refusal, an unreadable video
-            s.post_text({"status": "error", "error": f"could not start: {exc}", "field": None})
+            s.post_error(f"could not start: {exc}", failed=True)
             self._finished(s)
             return
         s.blocks_done = s.frames_done = s.accepted = s.later = 0
@@ -349,8 +368,7 @@ class SessionManager:
             traceback.print_exc()
             self._end(s, reason="error")
             self._finished(s)
-            s.post_text({"status": "error", "error": f"generation failed at block {s.blocks_done}: "
-                                                              f"{type(exc).__name__}: {exc}", "field": None})
+            s.post_error(f"generation failed at block {s.blocks_done}: {type(exc).__name__}: {exc}", failed=True)
             return
         self.metrics.block_latency.observe(time.perf_counter() - t0)
         self.metrics.block(block.index, block.decision)
@@ -358,7 +376,7 @@ class SessionManager:
         try:
             s.writer.write(block.frames)
         except Exception as exc:  # the MP4 failed; the stream goes on
-            s.post_text({"status": "error", "error": f"video file: {exc}", "field": None})
+            s.post_error(f"video file: {exc}")
         if block.index > 0 and block.decision in ("accepted", "rejected"):
             s.later += 1
             s.accepted += block.decision == "accepted"
@@ -389,7 +407,7 @@ class SessionManager:
             try:
                 self.videos.finish(s.id, s.writer)
             except Exception as exc:
-                s.post_text({"status": "error", "error": f"video file: {exc}", "field": None})
+                s.post_error(f"video file: {exc}")
             s.writer = None
         if reason in ("closed", "shutdown") and self.uploads is not None:
             self.uploads.expire()
