@@ -335,3 +335,70 @@ def test_krea_test_client_as_its_users_run_it(tiny_pipe, tmp_path):
     with running_server(tiny_pipe, tmp_path, max_blocks=2) as (url, _):
         frames, texts = asyncio.run(go(url))
     assert frames == 9 + 12 and texts == [{"session_id": "test123", "status": "completed"}]
+
+
+def test_a_run_video_cut_for_a_download_joins_into_the_same_frames(tmp_path):
+    """The MP4 of a run in progress: cut between blocks, its segments joined with their streams copied, gives the
+    frames written so far; the run's final MP4 joins every segment and starts with those same decoded frames."""
+    import torch
+
+    from sdvg.io.video_writer import read_mp4_frames
+    from sdvg.serve.videos import VideoStore, join_segments
+
+    store = VideoStore(tmp_path, fps=16, keep=4)
+    video = store.writer("run1")
+    rng = np.random.default_rng(0)
+    blocks = [torch.from_numpy(rng.integers(0, 256, size=(n, 48, 64, 3), dtype=np.uint8)) for n in (9, 12, 12)]
+    video.write(blocks[0])
+    links = store.snapshot_links(video)  # after block 0
+    video.write(blocks[1])
+    assert store.state("run1") == ("writing", None)
+    join_segments(links, tmp_path / "so-far.mp4")
+    again = store.snapshot_links(video)  # after block 1: two segments joined
+    join_segments(again, tmp_path / "so-far-2.mp4")
+    video.write(blocks[2])
+    store.finish("run1", video)
+    so_far, so_far_2 = read_mp4_frames(tmp_path / "so-far.mp4"), read_mp4_frames(tmp_path / "so-far-2.mp4")
+    state, path = store.state("run1")
+    final = read_mp4_frames(path)
+    assert state == "finished" and len(so_far) == 9 and len(so_far_2) == 21 and len(final) == 33
+    assert np.array_equal(final[:9], so_far) and np.array_equal(final[:21], so_far_2)
+    assert not list(tmp_path.glob(".*"))  # no segment, link or partial file left
+
+
+def test_a_download_while_running_gives_the_frames_so_far(tiny_pipe, tmp_path):
+    """Krea's page offers Download from the first frame: a GET while the run is written gives a playable MP4 of the
+    blocks made so far (here the session is paused after block 0), whose frames begin the finished video."""
+    import json
+    import urllib.request
+
+    from sdvg.io.video_writer import read_mp4_frames
+
+    with running_server(tiny_pipe, tmp_path / "server") as (url, _):
+        async def go():
+            async with websockets.connect(f"ws://{url}/session/dl-1?sdvg=1") as ws:
+                await ws.recv()
+                await ws.send(msgpack.packb({"prompt": "a fox", "num_blocks": 3, "seed": 1}))
+                while not (isinstance(m := await asyncio.wait_for(ws.recv(), 240), str)
+                           and json.loads(m)["status"] == "stats"):  # block 0 made
+                    pass
+                await ws.send(msgpack.packb({"action": "pause"}))
+                while not (isinstance(m := await asyncio.wait_for(ws.recv(), 240), str)
+                           and json.loads(m)["status"] == "ack"):
+                    pass
+                so_far = await asyncio.to_thread(lambda: urllib.request.urlopen(
+                    f"http://{url}/download_video/dl-1", timeout=120).read())
+                await ws.send(msgpack.packb({"action": "resume"}))
+                while not (isinstance(m := await asyncio.wait_for(ws.recv(), 240), str)
+                           and json.loads(m)["status"] == "completed"):
+                    pass
+                final = await asyncio.to_thread(lambda: urllib.request.urlopen(
+                    f"http://{url}/download_video/dl-1", timeout=120).read())
+                return so_far, final
+
+        so_far, final = asyncio.run(go())
+    (tmp_path / "so-far.mp4").write_bytes(so_far)
+    (tmp_path / "final.mp4").write_bytes(final)
+    head, whole = read_mp4_frames(tmp_path / "so-far.mp4"), read_mp4_frames(tmp_path / "final.mp4")
+    assert len(head) in (9, 21) and len(whole) == 33  # whole blocks: block 0, perhaps block 1 before the pause
+    assert np.array_equal(whole[:len(head)], head)

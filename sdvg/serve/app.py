@@ -3,9 +3,11 @@ POST /upload_video and /upload_start_frame, GET /metrics (docs/server.md has the
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import os
+import secrets
 import socket
 import tempfile
 from contextlib import asynccontextmanager
@@ -15,6 +17,7 @@ from urllib.parse import parse_qs
 import msgpack
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response
+from starlette.background import BackgroundTask
 
 from sdvg.generation.types import strict_json
 from sdvg.live.updates import ROUTER_FIELDS
@@ -28,7 +31,7 @@ from sdvg.serve.security import RateLimit, token_matches, token_of, valid_sessio
 from sdvg.serve.sessions import Outbox, Session, SessionManager
 from sdvg.serve.uploads import (IMAGE_KINDS, VIDEO_KINDS, UploadError, UploadStore, check_image, decode_frame,
                                 image_bytes, sniff)
-from sdvg.serve.videos import VideoStore
+from sdvg.serve.videos import VideoStore, join_segments
 
 STATIC = Path(__file__).parent / "static"
 OPEN_PATHS = ("/health",)  # answered without the token (says "OK" and nothing else)
@@ -105,17 +108,45 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
 
         return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
+    snapshots_running = 0  # downloads of runs still being written, joining their segments now
+
     @app.get("/download_video/{session_id}")
     async def download_video(session_id: str):
+        nonlocal snapshots_running
         if not valid_session_id(session_id):
             return JSONResponse({"error": "session id: letters, digits, _ and - only (1 to 64)"}, status_code=400)
         state, path = videos.state(session_id)
-        if state == "writing":
-            return JSONResponse({"error": "the video is still being written; download it after `completed`"},
-                                status_code=409)
+        if state == "finished":
+            return FileResponse(path, media_type="video/mp4", filename=f"video_{session_id}.mp4")
         if state == "none":
             return JSONResponse({"error": "No video data found for this session"}, status_code=404)
-        return FileResponse(path, media_type="video/mp4", filename=f"video_{session_id}.mp4")
+        # still being written: the frames so far, as Krea's server gives them (its page offers Download at once)
+        retry = JSONResponse({"error": "the video is being finished; retry in a moment"}, status_code=409,
+                             headers={"Retry-After": "1"})
+        if snapshots_running >= cfg.max_concurrent_snapshots:
+            return JSONResponse({"error": f"busy: {snapshots_running} videos in progress are being prepared for "
+                                 "download; retry in a moment"}, status_code=503, headers={"Retry-After": "1"})
+        snapshots_running += 1
+        try:
+            future = manager.snapshot(session_id)
+            if future is None:
+                return retry
+            try:
+                links = await asyncio.wait_for(asyncio.wrap_future(future), cfg.drain_timeout_s)
+            except (asyncio.TimeoutError, asyncio.CancelledError, concurrent.futures.CancelledError):
+                return retry
+            if not links:
+                return JSONResponse({"error": "No frames available"}, status_code=404)
+            out = videos.folder / f".download-{secrets.token_hex(8)}.mp4"
+            try:
+                await asyncio.to_thread(join_segments, links, out)
+            finally:
+                for link in links:
+                    link.unlink(missing_ok=True)
+        finally:
+            snapshots_running -= 1
+        return FileResponse(out, media_type="video/mp4", filename=f"video_{session_id}.mp4",
+                            background=BackgroundTask(out.unlink, missing_ok=True))
 
     async def read_upload(request: Request, kinds: dict, limit: int):
         length = request.headers.get("content-length")

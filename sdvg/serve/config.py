@@ -39,6 +39,7 @@ class ServeConfig:
     upload_ttl_s: float = 600.0  # an unclaimed upload is deleted after this
     max_upload_store_bytes: int = 4 * 2**30  # every upload held at once (claimed ones too); a POST past it: 507
     max_concurrent_uploads: int = 4  # POSTs received at once (each body is held in memory while read); more: 503
+    max_concurrent_snapshots: int = 2  # downloads of runs in progress joined at once (an ffmpeg each); more: 503
     keep_videos: int = 64  # finished session MP4s kept for download (oldest deleted first)
     jpeg_quality: int = 90  # Krea's
     fps: float = 16.0  # of the MP4s
@@ -49,7 +50,7 @@ class ServeConfig:
         check_port(self.port)
         for name in ("max_sessions", "send_buffer_frames", "max_message_bytes", "max_image_bytes", "max_blocks",
                      "update_burst", "flood_close_after", "keep_videos", "max_prompt_chars", "max_upload_store_bytes",
-                     "max_concurrent_uploads", "max_steps", "max_pixels"):
+                     "max_concurrent_uploads", "max_steps", "max_pixels", "max_concurrent_snapshots"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
         if self.max_queue < 0:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import threading
 import time
 import traceback
@@ -87,6 +88,7 @@ class Session:
         self.id, self.fmt, self.superset, self.loop, self.outbox = session_id, fmt, superset, loop, outbox
         self.adjusted = Adjusted(session_id, outbox.metrics.plain_adjusted)  # a plain client's: told to the operator
         self.spec: SessionSpec | None = None
+        self.video_key = session_id  # the name of its runs' MP4 (GET /download_video/{video_key})
         self.upload: str | None = None  # the input_video upload this socket claimed (released when it closes)
         self.state = "new"  # new | queued | running | done | closed
         self.paused = False
@@ -195,6 +197,19 @@ class SessionManager:
             session.commands.append(command)
             self.cond.notify()
 
+    def snapshot(self, video_key: str) -> concurrent.futures.Future | None:
+        """The frames so far of the run writing video `video_key`: a Future of hard-linked finished segments that
+        the worker makes between two blocks (`VideoStore.snapshot_links`), or None when no admitted session is
+        writing it (its run is being finished)."""
+        with self.cond:
+            session = next((s for s in self.active if s.video_key == video_key), None)
+            if session is None:
+                return None
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            session.commands.append(("snapshot", future))
+            self.cond.notify()
+        return future
+
     def pause(self, session: Session, paused: bool) -> None:
         with self.cond:
             session.paused = paused
@@ -211,6 +226,7 @@ class SessionManager:
                 self.active.remove(session)
                 self._promote()
             session.state = "closed"
+            _drop_snapshots(session)
             self.closing.append(session)
             self._counts()
             self.cond.notify()
@@ -291,6 +307,8 @@ class SessionManager:
         # shutdown: finish every generation and MP4, tell each socket completed, close it
         with self.cond:
             every = self.active + list(self.queue) + self.closing
+            for s in every:
+                _drop_snapshots(s)
             self.active, self.closing = [], []
             self.queue.clear()
             self._counts()
@@ -321,6 +339,11 @@ class SessionManager:
                 self._finished(s)
                 return
             self._begin(s, spec, clip)
+        elif cmd[0] == "snapshot":  # a download while the run is written: its frames so far
+            try:
+                cmd[1].set_result(self.videos.snapshot_links(s.writer) if s.writer is not None else [])
+            except Exception as exc:  # the segment could not be finished: the download says so
+                cmd[1].set_exception(exc)
         elif cmd[0] == "update":  # live sessions only (engine.live)
             if s.reading:  # its input video is still being read
                 s.post_error(f"{cmd[2]}: the session's input video is still being read; send it once the first "
@@ -339,7 +362,7 @@ class SessionManager:
         """The run's generation and MP4 (worker); `clip`: its input video, already read."""
         try:
             s.generation = self.engine.start(spec, clip)
-            s.writer = self.videos.writer(s.id)
+            s.writer = self.videos.writer(s.video_key)
         except Exception as exc:  # e.g. a memory budget refusal, an unreadable video
             s.post_error(f"could not start: {exc}", failed=True)
             self._finished(s)
@@ -405,7 +428,7 @@ class SessionManager:
             s.generation = None
         if s.writer is not None:
             try:
-                self.videos.finish(s.id, s.writer)
+                self.videos.finish(s.video_key, s.writer)
             except Exception as exc:
                 s.post_error(f"video file: {exc}")
             s.writer = None
@@ -455,3 +478,11 @@ class SessionManager:
             stats["queue_depth"] = s.outbox.frames
             stats["dropped_frames"] = s.outbox.dropped
             s.outbox.text(stats)
+
+
+def _drop_snapshots(s: Session) -> None:
+    """(under the manager's lock) Snapshots asked of a session whose run the worker will not step again: cancelled,
+    so the download waiting for one answers at once."""
+    for cmd in s.commands:
+        if cmd[0] == "snapshot":
+            cmd[1].cancel()

@@ -1,14 +1,83 @@
 """The MP4 of each session's current run, written block by block by sdvg's incremental writer
-(`sdvg.io.video_writer`): a file named by the session id under the server's folder, finished when
-the run ends (completed, reset, disconnect or shutdown); the newest `keep` finished files are kept
-for GET /download_video/{id}."""
+(`sdvg.io.video_writer`) under a name the server made (the session's video key), finished when the run
+ends (completed, reset, disconnect or shutdown); the newest `keep` finished files are kept for
+GET /download_video/{key}. Frames are never held in memory.
+
+A download while the run is being written gets the frames so far as a playable MP4: the worker cuts the
+run's video between two blocks (`RunVideo.cut`: the segment written so far is finished, the next block
+starts a new one) and hard-links the finished segments for the download, which joins them off the worker
+(`join_segments`, ffmpeg's concat demuxer, streams copied); the run's final MP4 joins its segments the same
+way when it ends."""
 from __future__ import annotations
 
+import os
+import secrets
+import subprocess
+import tempfile
 import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from sdvg.io.video_writer import IncrementalMP4Writer
+from sdvg.io.video_writer import IncrementalMP4Writer, VideoWriteError
+
+
+def join_segments(segments: list[Path], out: Path) -> None:
+    """`segments` (finished MP4s of one run, in order) as one MP4 at `out`: the streams copied (ffmpeg's concat
+    demuxer; every path is one the server made)."""
+    import imageio_ffmpeg
+
+    if len(segments) == 1:
+        os.replace(segments[0], out)
+        return
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", dir=out.parent, delete=False) as listing:
+        for seg in segments:
+            listing.write("file '" + str(seg.resolve()).replace("'", "'\\''") + "'\n")
+    try:
+        done = subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-y", "-loglevel", "error", "-f", "concat", "-safe",
+                               "0", "-i", listing.name, "-c", "copy", "-movflags", "+faststart", "-f", "mp4",
+                               str(out)], capture_output=True, timeout=600)
+    finally:
+        os.unlink(listing.name)
+    if done.returncode != 0:
+        raise VideoWriteError(f"joining {len(segments)} segments into {out.name} failed: "
+                              + done.stderr.decode("utf-8", "replace").strip()[-300:])
+    for seg in segments:
+        seg.unlink(missing_ok=True)
+
+
+class RunVideo:
+    """One run's MP4 as it is written: the current segment's writer and the finished segments (worker only)."""
+
+    def __init__(self, folder: Path, key: str, fps: float):
+        self.folder, self.key, self.fps = folder, key, fps
+        self.segments: list[Path] = []
+        self.current: IncrementalMP4Writer | None = None
+        self.frames = 0  # written in all
+        self._count = 0
+
+    def write(self, frames) -> None:
+        if self.current is None:
+            self._count += 1
+            self.current = IncrementalMP4Writer(self.folder / f".{self.key}.part{self._count}.mp4", fps=self.fps,
+                                                crf=18)
+        self.current.write(frames)
+        self.frames += frames.shape[0]
+
+    def cut(self) -> list[Path]:
+        """Finish the segment being written; the finished segments (every frame written so far)."""
+        if self.current is not None:
+            writer, self.current = self.current, None
+            writer.close()
+            if writer.path.is_file():
+                self.segments.append(writer.path)
+        return list(self.segments)
+
+    def close(self, out: Path) -> None:
+        """The run's MP4 at `out` (nothing when no frame was written)."""
+        segments = self.cut()
+        self.segments = []
+        if segments:
+            join_segments(segments, out)
 
 
 class VideoStore:
@@ -20,35 +89,45 @@ class VideoStore:
         self._writing: set[str] = set()
         self._lock = threading.Lock()
 
-    def path(self, session_id: str) -> Path:
-        return self.folder / f"{session_id}.mp4"  # the id matched security.SESSION_ID
+    def path(self, key: str) -> Path:
+        return self.folder / f"{key}.mp4"  # a key the server made from a validated id (security.video_key)
 
-    def writer(self, session_id: str) -> IncrementalMP4Writer:
+    def writer(self, key: str) -> RunVideo:
         with self._lock:
-            self._finished.pop(session_id, None)
-            self._writing.add(session_id)
-        return IncrementalMP4Writer(self.path(session_id), fps=self.fps, crf=18)
+            self._finished.pop(key, None)
+            self._writing.add(key)
+        return RunVideo(self.folder, key, self.fps)
 
-    def finish(self, session_id: str, writer: IncrementalMP4Writer) -> None:
+    def finish(self, key: str, video: RunVideo) -> None:
         try:
-            writer.close()
+            video.close(self.path(key))
         finally:
             with self._lock:
-                self._writing.discard(session_id)
-                if self.path(session_id).is_file():
-                    self._finished[session_id] = self.path(session_id)
-                    self._finished.move_to_end(session_id)
+                self._writing.discard(key)
+                if self.path(key).is_file():
+                    self._finished[key] = self.path(key)
+                    self._finished.move_to_end(key)
                 old = []
                 while len(self._finished) > self.keep:
                     old.append(self._finished.popitem(last=False)[1])
             for p in old:
                 p.unlink(missing_ok=True)
 
-    def state(self, session_id: str) -> tuple[str, Path | None]:
+    def snapshot_links(self, video: RunVideo) -> list[Path]:
+        """(worker) The frames so far of a run being written: its video cut, each finished segment hard-linked
+        under a new name for the download to join (the links outlive the run's own segments)."""
+        links = []
+        for seg in video.cut():
+            link = self.folder / f".snapshot-{secrets.token_hex(8)}.mp4"
+            os.link(seg, link)
+            links.append(link)
+        return links
+
+    def state(self, key: str) -> tuple[str, Path | None]:
         """'writing', 'finished' (with the file) or 'none'."""
         with self._lock:
-            if session_id in self._writing:
+            if key in self._writing:
                 return "writing", None
-            if session_id in self._finished:
-                return "finished", self._finished[session_id]
+            if key in self._finished:
+                return "finished", self._finished[key]
         return "none", None
