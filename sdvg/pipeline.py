@@ -22,11 +22,13 @@ import dataclasses
 import hashlib
 import inspect
 import os
+import warnings
 from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
+from sdvg._native import build_record, cpu_build_warning
 from sdvg.config import Preset, config_hash, get_preset, torch_dtype
 from sdvg.generation.types import BlockRecord, LoopReport, RunStats
 from sdvg.io.video_batch import (OUTPUT_TYPES, PipelineOutput, VideoOutput,  # noqa: F401 (re-exported)
@@ -121,6 +123,14 @@ class SpeculativeVideoPipeline:
         self._interrupt = False  # set (pipe.interrupt = True) by a callback: the call stops after this block
         self._progress_bar_config: dict = {}  # tqdm keywords of __call__'s block progress bar
         self._start_memo: tuple | None = None  # (key, latents): the last start frame encoded (`start_latents`)
+        self._warn_cpu_build()
+
+    def _warn_cpu_build(self) -> None:
+        """A CPU-only sdvg._C under CUDA devices is said at load and after `to()`."""
+        c = self.components
+        why = cpu_build_warning([c.drafter_device, c.target_device])
+        if why is not None:
+            warnings.warn(why, RuntimeWarning, stacklevel=3)
 
     @property
     def memory_budget_gib(self) -> float | None:
@@ -330,6 +340,7 @@ class SpeculativeVideoPipeline:
         before_to(self.components, device, dtype)  # FP8 weights: refused before anything moves; copies dropped
         if device is not None:
             self._move(device)
+            self._warn_cpu_build()
         if dtype is not None:
             self._cast(dtype)
         return self
@@ -384,7 +395,7 @@ class SpeculativeVideoPipeline:
         import sdvg
 
         c = self.components
-        out = {"sdvg_version": sdvg.__version__, "torch_version": torch.__version__,
+        out = {"sdvg_version": sdvg.__version__, "torch_version": torch.__version__, "build": build_record(),
                "devices": {"drafter": device_name(c.drafter_device), "target": device_name(c.target_device),
                            "vae": device_name(c.vae.device)},
                "precision": self.preset.precision, "preset_fingerprint": config_hash(self.preset),

@@ -52,7 +52,7 @@ def _check(stats: dict, cli: bool = False):
 def test_complete_run_matches_the_doc(tiny_pipe, scheduler):
     stats = tiny_pipe(PROMPT, num_blocks=2, scheduler=scheduler, score_emitted=True).stats.as_dict()
     _check(stats)
-    assert stats["schema_version"] == 7 and stats["checkpoints"]["target"].startswith("random:tiny")
+    assert stats["schema_version"] == 8 and stats["checkpoints"]["target"].startswith("random:tiny")
 
 
 @pytest.mark.parametrize("scheduler", ["cpp", "reference"])

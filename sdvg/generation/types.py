@@ -30,7 +30,7 @@ TOTAL_KEYS: tuple[str, ...] = ("draft", "decode", "score", "target", "commit")
 Counters = _C.Counters  # the native counters struct; the reference loop counts into the same type
 
 # The statistics file's schema (docs/stats.md). Bump on any change of a field's name or meaning.
-SCHEMA_VERSION = 7  # 2: early exit (the exit_* options, mean_steps, max_steps, exit_roles; block exit fields)
+SCHEMA_VERSION = 8  # 2: early exit (the exit_* options, mean_steps, max_steps, exit_roles; block exit fields)
 # 3: live sessions and prompt schedules (options interp_blocks, force_reject_after_switch; block `live`;
 #    top level `live`, `updates`, `prompts`, `segments`, `prompt_encodes`, `blocks_started` when live)
 # 4: `host` (thread settings, OpenMP wait policy, load average of the run's machine)
@@ -38,6 +38,7 @@ SCHEMA_VERSION = 7  # 2: early exit (the exit_* options, mean_steps, max_steps, 
 #    `recache`; `recache_forwards` when live, block `live.recache_forwards`)
 # 6: `blocks_dropped` (the oldest block entries a long live session folded into the totals, `record_blocks`)
 # 7: the option `target_steps` (the target's denoising step count, Krea's num_denoising_steps)
+# 8: `build` (how sdvg._C was built: CUDA or not, its CUDA runtime and torch; the installed torch's CUDA)
 
 
 def block_times(stage_seconds: Mapping[str, float]) -> dict[str, float]:

@@ -1,0 +1,103 @@
+"""The build of sdvg._C is said: a CPU-only core serving a CUDA device is a warning at load naming the fix,
+every run's statistics record the build, and the package built as the container builds it (CUDA asked
+for, no GPU visible, nvcc present) is a CUDA build."""
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import sdvg._native as native
+from sdvg.pipeline import SpeculativeVideoPipeline
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA_HOME = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+
+
+def _fake_core(monkeypatch, cuda: bool):
+    info = {"cuda": cuda, "torch_version": torch.__version__.split("+")[0]}
+    if cuda:
+        info["cuda_runtime_version"] = 13000
+    monkeypatch.setattr(native, "_C", SimpleNamespace(build_info=lambda: dict(info)))
+
+
+def _on_cuda(pipe):
+    """The tiny pipeline's components, said to sit on cuda:0 (nothing moves: only the devices are read)."""
+    return dataclasses.replace(pipe.components, drafter_device=torch.device("cuda:0"),
+                               target_device=torch.device("cuda:1"))
+
+
+def test_a_cpu_only_core_on_a_cuda_device_warns_at_load_naming_the_fix(tiny_pipe, monkeypatch):
+    _fake_core(monkeypatch, cuda=False)
+    with pytest.warns(RuntimeWarning, match=r"sdvg._C was built without CUDA .* runs on cuda:0, cuda:1: the native "
+                                            r"scheduler runs every role on one stream.*SDVG_CUDA=1 pip install "
+                                            r"--no-build-isolation \."):
+        SpeculativeVideoPipeline(_on_cuda(tiny_pipe))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SpeculativeVideoPipeline(tiny_pipe.components)  # on the CPU a CPU build is what is wanted
+        _fake_core(monkeypatch, cuda=True)
+        SpeculativeVideoPipeline(_on_cuda(tiny_pipe))  # a CUDA build on CUDA devices: nothing to say
+
+
+def test_moving_a_pipeline_to_cuda_with_a_cpu_only_core_warns(tiny_pipe, monkeypatch):
+    _fake_core(monkeypatch, cuda=False)
+    pipe = SpeculativeVideoPipeline(tiny_pipe.components)
+
+    def move(device):  # what _move leaves behind, without a GPU to move to
+        pipe.components = _on_cuda(pipe)
+
+    monkeypatch.setattr(pipe, "_move", move)
+    with pytest.warns(RuntimeWarning, match="sdvg._C was built without CUDA"):
+        pipe.to("cuda:0")
+
+
+def test_the_statistics_record_the_build(tiny_pipe):
+    stats = tiny_pipe("a red fox", num_blocks=1).stats
+    build = stats["build"]
+    assert build == native.build_record() and set(build) == {"native_cuda", "native_cuda_runtime", "native_torch",
+                                                             "torch_cuda"}
+    assert build["native_cuda"] is native._C.build_info()["cuda"] and build["torch_cuda"] == torch.version.cuda
+    assert build["native_torch"] == torch.__version__.split("+")[0] and stats["preset"] == "tiny"
+    assert json.loads(stats.to_json())["build"] == build
+
+
+def test_the_cuda_runtime_version_reads_as_major_minor(monkeypatch):
+    _fake_core(monkeypatch, cuda=True)
+    assert native.build_record()["native_cuda_runtime"] == "13.0"
+    _fake_core(monkeypatch, cuda=False)
+    assert native.build_record()["native_cuda_runtime"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path(CUDA_HOME, "bin", "nvcc").is_file(), reason=f"no nvcc under {CUDA_HOME} (set CUDA_HOME)")
+@pytest.mark.skipif(torch.version.cuda is None, reason="a CPU torch: the CUDA core builds against a CUDA torch")
+def test_the_package_built_as_the_container_builds_it_is_a_cuda_build(tmp_path):
+    """SDVG_CUDA=1, no GPU visible, nvcc present: `pip install --no-build-isolation .` compiles the CUDA
+    core (about 1.5 min on 2 cores for one architecture)."""
+    src = tmp_path / "src"
+    tracked = subprocess.run(["git", "ls-files", "setup.py", "pyproject.toml", "README.md", "LICENSE", "csrc", "sdvg",
+                              "build_engines"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for rel in tracked:
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, src / rel)
+    env = dict(os.environ, SDVG_CUDA="1", CUDA_HOME=CUDA_HOME, TORCH_CUDA_ARCH_LIST="9.0", CUDA_VISIBLE_DEVICES="",
+               MAX_JOBS="2", PATH=f"{CUDA_HOME}/bin:{os.environ['PATH']}")
+    site = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "--no-index",
+                        "--target", str(site), str(src)], env=env, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr[-4000:]
+    probe = (f"import sys; sys.path.insert(0, {str(site)!r}); import json, torch, sdvg._native as n; "
+             "assert n.__file__.startswith(sys.path[0]), n.__file__; print(json.dumps(n.build_record()))")
+    r = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    build = json.loads(r.stdout.splitlines()[-1])
+    assert build["native_cuda"] is True and build["native_cuda_runtime"] is not None, build
+    assert build["native_torch"] == torch.__version__.split("+")[0]
