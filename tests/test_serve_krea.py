@@ -402,3 +402,10 @@ def test_a_download_while_running_gives_the_frames_so_far(tiny_pipe, tmp_path):
     head, whole = read_mp4_frames(tmp_path / "so-far.mp4"), read_mp4_frames(tmp_path / "final.mp4")
     assert len(head) in (9, 21) and len(whole) == 33  # whole blocks: block 0, perhaps block 1 before the pause
     assert np.array_equal(whole[:len(head)], head)
+
+
+def test_msgpack_frames_carry_krea_s_nil_uuid_without_a_request_id(tiny_pipe, tmp_path):
+    with running_server(tiny_pipe, tmp_path) as (url, _):
+        out = asyncio.run(run_session(url, page_parameters("a lighthouse", 64, 64, 1), fmt="msgpack",
+                                      session_id="nil-id"))
+    assert len(out["frames"]) == 9 and set(out["request_ids"]) == {"00000000-0000-0000-0000-000000000000"}
