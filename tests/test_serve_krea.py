@@ -409,3 +409,40 @@ def test_msgpack_frames_carry_krea_s_nil_uuid_without_a_request_id(tiny_pipe, tm
         out = asyncio.run(run_session(url, page_parameters("a lighthouse", 64, 64, 1), fmt="msgpack",
                                       session_id="nil-id"))
     assert len(out["frames"]) == 9 and set(out["request_ids"]) == {"00000000-0000-0000-0000-000000000000"}
+
+
+def test_a_second_socket_on_an_id_in_use_gets_its_own_session_and_video(tiny_pipe, tmp_path):
+    """Two sockets on one session id (test_client.py's fixed `test123`, run twice at once): both run; the second's
+    video is its own (`id.1`, the session_id of its completed, which Krea's page downloads by) and never replaces
+    the first's; an sdvg client's completed carries its download_url."""
+    import urllib.request
+
+    from sdvg.io.video_writer import read_mp4_frames
+
+    async def both(url):
+        socks = []
+        for query in ("", "", "?sdvg=1"):  # in this order: each opens while the others hold the id
+            socks.append(await websockets.connect(f"ws://{url}/session/dup{query}"))
+            await socks[-1].recv()  # ready
+        try:
+            for ws, blocks in zip(socks, (1, 2, 1)):
+                await ws.send(msgpack.packb({"prompt": "a cat riding a skateboard", "num_blocks": blocks,
+                                             "seed": blocks}))
+            return await asyncio.gather(*(plain_run(ws) for ws in socks))
+        finally:
+            for ws in socks:
+                await ws.close()
+
+    with running_server(tiny_pipe, tmp_path / "server") as (url, _):
+        (f1, t1), (f2, t2), (f3, t3) = asyncio.run(both(url))
+        videos = {key: urllib.request.urlopen(f"http://{url}/download_video/{key}", timeout=60).read()
+                  for key in ("dup", "dup.1", "dup.2")}
+    assert t1 == [{"session_id": "dup", "status": "completed"}]
+    assert t2 == [{"session_id": "dup.1", "status": "completed"}] and (f1, f2) == (9, 21)
+    done = [t for t in t3 if t.get("status") == "completed"]
+    assert done == [{"session_id": "dup.2", "status": "completed", "download_url": "/download_video/dup.2"}]
+    counts = {}
+    for key, data in videos.items():
+        (tmp_path / f"{key}.mp4").write_bytes(data)
+        counts[key] = len(read_mp4_frames(tmp_path / f"{key}.mp4"))
+    assert counts == {"dup": 9, "dup.1": 21, "dup.2": 9}

@@ -27,7 +27,7 @@ from sdvg.serve.engine import Engine
 from sdvg.serve.metrics import ServeMetrics
 from sdvg.serve.plain import params_error, plain_params, plain_update
 from sdvg.serve.protocol import UPLOAD_ID, ProtocolError, parse_params, parse_update
-from sdvg.serve.security import RateLimit, token_matches, token_of, valid_session_id
+from sdvg.serve.security import RateLimit, token_matches, token_of, valid_session_id, valid_video_key
 from sdvg.serve.sessions import Outbox, Session, SessionManager
 from sdvg.serve.uploads import (IMAGE_KINDS, VIDEO_KINDS, UploadError, UploadStore, check_image, decode_frame,
                                 image_bytes, sniff)
@@ -113,8 +113,9 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
     @app.get("/download_video/{session_id}")
     async def download_video(session_id: str):
         nonlocal snapshots_running
-        if not valid_session_id(session_id):
-            return JSONResponse({"error": "session id: letters, digits, _ and - only (1 to 64)"}, status_code=400)
+        if not valid_video_key(session_id):
+            return JSONResponse({"error": "session id: letters, digits, _ and - only (1 to 64), then .N for a "
+                                          "socket that shared its id"}, status_code=400)
         state, path = videos.state(session_id)
         if state == "finished":
             return FileResponse(path, media_type="video/mp4", filename=f"video_{session_id}.mp4")
@@ -215,13 +216,13 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
             await websocket.close(code=1008, reason="session id: [A-Za-z0-9_-]{1,64}; fmt: " + "|".join(FORMATS))
             return
         await websocket.accept()
-        if not manager.claim_id(session_id):
-            await websocket.send_text(json.dumps({"status": "error", "error": f"session id {session_id} is in use",
-                                                  "field": None}))
-            await websocket.close(code=1008)
+        key = manager.claim_key(session_id)  # another open socket on the id: this one's videos are its own
+        if key is None:
+            await websocket.close(code=1008, reason=f"too many sockets on session id {session_id}")
             return
         outbox = Outbox(cfg.send_buffer_frames, metrics)
         session = Session(session_id, fmt, superset, asyncio.get_running_loop(), outbox)
+        session.video_key = key
         sender = asyncio.create_task(send_loop(websocket, outbox))
         senders.add(sender)
         sender.add_done_callback(senders.discard)
@@ -229,7 +230,7 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
         if superset:
             h, w = engine.size
             ready.update(session_id=session_id, preset=engine.preset.name, width=w, height=h, live=engine.live,
-                         fmt=fmt, replica=f"{socket.gethostname()}:{os.getpid()}")
+                         fmt=fmt, replica=f"{socket.gethostname()}:{os.getpid()}", download_url=f"/download_video/{key}")
         outbox.text(ready)
         try:
             await receive_loop(websocket, session)

@@ -1,4 +1,4 @@
-"""What is let in: the bind rule, the token (constant-time), session ids, the update rate."""
+"""What is let in: the bind rule, the token (constant-time), session ids and video keys, the update rate."""
 from __future__ import annotations
 
 import hmac
@@ -7,6 +7,10 @@ import time
 
 DEFAULT_HOSTS = ("127.0.0.1", "::1", "localhost")  # the loopback default; any other bind needs a token
 SESSION_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# A run's video: its socket's session id, or `id.N` for a socket opened while another held the id (a name no client
+# id can be, so no client's video is ever another's)
+VIDEO_KEY = re.compile(r"^[A-Za-z0-9_-]{1,64}(\.[1-9][0-9]{0,5})?$")
+MAX_SHARED_ID = 999_999  # sockets open at once under one session id
 
 
 class BindError(ValueError):
@@ -39,6 +43,10 @@ def token_of(headers: dict[str, str], query: dict[str, str]) -> str | None:
 
 def valid_session_id(session_id: str) -> bool:
     return bool(SESSION_ID.match(session_id))
+
+
+def valid_video_key(key: str) -> bool:
+    return bool(VIDEO_KEY.match(key))
 
 
 class RateLimit:

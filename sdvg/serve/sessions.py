@@ -32,6 +32,7 @@ from sdvg.serve.encode import encode_block
 from sdvg.serve.engine import Engine, SessionSpec
 from sdvg.serve.metrics import ServeMetrics
 from sdvg.serve.plain import Adjusted, failure
+from sdvg.serve.security import MAX_SHARED_ID
 from sdvg.serve.videos import VideoStore
 
 PRODUCER = {"forced": "target", "rejected": "target", "target": "target", "accepted": "drafter",
@@ -111,6 +112,14 @@ class Session:
         """A text message after every block already handed over (from any thread)."""
         self.post(self._ordered, ("text", message))
 
+    def completed(self) -> dict:
+        """Krea's `completed`, whose session_id names the video to download (the socket's own: `id.N` when another
+        socket held the id); sdvg clients also get its `download_url`."""
+        out = {"session_id": self.video_key, "status": "completed"}
+        if self.superset:
+            out["download_url"] = f"/download_video/{self.video_key}"
+        return out
+
     def post_error(self, message: str, field: str | None = None, failed: bool = False) -> None:
         """An error, after every block already handed over (from any thread): sdvg's `error` to an sdvg client;
         to a plain one Krea's `{"error"}` when the run `failed` (could not start, broke off), else nothing (Krea
@@ -148,7 +157,7 @@ class SessionManager:
         self.active: list[Session] = []  # admitted (running or paused), in round-robin order
         self.queue: collections.deque[Session] = collections.deque()
         self.closing: list[Session] = []  # sockets gone or runs ended early, for the worker to close
-        self.ids: set[str] = set()  # session ids of open sockets
+        self.keys: set[str] = set()  # video keys of open sockets
         self.turn = 0
         self.stopping = False
         self.busy_block = False
@@ -158,12 +167,19 @@ class SessionManager:
         self.thread.start()
 
     # ------------------------------------------------------------------ called on the event loop
-    def claim_id(self, session_id: str) -> bool:
+    def claim_key(self, session_id: str) -> str | None:
+        """The video key of a new socket: its session id, or `id.N` (the smallest N free) while another open socket
+        holds the id, so its runs never replace that one's video (None past MAX_SHARED_ID sockets on one id)."""
         with self.cond:
-            if session_id in self.ids:
-                return False
-            self.ids.add(session_id)
-            return True
+            key = session_id
+            n = 0
+            while key in self.keys:
+                n += 1
+                if n > MAX_SHARED_ID:
+                    return None
+                key = f"{session_id}.{n}"
+            self.keys.add(key)
+            return key
 
     def admit(self, session: Session, spec: SessionSpec) -> str:
         """Start (or queue) a generation: 'running', 'queued' or 'busy'."""
@@ -218,7 +234,7 @@ class SessionManager:
     def release(self, session: Session) -> None:
         """The socket is gone: out of the rotation now; the worker closes its generation next."""
         with self.cond:
-            self.ids.discard(session.id)
+            self.keys.discard(session.video_key)
             if session in self.queue:
                 self.queue.remove(session)
                 self._tell_positions()
@@ -315,7 +331,7 @@ class SessionManager:
         for s in every:
             self._end(s, reason="shutdown")
             if s.state != "closed":
-                s.post_text({"session_id": s.id, "status": "completed"})
+                s.post_text(s.completed())
                 s.post_close(1001)
 
     def _apply(self, s: Session, cmd: tuple) -> None:
@@ -385,7 +401,7 @@ class SessionManager:
         except StopIteration:  # the slot is free before the client hears of the end (it may start again at once)
             self._end(s, reason="completed")
             self._finished(s)
-            s.post_text({"session_id": s.id, "status": "completed"})
+            s.post_text(s.completed())
             return
         except Exception as exc:
             traceback.print_exc()
