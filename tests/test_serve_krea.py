@@ -446,3 +446,15 @@ def test_a_second_socket_on_an_id_in_use_gets_its_own_session_and_video(tiny_pip
         (tmp_path / f"{key}.mp4").write_bytes(data)
         counts[key] = len(read_mp4_frames(tmp_path / f"{key}.mp4"))
     assert counts == {"dup": 9, "dup.1": 21, "dup.2": 9}
+
+
+@pytest.mark.slow
+def test_the_pages_defaults_make_an_832x480_video_in_5_steps(tiny_pipe, tmp_path):
+    """Krea's page unchanged: 832x480 at 5 steps (one block here: tiny's VAE takes seconds a block at this size)."""
+    with running_server(tiny_pipe, tmp_path) as (url, _):
+        out = asyncio.run(run_session(url, page_parameters("a lighthouse", num_blocks=1, seed=3), session_id="page-832"))
+    want = list(tiny_pipe.resized(480, 832).stream("a lighthouse", num_blocks=1, seed=3, target_steps=5,
+                                                    scheduler="reference"))
+    assert out["texts"] == [{"session_id": "page-832", "status": "completed"}]
+    assert np.array_equal(np.stack(out["frames"]), jpeg_roundtrip(want[0].frames.numpy()))
+    assert out["frames"][0].shape == (480, 832, 3)
