@@ -29,6 +29,8 @@ FOLDERS = (
               "unit tests (ctest)"),
     ("build_engines/", "engine export and build (`python -m build_engines`); imports `sdvg`, never the reverse"),
     ("benchmarks/", "latency, scheduler, stage and VAE/reward benchmarks; `gpu_check.sh` for a lent GPU"),
+    ("docker/", "the container recipe: `Dockerfile` (the CUDA core built without a GPU, `sdvg serve` behind a "
+                "healthcheck on /health) and `entrypoint.sh` (the server's token from a mounted file)"),
     ("docs/", "design: the method, the cost model, shapes, checkpoint formats, invariants"),
     ("scripts/", "setup, tests, the GPU-image compatibility check, the ImageReward oracle (the image-reward "
                  "package in its own environment), this layout"),
