@@ -32,9 +32,10 @@ def running_server(pipe, tmp_path, **config):
     from sdvg.serve.server import DrainingServer, uvicorn_config
 
     host = config.pop("host", "127.0.0.1")
+    log_level = config.pop("log_level", "warning")
     cfg = ServeConfig(host=host, port=free_port(host), video_dir=str(tmp_path), **config)
     app = create_app(pipe, cfg)
-    server = DrainingServer(uvicorn_config(app, cfg))
+    server = DrainingServer(uvicorn_config(app, cfg, log_level))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

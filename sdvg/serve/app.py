@@ -1,62 +1,41 @@
-"""The FastAPI app: GET /health, GET / (the page), WS /session/{id}, GET /download_video/{id},
-POST /upload_video and /upload_start_frame, GET /metrics (docs/server.md has the protocol)."""
+"""The FastAPI app: GET /health, GET / (sdvg's page, or the operator's with --static-dir), WS /session/{id},
+GET /download_video/{id}, POST /upload_video and /upload_start_frame, GET /metrics (docs/server.md has the
+protocol); who gets in is `access.TokenGate`'s (and CORS's, with --cors-origin)."""
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import dataclasses
-import json
 import os
 import secrets
 import socket
 import tempfile
 from contextlib import asynccontextmanager
 from pathlib import Path
-from urllib.parse import parse_qs
 
 import msgpack
 from fastapi import FastAPI, Request, WebSocket
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.background import BackgroundTask
 
 from sdvg.generation.types import strict_json
 from sdvg.live.updates import ROUTER_FIELDS
+from sdvg.serve.access import TokenGate
 from sdvg.serve.config import ServeConfig
 from sdvg.serve.encode import FORMATS
 from sdvg.serve.engine import Engine
 from sdvg.serve.metrics import ServeMetrics
 from sdvg.serve.plain import params_error, plain_params, plain_update
 from sdvg.serve.protocol import UPLOAD_ID, ProtocolError, parse_params, parse_update
-from sdvg.serve.security import RateLimit, token_matches, token_of, valid_session_id, valid_video_key
+from sdvg.serve.security import RateLimit, valid_session_id, valid_video_key
 from sdvg.serve.sessions import Outbox, Session, SessionManager
+from sdvg.serve.static_site import check_static_dir, media_type, static_file
 from sdvg.serve.uploads import (IMAGE_KINDS, VIDEO_KINDS, UploadError, UploadStore, check_image, decode_frame,
                                 image_bytes, sniff)
 from sdvg.serve.videos import VideoStore, join_segments
 
 STATIC = Path(__file__).parent / "static"
-OPEN_PATHS = ("/health",)  # answered without the token (says "OK" and nothing else)
-
-
-class TokenGate:
-    """ASGI middleware: every HTTP request and websocket (but /health) must carry the token, as
-    `Authorization: Bearer T` or `?token=T`; compared in constant time. Refused: HTTP 401, websocket
-    closed with 1008 before it is accepted."""
-
-    def __init__(self, app, token: str | None):
-        self.app, self.token = app, token
-
-    async def __call__(self, scope, receive, send):
-        if self.token is None or scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:
-            return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        query = {k: v[0] for k, v in parse_qs(scope.get("query_string", b"").decode("latin-1")).items()}
-        if token_matches(token_of(headers, query), self.token):
-            return await self.app(scope, receive, send)
-        if scope["type"] == "websocket":
-            await receive()  # websocket.connect
-            await send({"type": "websocket.close", "code": 1008, "reason": "missing or wrong token"})
-            return
-        await PlainTextResponse("missing or wrong token", status_code=401)(scope, receive, send)
 
 
 def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI:
@@ -88,19 +67,24 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.manager, app.state.metrics, app.state.engine, app.state.drain = manager, metrics, engine, drain
     app.state.videos, app.state.uploads, app.state.config = videos, uploads, cfg
-    app.add_middleware(TokenGate, token=cfg.token)
+    app.add_middleware(TokenGate, token=cfg.token, origins=cfg.cors_origins)
+    if cfg.cors_origins:  # outermost: a preflight is answered before the token is asked for
+        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.cors_origins), allow_credentials=True,
+                           allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
+    site = check_static_dir(cfg.static_dir) if cfg.static_dir is not None else None
 
     @app.get("/health")
     async def health():
         return "OK"
 
-    @app.get("/")
-    async def page():
-        return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))
+    if site is None:  # sdvg's page
+        @app.get("/")
+        async def page():
+            return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))
 
-    @app.get("/static/app.js")
-    async def page_script():
-        return Response((STATIC / "app.js").read_text(encoding="utf-8"), media_type="text/javascript")
+        @app.get("/static/app.js")
+        async def page_script():
+            return Response((STATIC / "app.js").read_text(encoding="utf-8"), media_type="text/javascript")
 
     @app.get("/metrics")
     async def metrics_text():
@@ -441,5 +425,13 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
             manager.command(session, "update", changes, field, u.request_id)
         if u.prompt is not None and "prompt" in live:
             session.spec = dataclasses.replace(session.spec, prompt=u.prompt)
+
+    if site is not None:  # the operator's page and its files, after every other route
+        @app.get("/{path:path}")
+        async def static_page(path: str):
+            found = static_file(site, path)
+            if found is None:
+                return PlainTextResponse("not found", status_code=404)
+            return FileResponse(found, media_type=media_type(found), headers={"Cache-Control": "no-cache"})
 
     return app

@@ -30,7 +30,15 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"TCP port, 0 to 65535, bound before any model loads (default: {_D.port}; 0: any free port, "
                         "the one bound is printed)")
     p.add_argument("--token", help="shared secret every HTTP request and websocket must carry (Authorization: "
-                                   "Bearer T, or ?token=T); required beyond loopback")
+                                   "Bearer T, ?token=T, or the cookie a browser gets from /?token=T); required beyond "
+                                   "loopback. `ps` shows it: prefer --token-file or the SDVG_SERVE_TOKEN variable")
+    p.add_argument("--token-file", metavar="FILE", help="read the token from this file's first line (at most 4 KiB)")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="a web page's origin (scheme://host[:port]) allowed to call this server from another origin; "
+                        "repeat for more (default: none, same origin only)")
+    p.add_argument("--static-dir", metavar="DIR", help="serve your own page at / instead of sdvg's: DIR/index.html "
+                                                       "(e.g. Krea's release_demo.html) and the files beside it, "
+                                                       "read-only, no dotfiles, no listing")
     p.add_argument("--max-sessions", type=int, default=_D.max_sessions,
                    help=f"generations at once, interleaved block by block (default: {_D.max_sessions})")
     p.add_argument("--max-queue", type=int, default=_D.max_queue,
@@ -75,14 +83,21 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def config_of(args) -> ServeConfig:
-    return ServeConfig(host=args.host, port=args.port, token=args.token, max_sessions=args.max_sessions,
+def config_of(args, environ=None) -> ServeConfig:
+    """The server's config from the flags; the token from --token, --token-file or SDVG_SERVE_TOKEN."""
+    import os
+
+    from sdvg.serve.security import resolve_token
+
+    token = resolve_token(args.token, args.token_file, os.environ if environ is None else environ)
+    return ServeConfig(host=args.host, port=args.port, token=token, max_sessions=args.max_sessions,
                        max_queue=args.max_queue, idle_timeout_s=args.idle_timeout,
                        send_buffer_frames=args.send_buffer_frames, max_message_bytes=args.max_message_bytes,
                        max_upload_bytes=args.max_upload_bytes, max_upload_store_bytes=args.max_upload_store_bytes,
                        max_concurrent_uploads=args.max_concurrent_uploads, max_blocks=args.max_blocks,
                        max_steps=args.max_steps, max_pixels=args.max_pixels,
-                       updates_per_s=args.updates_per_s, input_frames_per_s=args.input_frames_per_s, video_dir=args.video_dir, fps=args.fps)
+                       updates_per_s=args.updates_per_s, input_frames_per_s=args.input_frames_per_s, video_dir=args.video_dir, fps=args.fps,
+                       cors_origins=tuple(args.cors_origin), static_dir=args.static_dir)
 
 
 def run_serve(args, load_pipeline=None) -> int:
@@ -93,8 +108,12 @@ def run_serve(args, load_pipeline=None) -> int:
     from sdvg.serve.protocol import ProtocolError
     from sdvg.serve.security import check_bind
 
+    from sdvg.serve.static_site import check_static_dir
+
     cfg = config_of(args)
     check_bind(cfg.host, cfg.token)  # a ValueError: exit 2 before anything loads
+    if cfg.static_dir is not None:
+        check_static_dir(cfg.static_dir)
     defaults = options_from_args(args)
     if defaults.run_ahead or defaults.cuda_graphs and cfg.max_sessions > 1:
         raise ProtocolError("run_ahead" if defaults.run_ahead else "cuda_graphs",

@@ -1,6 +1,8 @@
-"""What is let in: the bind rule, the token (constant-time), session ids and video keys, the update rate."""
+"""What is let in: the bind rule, the token (where it comes from, constant-time compare, its cookie, kept out of
+logs), CORS origins, session ids and video keys, the update rate."""
 from __future__ import annotations
 
+import hashlib
 import hmac
 import re
 import time
@@ -20,11 +22,68 @@ class BindError(ValueError):
 def check_bind(host: str, token: str | None) -> None:
     """Binding anything but the loopback default needs a token (refused before anything listens)."""
     if host not in DEFAULT_HOSTS and not token:
-        raise BindError(f"--host {host} exposes the server beyond this machine's loopback default; give "
-                        "--token SECRET (clients send it as `Authorization: Bearer SECRET` or ?token=SECRET)")
+        raise BindError(f"--host {host} exposes the server beyond this machine's loopback default; give a token: "
+                        f"--token-file FILE or the {TOKEN_ENV} environment variable (--token SECRET works too, but "
+                        "`ps` shows it); clients send it as `Authorization: Bearer SECRET` or ?token=SECRET, a browser "
+                        "once as http://HOST:PORT/?token=SECRET (a cookie keeps it)")
     if token is not None and len(token) < 16:
         raise BindError("--token must be at least 16 characters (e.g. `python -c 'import secrets; "
                         "print(secrets.token_urlsafe(24))'`)")
+
+
+TOKEN_ENV = "SDVG_SERVE_TOKEN"  # the token from the environment (argv is visible to `ps`)
+MAX_TOKEN_FILE_BYTES = 4096
+COOKIE_NAME = "sdvg_token"
+TOKEN_IN_TEXT = re.compile(r"(token=)[^&\s\"']*", re.IGNORECASE)
+
+
+def resolve_token(given: str | None, token_file: str | None, environ) -> str | None:
+    """The server's token: --token (visible to `ps`), else --token-file (its first line; at most 4 KiB), else the
+    SDVG_SERVE_TOKEN environment variable, else None; BindError naming the problem and the fix."""
+    sources = [name for name, value in (("--token", given), ("--token-file", token_file)) if value is not None]
+    if len(sources) > 1:
+        raise BindError("give the token one way: --token-file FILE (or the SDVG_SERVE_TOKEN variable), not --token too")
+    if token_file is not None:
+        try:
+            with open(token_file, "rb") as f:
+                raw = f.read(MAX_TOKEN_FILE_BYTES + 1)
+        except OSError as exc:
+            raise BindError(f"--token-file {token_file}: cannot be read ({exc.strerror or exc})") from None
+        if len(raw) > MAX_TOKEN_FILE_BYTES:
+            raise BindError(f"--token-file {token_file}: more than {MAX_TOKEN_FILE_BYTES} bytes; put the token alone "
+                            "in the file")
+        try:
+            lines = raw.decode("utf-8").strip().splitlines()
+        except UnicodeDecodeError:
+            raise BindError(f"--token-file {token_file}: not UTF-8 text; put the token alone in the file") from None
+        if not lines or not lines[0].strip():
+            raise BindError(f"--token-file {token_file}: empty; put the token in it (e.g. `python -c 'import secrets; "
+                            "print(secrets.token_urlsafe(24))' > FILE`)")
+        return lines[0].strip()
+    if given is not None:
+        return given
+    value = environ.get(TOKEN_ENV)
+    return value.strip() if value and value.strip() else None
+
+
+def cookie_value(token: str) -> str:
+    """What the browser's cookie holds once it showed the token (`GET /?token=T`): a value derived from the token
+    (HMAC-SHA256), not the token itself."""
+    return hmac.new(token.encode("utf-8"), b"sdvg serve cookie", hashlib.sha256).hexdigest()
+
+
+def redact_tokens(text: str) -> str:
+    """`text` with every `token=...` value replaced (log lines name request paths, queries included)."""
+    return TOKEN_IN_TEXT.sub(r"\1<redacted>", text)
+
+
+def check_origin(origin: str) -> str:
+    """A --cors-origin: scheme://host[:port], nothing else (no path, no wildcard); BindError otherwise."""
+    if not re.fullmatch(r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?|https?://\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?", origin):
+        raise BindError(f"--cors-origin {origin!r}: give an origin as the browser sends it, scheme://host[:port] "
+                        "(e.g. https://studio.example.com), one per flag; '*' is not taken (the token would be offered "
+                        "to every site)")
+    return origin
 
 
 def token_matches(given: str | None, token: str) -> bool:

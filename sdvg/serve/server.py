@@ -17,9 +17,14 @@ class DrainingServer(uvicorn.Server):
 
 
 def uvicorn_config(app, cfg, log_level: str = "warning") -> uvicorn.Config:
-    return uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=log_level, ws="websockets-sansio",
-                          ws_max_size=cfg.max_message_bytes, ws_ping_interval=20.0, ws_ping_timeout=20.0,
-                          timeout_graceful_shutdown=cfg.drain_timeout_s, lifespan="on")
+    """uvicorn's config, its logs with every `token=` value redacted (`access.TokenRedaction`)."""
+    from sdvg.serve.access import redact_uvicorn_logs
+
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=log_level, ws="websockets-sansio",
+                            ws_max_size=cfg.max_message_bytes, ws_ping_interval=20.0, ws_ping_timeout=20.0,
+                            timeout_graceful_shutdown=cfg.drain_timeout_s, lifespan="on")
+    redact_uvicorn_logs()  # after uvicorn configured its loggers
+    return config
 
 
 def serve(app, cfg, log_level: str = "warning", sock: socket.socket | None = None) -> None:
