@@ -433,7 +433,7 @@ def test_killed_client_frees_its_session_and_others_finish(server, refs):
     assert np.array_equal(np.stack(out["frames"]), refs[7]["frames"])
     # the victim's 9 blocks would outlast the survivor's 2 by far: freed at once, nothing is left running
     manager = app.state.manager
-    assert manager.active == [] and "victim1" not in manager.ids
+    assert manager.active == [] and "victim1" not in manager.keys
 
 
 @pytest.mark.slow
