@@ -458,3 +458,31 @@ def test_the_pages_defaults_make_an_832x480_video_in_5_steps(tiny_pipe, tmp_path
     assert out["texts"] == [{"session_id": "page-832", "status": "completed"}]
     assert np.array_equal(np.stack(out["frames"]), jpeg_roundtrip(want[0].frames.numpy()))
     assert out["frames"][0].shape == (480, 832, 3)
+
+
+def test_a_prompt_after_the_run_is_the_next_runs(tiny_pipe, tmp_path):
+    """Krea stores a prompt sent when no run is in progress for the next one: sdvg's ack says `next run` and the
+    reset's run starts from it; a router update then is refused by name (a plain client hears nothing of either)."""
+    import json
+
+    async def go(url):
+        async with websockets.connect(f"ws://{url}/session/late?sdvg=1") as ws:
+            await ws.recv()
+            await ws.send(msgpack.packb({"prompt": "a fox", "num_blocks": 1}))
+            while not (isinstance(m := await asyncio.wait_for(ws.recv(), 240), str)
+                       and json.loads(m)["status"] == "completed"):
+                pass
+            await ws.send(msgpack.packb({"prompt": "an owl", "request_id": "p1"}))
+            await ws.send(msgpack.packb({"tau": 0.5}))
+            replies = [json.loads(await asyncio.wait_for(ws.recv(), 30)) for _ in range(2)]
+            await ws.send(msgpack.packb({"action": "reset"}))
+            while not (isinstance(m := await asyncio.wait_for(ws.recv(), 240), str)
+                       and json.loads(m)["status"] == "params"):
+                pass
+            return replies, json.loads(m)
+
+    with running_server(tiny_pipe, tmp_path) as (url, _):
+        replies, params = asyncio.run(go(url))
+    assert replies[0] == {"status": "ack", "field": "prompt", "block": None, "request_id": "p1", "effective": "next run"}
+    assert replies[1]["status"] == "error" and replies[1]["field"] == "tau" and "the session is done" in replies[1]["error"]
+    assert params["prompt"] == "an owl" and params["state"] == "running"

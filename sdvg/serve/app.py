@@ -206,7 +206,7 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
             return
         outbox = Outbox(cfg.send_buffer_frames, metrics)
         session = Session(session_id, fmt, superset, asyncio.get_running_loop(), outbox)
-        session.video_key = key
+        session.video_key = session.adjusted.session_id = key  # log lines name the socket's own key
         sender = asyncio.create_task(send_loop(websocket, outbox))
         senders.add(sender)
         sender.add_done_callback(senders.discard)
@@ -418,6 +418,17 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
         router = {name: getattr(u, name) for name in ROUTER_FIELDS if getattr(u, name) is not None}
         if router:  # one update (one ack, named by its first field): the options are checked together
             live["router"] = (next(iter(router)), router)
+        if session.state != "running" and live:  # no run in progress: a prompt is the next run's (as Krea's)
+            if "router" in live:
+                raise ProtocolError(live["router"][0], f"the session is {session.state}: no run takes it; send it "
+                                    "while a run is in progress")
+            session.spec = dataclasses.replace(session.spec, prompt=u.prompt)
+            if session.superset:
+                ack(session, "prompt", None, u.request_id, effective="next run")
+            else:
+                session.adjusted.tell("prompt_for_next_run", f"a prompt update while the session is {session.state}: "
+                                      "the next run (its reset, or its start) takes it")
+            return
         for field, changes in live.values():
             if not engine.live:
                 raise ProtocolError(field, "this server's pipeline has no live sessions (pipe.session); "
