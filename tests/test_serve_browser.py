@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -52,37 +53,46 @@ class DevTools:
         raise AssertionError(f"timed out waiting for {expression}; status: {await self.js('$status()')}")
 
 
+NEEDS_CHROMIUM = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs "
+                                                             "it: apt-get install -y chromium)")
+
+
+@contextmanager
+def chromium(url: str, tmp_path: Path):
+    """Headless Chromium on `url` (fake camera allowed); yields its page's DevTools websocket URL."""
+    port = free_port()
+    browser = subprocess.Popen([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                                "--no-first-run", "--disable-background-networking", "--disable-component-update",
+                                "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}",
+                                "--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream",
+                                f"--remote-debugging-port={port}", "--window-size=900,1000",
+                                url], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=5) as r:
+                    pages = [t for t in json.loads(r.read()) if t["type"] == "page"]
+                if pages:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline and browser.poll() is None, "chromium did not start"
+            time.sleep(0.5)
+        yield pages[0]["webSocketDebuggerUrl"]
+    finally:
+        browser.terminate()
+        browser.wait(30)
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it: "
-                                             "apt-get install -y chromium)")
+@NEEDS_CHROMIUM
 def test_page_in_headless_chromium(tiny_pipe, tmp_path):
-    with running_server(tiny_pipe, tmp_path / "server") as (url, _):
-        port = free_port()
-        browser = subprocess.Popen([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                                    "--no-first-run", "--disable-background-networking", "--disable-component-update",
-                                    "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}",
-                                    "--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream",
-                                    f"--remote-debugging-port={port}", "--window-size=900,1000",
-                                    f"http://{url}/"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=5) as r:
-                        pages = [t for t in json.loads(r.read()) if t["type"] == "page"]
-                    if pages:
-                        break
-                except OSError:
-                    pass
-                assert time.monotonic() < deadline and browser.poll() is None, "chromium did not start"
-                time.sleep(0.5)
-            # the page's first session waits after block 0 for its mid-stream update (it cannot end before the click)
-            with block_gate() as gate:
-                shot = asyncio.run(drive(pages[0]["webSocketDebuggerUrl"], tmp_path))
-            assert not gate.timed_out and gate.seen >= 1
-        finally:
-            browser.terminate()
-            browser.wait(30)
+    with running_server(tiny_pipe, tmp_path / "server") as (url, _), chromium(f"http://{url}/", tmp_path) as page:
+        # the page's first session waits after block 0 for its mid-stream update (it cannot end before the click)
+        with block_gate() as gate:
+            shot = asyncio.run(drive(page, tmp_path))
+        assert not gate.timed_out and gate.seen >= 1
     assert shot.stat().st_size > 1000
 
 
@@ -103,6 +113,12 @@ async def drive(debugger_url: str, tmp_path: Path) -> Path:
         ack = await dt.until("document.body.dataset.lastAck || document.body.dataset.lastError || ''", 60)
         field, _, block = ack.partition(":")
         assert field == "prompt" and 1 <= int(block) < 5, ack
+        said = await dt.js("$status()")  # Krea's blend: the acked block at weight 0, the next one blends in
+        assert said == (f"the new prompt blends in from block {int(block) + 1} (block {block} at weight 0.00), "
+                        f"whole from block {int(block) + 1}"), said
+        assert await dt.js("!document.getElementById('notice').hidden && "
+                           "document.getElementById('notice').textContent.includes('random weights')")
+        assert await dt.js("!!document.querySelector('meta[name=viewport]')")
         await dt.until("document.getElementById('status').textContent === 'completed'")
         await dt.until("Number(document.body.dataset.framesDrawn) >= 9 + 12 * 4", 60)  # drawn as they decode
         frames = await dt.js("Number(document.body.dataset.framesDrawn)")
@@ -164,3 +180,102 @@ async def drive(debugger_url: str, tmp_path: Path) -> Path:
         shot.write_bytes(base64.b64decode(png))
         print(f"screenshot: {shot}")
         return shot
+
+
+@pytest.mark.slow
+@NEEDS_CHROMIUM
+def test_page_paces_playback_recovers_resets_and_downloads(tiny_pipe, tmp_path):
+    """The player draws one frame per frame interval of its clock (replaced here by one the test moves), never a
+    block at once, every frame received drawn once; a refused start (empty prompt, too many blocks) leaves the page
+    ready to start again; Reset clears the run and restarts it; Stop keeps Download open; a video upload drives a
+    session; the achieved rate on the real clock is the video's."""
+    clip = tmp_path / "clip.mp4"
+    write_clip(clip)
+    with running_server(tiny_pipe, tmp_path / "server", max_blocks=64) as (url, _), \
+            chromium(f"http://{url}/", tmp_path) as page:
+        result = asyncio.run(drive_playback(page, base64.b64encode(clip.read_bytes()).decode()))
+    assert result["real_fps"] == pytest.approx(16, abs=1.0), result
+    print(f"achieved playback: {result['real_fps']} fps over {result['real_frames']} frames (video: 16 fps)")
+
+
+def write_clip(path: Path, frames: int = 21) -> None:
+    import imageio_ffmpeg
+    import numpy as np
+
+    writer = imageio_ffmpeg.write_frames(str(path), (80, 48), fps=16, quality=None, output_params=["-crf", "0"],
+                                         macro_block_size=1)
+    writer.send(None)
+    rng = np.random.default_rng(3)
+    for _ in range(frames):
+        writer.send(rng.integers(0, 256, size=(48, 80, 3), dtype=np.uint8).tobytes())
+    writer.close()
+
+
+async def drive_playback(debugger_url: str, clip_b64: str) -> dict:
+    async with websockets.connect(debugger_url, max_size=2**27) as ws:
+        dt = DevTools(ws)
+        await dt.until("document.readyState === 'complete' && !!document.getElementById('start')", 60)
+        await dt.js("window.$status = () => document.getElementById('status').textContent; true")
+        data = "document.body.dataset"
+        # refused starts: the page is ready to start again (Start on, Apply and Reset off), nothing drawn
+        for prompt, blocks, words in (("   ", 1, "prompt"), ("a fox", 500, "num_blocks")):
+            await dt.js(f"document.getElementById('prompt').value = {json.dumps(prompt)};"
+                        f"document.getElementById('numBlocks').value = '{blocks}';"
+                        "document.getElementById('start').click(); true")
+            error = await dt.until(f"{data}.lastError || ''", 60)
+            assert error.startswith(words), error
+            await dt.until("!document.getElementById('start').disabled", 30)
+            assert (await dt.js("$status()")).startswith("refused: " + words)
+            assert await dt.js("document.getElementById('apply').disabled && document.getElementById('reset').disabled"
+                               " && document.getElementById('stop').disabled")
+        # paced playback on a clock the test moves: every repaint of the canvas counted
+        await dt.js("window.fakeNow = 0; window.sdvgClock = () => window.fakeNow; window.repaints = 0;"
+                    "const draw = CanvasRenderingContext2D.prototype.drawImage;"
+                    "CanvasRenderingContext2D.prototype.drawImage = function (...a) {"
+                    "  if (this.canvas.id === 'canvas') window.repaints += 1; return draw.apply(this, a); }; true")
+        await dt.js("document.getElementById('prompt').value = 'a lighthouse at dusk';"
+                    "document.getElementById('numBlocks').value = '2';"
+                    "document.getElementById('start').click(); true")
+        await dt.until("document.getElementById('status').textContent === 'completed'")
+        await dt.until(f"Number({data}.framesReceived) === 21 && "
+                       "Number(document.getElementById('buffered').textContent) === 20", 60)
+        frames = []
+        for step in range(30):  # the clock moves one frame interval (62.5 ms) at a time, then 5 at once
+            await dt.js(f"window.fakeNow += {62.5 * (5 if step % 7 == 6 else 1)}; true")
+            await dt.js("new Promise((done) => requestAnimationFrame(() => requestAnimationFrame(done)))")
+            frames.append(await dt.js("window.repaints"))
+        assert frames[:20] == list(range(2, 22)), frames  # one repaint per interval, the first on arrival
+        assert frames[-1] == 21 and await dt.js(f"Number({data}.maxDrawsPerTick)") == 1
+        assert await dt.js(f"Number({data}.framesDrawn)") == 21
+        # Reset: the run restarts at block 0, the page's counters and blocks cleared first
+        await dt.js("window.sdvgClock = () => performance.now(); document.getElementById('numBlocks').value = '3';"
+                    "true")
+        await dt.js("document.getElementById('reset').click(); true")
+        await dt.until(f"({data}.lastAck || '') === 'action:0'", 60)
+        await dt.until("document.getElementById('status').textContent === 'completed'")
+        await dt.until(f"Number({data}.framesDrawn) === 21", 60)
+        assert await dt.js("document.querySelectorAll('#blocks div').length") == 2
+        # Stop mid-run: Download stays open and gives the video so far
+        await dt.js("document.getElementById('numBlocks').value = '60'; document.getElementById('start').click(); true")
+        await dt.until(f"Number({data}.framesReceived || 0) >= 9", 120)
+        await dt.js("document.getElementById('stop').click(); true")
+        await dt.until("!document.getElementById('download').disabled && !document.getElementById('start').disabled", 60)
+        await dt.js("document.getElementById('download').click(); true")
+        assert await dt.until(f"Number({data}.downloadedBytes || 0)", 60) > 1000
+        # a video upload drives a session (video-to-video at the strength slider's 0.6)
+        await dt.js("(async () => { const b = Uint8Array.from(atob(" + json.dumps(clip_b64) + "), c => c.charCodeAt(0));"
+                    "const t = new DataTransfer(); t.items.add(new File([b], 'clip.mp4', {type: 'video/mp4'}));"
+                    "document.getElementById('inputVideo').files = t.files; })()")
+        await dt.js(f"delete {data}.lastError; document.getElementById('numBlocks').value = '9';"
+                    "document.getElementById('start').click(); true")
+        await dt.until("document.getElementById('status').textContent === 'completed' || "
+                       f"!!{data}.lastError", 120)
+        assert not await dt.js(f"{data}.lastError || ''")
+        assert await dt.js(f"Number({data}.strength)") == 0.6
+        await dt.until(f"Number({data}.framesDrawn) === 21", 60)  # the clip covers 2 blocks
+        # the real clock: a longer run, frames arriving faster than they play
+        await dt.js("document.getElementById('inputVideo').value = ''; document.getElementById('numBlocks').value = '6';"
+                    "document.getElementById('start').click(); true")
+        await dt.until("document.getElementById('status').textContent === 'completed'", 120)
+        await dt.until(f"Number({data}.framesDrawn) === 9 + 12 * 5", 60)
+        return {"real_fps": float(await dt.js(f"{data}.achievedFps")), "real_frames": 9 + 12 * 5}

@@ -214,7 +214,8 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
         if superset:
             h, w = engine.size
             ready.update(session_id=session_id, preset=engine.preset.name, width=w, height=h, live=engine.live,
-                         fmt=fmt, replica=f"{socket.gethostname()}:{os.getpid()}", download_url=f"/download_video/{key}")
+                         fmt=fmt, replica=f"{socket.gethostname()}:{os.getpid()}", download_url=f"/download_video/{key}",
+                         fps=cfg.fps, random_weights=bool(getattr(engine.preset, "random_weights", False)))
         outbox.text(ready)
         try:
             await receive_loop(websocket, session)

@@ -8,7 +8,6 @@
   // a small msgpack encoder: maps, strings, numbers, booleans, null, byte arrays
   function pack(value, out) {
     const u8 = (b) => out.push(b & 0xff);
-    const u16 = (v) => out.push((v >>> 8) & 0xff, v & 0xff);
     const u32 = (v) => out.push((v >>> 24) & 0xff, (v >>> 16) & 0xff, (v >>> 8) & 0xff, v & 0xff);
     if (value === null || value === undefined) u8(0xc0);
     else if (value === true) u8(0xc3);
@@ -36,15 +35,86 @@
     return out;
   }
   const msg = (obj) => new Uint8Array(pack(obj, []));
+  const withToken = (url) =>  // a token in the page's own address (a cookie from /?token= needs none)
+    (token ? url + (url.includes("?") ? "&" : "?") + "token=" + encodeURIComponent(token) : url);
 
-  let ws = null, sessionId = null, frames = 0, frameTimes = [], blockSent = {}, startFrameId = null;
-  const canvas = $("canvas"), ctx = canvas.getContext("2d");
+  const canvas = $("canvas"), ctx = canvas.getContext("2d"), data = document.body.dataset;
   const setStatus = (s) => { $("status").textContent = s; };
-  const running = (on) => { $("start").disabled = on; $("stop").disabled = !on; $("apply").disabled = !on; };
-  $("blend").oninput = () => { $("blendValue").textContent = $("blend").value; };
-  $("tau").oninput = () => { $("tauValue").textContent = $("tau").value; };
-  $("tau").onchange = () => { if (ws && ws.readyState === 1) ws.send(msg({ tau: Number($("tau").value) })); };
-  $("strength").oninput = () => { $("strengthValue").textContent = $("strength").value; };
+  const show = (id, v) => { $(id).textContent = v; };
+
+  // The player: frames are decoded in order into a jitter buffer and drawn one at a time at the video's frame
+  // rate (never a block at once); playback starts once JITTER frames wait (or the run has ended) and waits again
+  // when the buffer runs dry. Its clock is `window.sdvgClock` (the browser test replaces it).
+  window.sdvgClock = () => performance.now();
+  const JITTER = 4;
+  const player = { queue: [], decoding: Promise.resolve(), run: 0, playing: false, ended: false, last: null,
+                   drawn: 0, first: null, recent: [], frameMs: 1000 / 16, underruns: 0 };
+  function resetPlayer() {
+    player.run += 1;  // frames still decoding for an earlier run are dropped
+    player.queue.forEach((img) => img.close && img.close());
+    Object.assign(player, { queue: [], playing: false, ended: false, last: null, drawn: 0, first: null, recent: [],
+                            underruns: 0 });
+    ctx.clearRect(0, 0, canvas.width, canvas.height);
+    data.framesDrawn = 0; data.maxDrawsPerTick = 0; data.achievedFps = 0;
+    show("drawn", 0); show("buffered", 0); show("fps", "0");
+  }
+  function receive(blob) {
+    const run = player.run;
+    player.decoding = player.decoding.then(() => createImageBitmap(blob)).then((img) => {
+      if (run !== player.run) { img.close(); return; }
+      player.queue.push(img); show("buffered", player.queue.length);
+    }, () => {});
+  }
+  function tick() {
+    const now = window.sdvgClock();
+    let draws = 0;
+    if (!player.playing && player.queue.length && (player.queue.length >= JITTER || player.ended)) {
+      player.playing = true;
+    }
+    if (player.playing && player.queue.length && (player.last === null || now - player.last >= player.frameMs - 0.5)) {
+      const img = player.queue.shift();
+      if (canvas.width !== img.width) { canvas.width = img.width; canvas.height = img.height; }
+      ctx.drawImage(img, 0, 0);
+      img.close();
+      draws = 1;
+      // a steady cadence; after a stall (or a clock that jumped) the next frame is timed from now
+      player.last = player.last === null || now - player.last > 2 * player.frameMs ? now : player.last + player.frameMs;
+      player.drawn += 1; player.first = player.first === null ? now : player.first;
+      player.recent.push(now);
+      while (player.recent.length && now - player.recent[0] > 2000) player.recent.shift();
+      data.framesDrawn = player.drawn; show("drawn", player.drawn); show("buffered", player.queue.length);
+      show("fps", (player.recent.length / 2).toFixed(1));
+      if (player.drawn > 1) data.achievedFps = ((player.drawn - 1) * 1000 / (now - player.first)).toFixed(2);
+    }
+    data.maxDrawsPerTick = Math.max(Number(data.maxDrawsPerTick || 0), draws);
+    if (player.playing && !player.queue.length && !player.ended) { player.playing = false; player.underruns += 1; }
+    requestAnimationFrame(tick);
+  }
+  requestAnimationFrame(tick);
+
+  // The session: phase "idle" | "starting" (parameters sent, not yet taken) | "running" | "done"
+  let ws = null, sessionId = null, downloadUrl = null, phase = "idle", received = 0, pendingBlend = 4;
+  let awaitingReset = false;
+  function controls() {
+    const open = ws && ws.readyState === 1;
+    $("start").disabled = phase === "starting" || phase === "running";
+    $("stop").disabled = !(phase === "starting" || phase === "running");
+    $("apply").disabled = !(open && phase === "running");
+    $("reset").disabled = !(open && (phase === "running" || phase === "done"));
+    $("download").disabled = !(downloadUrl && received > 0 && phase !== "starting");
+  }
+  function clearRun() {  // what a new run starts without
+    received = 0; data.framesReceived = 0; show("frames", 0); $("blocks").textContent = ""; show("latency", "-"); show("acceptance", "-");
+    delete data.lastError; delete data.lastAck;
+    resetPlayer();
+  }
+  function endRun(status) {
+    phase = "done"; player.ended = true; closeCamera(); setStatus(status); controls();
+  }
+  $("blend").oninput = () => { show("blendValue", $("blend").value); };
+  $("tau").oninput = () => { show("tauValue", $("tau").value); };
+  $("tau").onchange = () => { if (ws && ws.readyState === 1 && phase === "running") ws.send(msg({ tau: Number($("tau").value) })); };
+  $("strength").oninput = () => { show("strengthValue", $("strength").value); };
 
   // Webcam (Krea's webcam_mode): camera frames as JPEG `image` messages at 16 frames/s while the session holds
   // a slot; the server queues them for the blocks to come (block 0 reads 9, each later block 12)
@@ -66,7 +136,7 @@
       grab.toBlob((blob) => blob && blob.arrayBuffer().then((buf) => {
         if (!ws || ws.readyState !== 1 || !capture) return;
         ws.send(msg({ image: new Uint8Array(buf) }));
-        sent += 1; $("framesSent").textContent = sent; document.body.dataset.webcamFramesSent = sent;
+        sent += 1; show("framesSent", sent); data.webcamFramesSent = sent;
       }), "image/jpeg", 0.85);
     }, FRAME_MS);
   }
@@ -76,54 +146,54 @@
     stream = null; camera.srcObject = null;
   }
 
-  // Start frame (Krea's start_frame): the chosen image is uploaded (POST /upload_start_frame) when Start is
-  // pressed; its id goes in the start parameters, and the video (and every reset) starts from the image
-  const withToken = (url) =>
-    (token ? url + (url.includes("?") ? "&" : "?") + "token=" + encodeURIComponent(token) : url);
-  async function uploadStartFrame() {
-    const file = $("startFrame").files[0];
+  // Uploads (Krea's start_frame and input_video): posted when Start is pressed, their ids sent in the parameters
+  async function uploadFile(input, route) {
+    const file = $(input).files[0];
     if (!file) return null;
     const form = new FormData();
     form.append("file", file, file.name);
-    const r = await fetch(withToken("/upload_start_frame"), { method: "POST", body: form });
+    const r = await fetch(withToken(route), { method: "POST", body: form });
     const body = await r.json().catch(() => ({}));
     if (!r.ok) throw new Error(body.error || "HTTP " + r.status);
     return body.id;
   }
 
-  function draw(blob) {
-    createImageBitmap(blob).then((img) => {
-      if (canvas.width !== img.width) { canvas.width = img.width; canvas.height = img.height; }
-      ctx.drawImage(img, 0, 0);
-      frames += 1; $("frames").textContent = frames; document.body.dataset.framesDrawn = frames;
-      const now = performance.now(); frameTimes.push(now);
-      while (frameTimes.length && now - frameTimes[0] > 2000) frameTimes.shift();
-      $("fps").textContent = (frameTimes.length / 2).toFixed(1);
-    });
+  function ackText(m) {
+    if (m.field === "prompt" && m.block !== null) {
+      const n = pendingBlend;  // Krea's blend: weights linspace(0, 1, n), the first block's 0
+      if (n === 1) return "the new prompt from block " + m.block;
+      return "the new prompt blends in from block " + (m.block + 1) + " (block " + m.block + " at weight 0.00), " +
+        "whole from block " + (m.block + n - 1);
+    }
+    if (m.block === null) return m.field + " takes effect at the " + (m.effective || "next run");
+    if (m.action === "reset") return "reset: the run restarts at block 0";
+    return m.field + " takes effect at block " + m.block;
   }
 
-  function onText(data) {
-    const m = JSON.parse(data);
+  function onText(m) {
     if (m.status === "ready") {
       setStatus("ready");
-      const start = { prompt: $("prompt").value, seed: Number($("seed").value), num_blocks: Number($("numBlocks").value),
-                      tau: Number($("tau").value), request_id: "page" };
-      if (stream) { start.webcam_mode = true; start.strength = Number($("strength").value); }
-      if (startFrameId) start.start_frame = startFrameId;
+      player.frameMs = 1000 / (m.fps || 16); show("videoFps", m.fps || 16);
+      downloadUrl = m.download_url || "/download_video/" + sessionId;
+      $("notice").hidden = !m.random_weights;
+      $("notice").textContent = m.random_weights ? "Preset " + m.preset + " has random weights: its videos are " +
+        "noise (load real weights, e.g. --preset wan2.1, for real videos)." : "";
+      data.randomWeights = m.random_weights ? "1" : "0";
       ws.send(msg(start));
+      phase = "starting"; controls();
     } else if (m.status === "queued") setStatus("queued, position " + m.position);
     else if (m.status === "params" || m.status === "running") {
       if (m.status === "params") {
+        phase = "running";
         setStatus((m.state === "queued" ? "queued" : "generating") + " (seed " + m.seed + ")");
-        document.body.dataset.strength = m.options.strength;
+        data.strength = m.options.strength;
         const sf = m.start_frame ? m.start_frame.width + "x" + m.start_frame.height : "";
-        $("startFrameInfo").textContent = sf ? "from a " + sf + " start frame" : "";
-        document.body.dataset.startFrame = sf;
-      }
-      else setStatus("generating");
+        show("startFrameInfo", sf ? "from a " + sf + " start frame" : "");
+        data.startFrame = sf;
+      } else setStatus("generating");
       if (m.status === "running" || m.state === "running") startCapture();
-    }
-    else if (m.status === "stats") {
+      controls();
+    } else if (m.status === "stats") {
       const line = document.createElement("div");
       line.className = m.decision; line.dataset.decision = m.decision;
       line.textContent = "block " + m.block + ": " + m.decision + " score " +
@@ -133,50 +203,91 @@
         line.textContent += " prompt " + m.prompt_index + (m.blend_weight < 1 ? " (blend " + m.blend_weight.toFixed(2) + ")" : "");
       }
       $("blocks").appendChild(line);
-      $("latency").textContent = (m.latency_s * 1000).toFixed(0);
-      $("acceptance").textContent = m.acceptance === null ? "-" : m.acceptance.toFixed(2);
+      show("latency", (m.latency_s * 1000).toFixed(0));
+      show("acceptance", m.acceptance === null ? "-" : m.acceptance.toFixed(2));
     } else if (m.status === "ack") {
-      setStatus("update " + m.field + " takes effect at block " + m.block);
-      document.body.dataset.lastAck = m.field + ":" + m.block;
-    }
-    else if (m.status === "error") { setStatus("error: " + m.error); document.body.dataset.lastError = m.error; }
-    else if (m.status === "completed") {
-      setStatus("completed"); $("download").disabled = false; running(false); closeCamera();
+      if (m.action === "reset") { awaitingReset = false; clearRun(); phase = "running"; controls(); }
+      setStatus(ackText(m));
+      data.lastAck = m.field + ":" + m.block;
+    } else if (m.status === "error") {
+      data.lastError = m.error;
+      if (phase === "starting") {  // the parameters were refused: nothing runs; Start again once fixed
+        setStatus("refused: " + m.error);
+        phase = "idle"; const old = ws; ws = null; old.close(); controls();
+      } else if (/^(could not start|generation failed|busy)/.test(m.error)) endRun("error: " + m.error);
+      else setStatus("error: " + m.error);  // a refused update: the run goes on
+    } else if (m.status === "completed") {
+      endRun("completed");
     }
   }
 
+  let start = null;  // the parameters of the session being opened
   $("start").onclick = async () => {
     sessionId = "page-" + Math.random().toString(36).slice(2, 12);
     if (ws) { const old = ws; ws = null; old.close(); }  // a finished session's socket (the server keeps it open)
-    frames = 0; sent = 0; $("blocks").textContent = ""; $("download").disabled = true;
-    $("startFrameInfo").textContent = ""; delete document.body.dataset.startFrame;
-    $("start").disabled = true;  // until the socket is open (the upload and the camera come first)
+    clearRun(); closeCamera(); sent = 0; show("framesSent", 0);
+    downloadUrl = null; show("startFrameInfo", ""); show("inputVideoInfo", ""); delete data.startFrame;
+    phase = "starting"; controls();  // until the parameters are taken (the uploads and the camera come first)
     const failed = (what, err) => {
-      setStatus(what + ": " + err.message); document.body.dataset.lastError = what + ": " + err.message;
-      $("start").disabled = false;
+      setStatus(what + ": " + err.message); data.lastError = what + ": " + err.message;
+      phase = "idle"; closeCamera(); controls();
     };
-    try { startFrameId = await uploadStartFrame(); } catch (err) { failed("start frame", err); return; }
+    let startFrameId = null, videoId = null;
+    try { startFrameId = await uploadFile("startFrame", "/upload_start_frame"); } catch (err) { failed("start frame", err); return; }
+    try { videoId = await uploadFile("inputVideo", "/upload_video"); } catch (err) { failed("input video", err); return; }
     if ($("webcam").checked) {
       try { await openCamera(); } catch (err) { failed("camera", err); return; }
     }
+    start = { prompt: $("prompt").value, seed: Number($("seed").value), num_blocks: Number($("numBlocks").value),
+              tau: Number($("tau").value), request_id: "page" };
+    if (stream) { start.webcam_mode = true; start.strength = Number($("strength").value); }
+    else if (videoId) { start.input_video = videoId; start.strength = Number($("strength").value); show("inputVideoInfo", "uploaded"); }
+    if (startFrameId) start.start_frame = startFrameId;
     const scheme = location.protocol === "https:" ? "wss://" : "ws://";
     const sock = ws = new WebSocket(scheme + location.host + withToken("/session/" + sessionId + "?sdvg=1"));
     sock.binaryType = "blob";
     // an earlier session's socket, closed or closing, no longer speaks for the page
     sock.onmessage = (e) => {
       if (sock !== ws) return;
-      if (typeof e.data === "string") onText(e.data); else draw(e.data);
+      if (typeof e.data === "string") { onText(JSON.parse(e.data)); return; }
+      if (awaitingReset) return;  // a frame of the run the reset replaced
+      received += 1; show("frames", received); data.framesReceived = received;
+      receive(e.data); controls();
     };
     sock.onclose = () => {
       if (sock !== ws) return;
-      running(false); closeCamera();
-      if ($("status").textContent !== "completed") setStatus("disconnected");
+      closeCamera(); player.ended = true;
+      if (phase === "starting" || phase === "running") setStatus(phase === "starting" ? "disconnected" : "stopped");
+      phase = phase === "running" ? "done" : phase === "starting" ? "idle" : phase;
+      controls();
     };
-    running(true);
   };
-  $("stop").onclick = () => { if (ws) ws.close(); };
+  $("stop").onclick = () => { if (ws) ws.close(); };  // the server finishes the video: Download stays open
   $("apply").onclick = () => {
-    if (ws && ws.readyState === 1) ws.send(msg({ prompt: $("prompt").value, interp_steps: Number($("blend").value) }));
+    if (!(ws && ws.readyState === 1 && phase === "running")) return;
+    pendingBlend = Number($("blend").value);
+    ws.send(msg({ prompt: $("prompt").value, interp_steps: pendingBlend }));
   };
-  $("download").onclick = () => { location.href = withToken("/download_video/" + sessionId); };
+  $("reset").onclick = () => {
+    if (!(ws && ws.readyState === 1)) return;
+    awaitingReset = true;  // frames before the reset's ack belong to the run it replaces
+    ws.send(msg({ action: "reset" }));
+    setStatus("resetting");
+  };
+  $("download").onclick = async () => {
+    // a run just stopped is still being finished (409): asked again a few times
+    for (let i = 0; i < 20; i++) {
+      const r = await fetch(withToken(downloadUrl));
+      if (r.status === 409) { await new Promise((done) => setTimeout(done, 500)); continue; }
+      if (!r.ok) { setStatus("download: HTTP " + r.status); data.lastError = "download: HTTP " + r.status; return; }
+      const url = URL.createObjectURL(await r.blob());
+      data.downloadedBytes = (await (await fetch(url)).blob()).size;
+      const a = document.createElement("a"); a.href = url; a.download = sessionId + ".mp4";
+      document.body.appendChild(a); a.click(); a.remove();
+      setTimeout(() => URL.revokeObjectURL(url), 60000);
+      return;
+    }
+    setStatus("download: the video is still being finished; try again");
+  };
+  controls();
 })();
