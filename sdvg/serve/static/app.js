@@ -55,7 +55,7 @@
     Object.assign(player, { queue: [], playing: false, ended: false, last: null, drawn: 0, first: null, recent: [],
                             underruns: 0 });
     ctx.clearRect(0, 0, canvas.width, canvas.height);
-    data.framesDrawn = 0; data.maxDrawsPerTick = 0; data.achievedFps = 0;
+    data.framesDrawn = 0; data.maxDrawsPerTick = 0; data.achievedFps = 0; data.underruns = 0;
     show("drawn", 0); show("buffered", 0); show("fps", "0");
   }
   function receive(blob) {
@@ -83,11 +83,14 @@
       player.recent.push(now);
       while (player.recent.length && now - player.recent[0] > 2000) player.recent.shift();
       data.framesDrawn = player.drawn; show("drawn", player.drawn); show("buffered", player.queue.length);
-      show("fps", (player.recent.length / 2).toFixed(1));
+      const span = now - player.recent[0];  // the rate over the last 2 s of playback
+      show("fps", span > 0 ? ((player.recent.length - 1) * 1000 / span).toFixed(1) : "-");
       if (player.drawn > 1) data.achievedFps = ((player.drawn - 1) * 1000 / (now - player.first)).toFixed(2);
     }
     data.maxDrawsPerTick = Math.max(Number(data.maxDrawsPerTick || 0), draws);
-    if (player.playing && !player.queue.length && !player.ended) { player.playing = false; player.underruns += 1; }
+    if (player.playing && !player.queue.length && !player.ended) {  // dry mid-run: buffer again
+      player.playing = false; player.underruns += 1; data.underruns = player.underruns;
+    }
     requestAnimationFrame(tick);
   }
   requestAnimationFrame(tick);
