@@ -17,15 +17,17 @@ if [ -n "$file" ]; then
          "the token there, e.g. docker run -v /etc/sdvg/token:$file:ro ..." >&2
     exit 2
   fi
-  token=$(tr -d '\r\n' < "$file")
-  if [ -z "$token" ]; then
+  if [ -z "$(tr -d '\r\n' < "$file")" ]; then
     echo "error: SDVG_SERVE_TOKEN_FILE=$file is empty; write the token into it" >&2
     exit 2
   fi
+  # The server reads the file itself: the token never reaches argv, where `ps` would show it.
+  exec sdvg serve --host 0.0.0.0 --port "${SDVG_SERVE_PORT:-8000}" --token-file "$file" "$@"
 fi
 if [ -z "$token" ]; then
   echo "error: no token: the server listens on every interface of the container, which sdvg serve allows only" \
        "with one; set SDVG_SERVE_TOKEN_FILE to a mounted file holding it (or SDVG_SERVE_TOKEN)" >&2
   exit 2
 fi
-exec sdvg serve --host 0.0.0.0 --port "${SDVG_SERVE_PORT:-8000}" --token "$token" "$@"
+# SDVG_SERVE_TOKEN stays in the environment, where sdvg serve reads it (not in argv).
+exec sdvg serve --host 0.0.0.0 --port "${SDVG_SERVE_PORT:-8000}" "$@"

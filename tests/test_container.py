@@ -64,22 +64,24 @@ def test_the_recipe_builds_the_cuda_core_and_serves_behind_a_healthcheck():
 
 
 def _entrypoint(tmp_path, env: dict, *args) -> subprocess.CompletedProcess:
-    """docker/entrypoint.sh with a stand-in `sdvg` on the PATH that prints the arguments it was given."""
+    """docker/entrypoint.sh with a stand-in `sdvg` on the PATH that prints the arguments it was given and, after a
+    '|', the SDVG_SERVE_TOKEN it finds in its environment."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "sdvg").write_text('#!/bin/sh\necho "sdvg $*"\n')
+    (bin_dir / "sdvg").write_text('#!/bin/sh\necho "sdvg $* | ${SDVG_SERVE_TOKEN:-}"\n')
     (bin_dir / "sdvg").chmod(0o755)
     return subprocess.run(["sh", str(ENTRYPOINT), *args], env={"PATH": f"{bin_dir}:/usr/bin:/bin", **env},
                           capture_output=True, text=True, timeout=30)
 
 
-def test_the_entry_point_takes_the_token_from_a_file_or_the_variable(tmp_path):
+def test_the_entry_point_passes_the_token_file_or_the_variable_never_the_token_in_argv(tmp_path):
     token = tmp_path / "token"
     token.write_text("s3cret\n")
     r = _entrypoint(tmp_path, {"SDVG_SERVE_TOKEN_FILE": str(token)}, "--preset", "tiny")
-    assert r.returncode == 0 and r.stdout.strip() == "sdvg serve --host 0.0.0.0 --port 8000 --token s3cret --preset tiny"
+    assert r.returncode == 0  # the server reads the file itself (--token-file); `ps` never shows the secret
+    assert r.stdout.strip() == f"sdvg serve --host 0.0.0.0 --port 8000 --token-file {token} --preset tiny |"
     r = _entrypoint(tmp_path, {"SDVG_SERVE_TOKEN": "abc", "SDVG_SERVE_PORT": "9000"})
-    assert r.returncode == 0 and r.stdout.strip() == "sdvg serve --host 0.0.0.0 --port 9000 --token abc"
+    assert r.returncode == 0 and r.stdout.strip() == "sdvg serve --host 0.0.0.0 --port 9000 | abc"  # read from the env
 
 
 @pytest.mark.parametrize("case,says", [
