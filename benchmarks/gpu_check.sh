@@ -16,7 +16,8 @@
 # Everything it writes goes to a work folder, packed at the end (also when a step fails or time runs
 # out) into $OUT/results.tar.gz; $OUT/summary.log is this script's own output and $OUT/summary.md the
 # table of every variant against the eager baseline. Nothing else is left in $OUT (default
-# results/gpu-<date>): 3 files. SDVG_COMMIT: the commit the tree was copied from (provenance; a copy
+# results/gpu-<date>): 3 files, and inductor-cache.tar.gz when something compiled (a cache, not a result:
+# git-ignored; the next check carries it as .inductor-cache.tar.gz and starts warm). SDVG_COMMIT: the commit the tree was copied from (provenance; a copy
 # without its .git cannot tell).
 #   bash benchmarks/gpu_check.sh --dry-run   # the plan with a time estimate per step; runs nothing
 # On the CPU: PRESET=tiny DEVICE=cpu (scripts/compat_check.sh does it, with longer boxes).
@@ -47,6 +48,16 @@ TESTS_K=${TESTS_K:-}          # pytest -k expression for the GPU tests (default:
 T_START=$(date +%s)
 export TORCHINDUCTOR_CACHE_DIR=${INDUCTOR_CACHE:-$PWD/.inductor-cache}  # persistent: reruns reuse compiled kernels
 export TORCHINDUCTOR_FX_GRAPH_CACHE=1 TORCHINDUCTOR_AUTOGRAD_CACHE=1
+# The inductor cache travels between sessions (each starts a bare machine): the run leaves it in
+# $OUT/inductor-cache.tar.gz (CACHE_OUT=0: not; only when at most CACHE_MAX_MB, the device tool's per-file limit
+# being 16 MiB); copied to CACHE_TAR (.inductor-cache.tar.gz, git-ignored) and carried, it is unpacked into the
+# cache folder before anything compiles, and the compile warm-ups get their warm boxes.
+CACHE_TAR=${CACHE_TAR:-.inductor-cache.tar.gz}
+CACHE_MAX_MB=${CACHE_MAX_MB:-15}
+cache_state=cold  # a dry run plans a device session: only a carried CACHE_TAR travels there
+if [ -s "$CACHE_TAR" ] || { [ "$DRY" = 0 ] && [ -n "$(ls -A "$TORCHINDUCTOR_CACHE_DIR" 2>/dev/null)" ]; }; then
+  cache_state=warm
+fi
 
 # ------------------------------------------------------------------ the wheels that must travel
 missing=()
@@ -57,12 +68,16 @@ done < <(grep -v '^#' benchmarks/gpu-wheels.txt | grep .)
 [ "${NO_WHEELS:-0}" = 1 ] && missing=()
 
 # ------------------------------------------------------------------ the plan
-plan=$(PYTHONPATH=$PWD "$PY" benchmarks/gpu_check.py --dry-run --preset "$PRESET" --steps "$STEPS" --work /nonexistent)
+plan=$(PYTHONPATH=$PWD "$PY" benchmarks/gpu_check.py --dry-run --preset "$PRESET" --steps "$STEPS" --cache "$cache_state" \
+  --work /nonexistent)
 [ -n "$plan" ] || { echo "gpu_check.py --dry-run failed (PYTHON=$PY)"; exit 2; }
 boxes=$(echo "$plan" | awk '{s += $2} END {print s}')   # models + every step's box
+# a rerun on the warm machine starts from the cache the run left: the warm boxes
+rerun_boxes=$(PYTHONPATH=$PWD "$PY" benchmarks/gpu_check.py --dry-run --preset "$PRESET" --steps "$STEPS" --cache warm \
+  --work /nonexistent | awk '{s += $2} END {print s}')
 build=$EXT_S; [ "${SKIP_BUILD:-0}" = 1 ] && build=0
 run_s=$(( INSTALL_S + build + TESTS_S + boxes + PACK_S ))
-rerun_s=$(( INSTALL_S + (build < EXT_RERUN_S ? build : EXT_RERUN_S) + TESTS_S + boxes + PACK_S ))
+rerun_s=$(( INSTALL_S + (build < EXT_RERUN_S ? build : EXT_RERUN_S) + TESTS_S + rerun_boxes + PACK_S ))
 need=$(( START_S + run_s + rerun_s ))
 if [ "$need" -le "$SESSION_S" ]; then
   verdict="a rerun fits: start ${START_S} + run ${run_s} + rerun on the warm machine ${rerun_s} = ${need} s <= ${SESSION_S} s"
@@ -70,9 +85,15 @@ else
   verdict="a rerun does NOT fit: start ${START_S} + run ${run_s} + rerun on the warm machine ${rerun_s} = ${need} s > ${SESSION_S} s (lower the boxes or STEPS for a rerun)"
 fi
 header="gpu_check: $PRESET on $DEVICE, $BLOCKS blocks; one run ~${run_s} s of device time (+ ${START_S} s to start a machine); $verdict"
+if [ "$cache_state" = warm ]; then
+  cache_line="inductor cache: warm ($( [ -s "$CACHE_TAR" ] && echo "$CACHE_TAR, unpacked into $TORCHINDUCTOR_CACHE_DIR" || echo "$TORCHINDUCTOR_CACHE_DIR")): the compile warm-ups' warm boxes"
+else
+  cache_line="inductor cache: cold (no $CACHE_TAR carried$( [ "$DRY" = 0 ] && echo ", $TORCHINDUCTOR_CACHE_DIR empty")): the compile warm-ups' cold boxes; the run leaves $OUT/inductor-cache.tar.gz for the next check to carry as $CACHE_TAR"
+fi
 
 if [ "$DRY" = 1 ]; then
   echo "$header"
+  echo "$cache_line"
   echo "steps (estimates and time boxes, s):"
   printf '  %-19s %5d s  %s\n' wheels "$INSTALL_S" "check ${WHEEL_DIR}/ then pip install --target $SITE_DIR$( [ ${#missing[@]} -gt 0 ] && echo " — MISSING: ${missing[*]}: the run would stop here")"
   printf '  %-19s %5d s  %s\n' extension "$build" "setup.py build_ext (CUDA when nvcc is found)$( [ "${SKIP_BUILD:-0}" = 1 ] && echo ': skipped, SKIP_BUILD=1')"
@@ -84,16 +105,32 @@ if [ "$DRY" = 1 ]; then
 fi
 
 mkdir -p "$OUT"
-rm -f "$OUT/results.tar.gz" "$OUT/summary.log" "$OUT/summary.md"
+rm -f "$OUT/results.tar.gz" "$OUT/summary.log" "$OUT/summary.md" "$OUT/inductor-cache.tar.gz"
 exec > >(tee "$OUT/summary.log") 2>&1
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/sdvg-gpu-check.XXXXXX")
+pack_cache() {  # the inductor cache, for the next check to carry (not a result: git-ignored)
+  [ "${CACHE_OUT:-1}" = 1 ] && [ -n "$(ls -A "$TORCHINDUCTOR_CACHE_DIR" 2>/dev/null)" ] || return 0
+  tar -czf "$OUT/inductor-cache.tar.gz" -C "$TORCHINDUCTOR_CACHE_DIR" . 2>/dev/null || { rm -f "$OUT/inductor-cache.tar.gz"; return 0; }
+  local mb=$(( ($(stat -c %s "$OUT/inductor-cache.tar.gz") + 1048575) / 1048576 ))
+  if [ "$mb" -gt "$CACHE_MAX_MB" ]; then
+    rm -f "$OUT/inductor-cache.tar.gz"; echo "inductor cache: ${mb} MiB packed, over CACHE_MAX_MB=${CACHE_MAX_MB}: not kept"
+  else
+    echo "inductor cache: $OUT/inductor-cache.tar.gz (${mb} MiB): carry it as $CACHE_TAR next time"
+  fi
+}
 pack() {
+  pack_cache
   [ -f "$WORK/summary.md" ] && cp "$WORK/summary.md" "$OUT/summary.md"
   tar -czf "$OUT/results.tar.gz" -C "$WORK" . && rm -rf "$WORK"
   echo "packed: $OUT/results.tar.gz ($(du -h "$OUT/results.tar.gz" | cut -f1)), $OUT/summary.log, $OUT/summary.md"
 }
 trap pack EXIT
 echo "$header"
+if [ -s "$CACHE_TAR" ]; then  # a carried cache: unpacked before anything compiles
+  mkdir -p "$TORCHINDUCTOR_CACHE_DIR" && tar -xzf "$CACHE_TAR" -C "$TORCHINDUCTOR_CACHE_DIR" \
+    || { cache_line="inductor cache: $CACHE_TAR could not be unpacked (a cold start)"; }
+fi
+echo "$cache_line"
 if [ ${#missing[@]} -gt 0 ]; then
   echo "error: the carried wheels are missing from ${WHEEL_DIR}/: ${missing[*]} (benchmarks/gpu-wheels.txt); fill it with"
   echo "  bash scripts/fetch_wheels.sh   and carry it (the device tool's carry: [\".whl\"]), or NO_WHEELS=1 when $PY has them"
@@ -174,6 +211,7 @@ if [ -n "$TOTAL_S" ]; then  # the steps end by the run's hard end, less the pack
 fi
 PYTHONUNBUFFERED=1 timeout "$limit" "$PY" benchmarks/gpu_check.py --preset "$PRESET" --device "$DEVICE" \
   --num-blocks "$BLOCKS" --repeats "${REPEATS:-1}" --steps "$STEPS" --deadline "$deadline" --work "$WORK" \
+  --cache "$cache_state" \
   > "$WORK/gpu_check.log" 2>&1
 rc=$?
 grep -E "^\[|models built|speed-up|SDVG at" "$WORK/gpu_check.log" | tail -40

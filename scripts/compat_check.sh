@@ -4,7 +4,8 @@
 # wheels of benchmarks/gpu-wheels.txt on top exactly as benchmarks/gpu_check.sh installs them there. First
 # gpu_check.sh itself with the tiny preset on the CPU (a failure there would have cost a GPU
 # session): its dry run, then the run of every step (the compile ones with inductor on the CPU), which must
-# leave at most 3 files in $OUT (a device session returns at most 8), its tarball holding every result; then
+# leave 4 files in $OUT (a device session returns at most 8): its tarball holding every result, the summary log
+# and table, and the inductor cache for the next check to carry; then
 # the test suite (arguments go to pytest: CI
 # passes -m "not slow", the fast tier). Uses .compat/ (a venv) and .whl/; downloads ~3.5 GB once.
 set -euo pipefail
@@ -25,10 +26,12 @@ PYTHON=.compat/bin/python PRESET=tiny DEVICE=cpu bash benchmarks/gpu_check.sh --
 SDVG_CUDA=$cuda SITE_DIR=$PWD/.compat/sdvg-site PYTHON=.compat/bin/python OUT=$ret PRESET=tiny DEVICE=cpu \
   TESTS_S=900 EAGER_S=600 COMPILE_WARMUP_S=900 COMPILE_S=600 FP8_S=600 FP8_COMPILE_WARMUP_S=900 FP8_COMPILE_S=600 \
   FP8_QUALITY_S=600 GRAPHS_S=300 PROFILE_S=900 bash benchmarks/gpu_check.sh  # CPU: generous boxes; the check is what ran
-# what a device session gets back: at most 3 files (the tarball, the summary log and table)
+# what a device session gets back: the tarball, the summary log and table, and the inductor cache the compile
+# steps filled (for the next check to carry): 4 files
 n=$(find "$ret" -mindepth 1 | wc -l)
-[ "$n" -le 3 ] && [ -s "$ret/results.tar.gz" ] && [ -s "$ret/summary.log" ] && [ -s "$ret/summary.md" ] \
-  || { echo "compat_check: gpu_check.sh left $n entries in \$OUT (at most 3: results.tar.gz, summary.log, summary.md)"; ls -la "$ret"; exit 1; }
+[ "$n" -le 4 ] && [ -s "$ret/results.tar.gz" ] && [ -s "$ret/summary.log" ] && [ -s "$ret/summary.md" ] \
+  && [ -s "$ret/inductor-cache.tar.gz" ] \
+  || { echo "compat_check: gpu_check.sh left $n entries in \$OUT (4: results.tar.gz, summary.log, summary.md, inductor-cache.tar.gz)"; ls -la "$ret"; exit 1; }
 out=$(mktemp -d)
 tar -xzf "$ret/results.tar.gz" -C "$out"
 for f in env.json gpu_tests.log eager/results.json eager/results.md eager/timeline.png compile_warmup.json \

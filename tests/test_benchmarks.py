@@ -162,8 +162,53 @@ def test_gpu_check_dry_run_shows_the_plan_and_runs_nothing(tmp_path):
     assert "a rerun fits" in fits.stdout.splitlines()[0]
 
 
+def test_gpu_check_dry_run_plans_the_compile_warmups_from_the_carried_cache(tmp_path):
+    def warmup_boxes(**env):
+        r = _gpu_check(tmp_path, "--dry-run", NO_WHEELS="1", PRESET="real-size", DEVICE="cuda:0",
+                       INDUCTOR_CACHE=str(tmp_path / "cache"), **env)
+        assert r.returncode == 0, r.stderr
+        boxes = {m.group(1): int(m.group(2)) for m in re.finditer(r"^  (\S+)\s+(\d+) s  ", r.stdout, re.M)}
+        return r.stdout.splitlines()[1], boxes["compile_warmup"], boxes["fp8_compile_warmup"]
+
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "stale").write_text("x")  # a cache folder on the planning machine does not travel
+    line, cold, fp8_cold = warmup_boxes(CACHE_TAR=str(tmp_path / "none.tar.gz"))
+    assert line.startswith("inductor cache: cold") and "inductor-cache.tar.gz" in line
+    carried = tmp_path / "carried.tar.gz"
+    carried.write_bytes(b"\x1f\x8b")
+    line, warm, fp8_warm = warmup_boxes(CACHE_TAR=str(carried))
+    assert line.startswith("inductor cache: warm") and str(carried) in line
+    assert (cold, fp8_cold) == (180, 90) and (warm, fp8_warm) == (40, 25)
+    assert warmup_boxes(CACHE_TAR=str(carried), COMPILE_WARMUP_S="77")[1] == 77  # a box given always wins
+
+
+@pytest.mark.slow
+def test_gpu_check_leaves_its_inductor_cache_and_the_next_run_starts_from_it(tmp_path):
+    """The compile warm-up on the CPU (tiny): the run leaves the cache it filled in $OUT/inductor-cache.tar.gz;
+    carried as CACHE_TAR into another (empty) cache folder, the next run's warm-up hits the FX-graph cache
+    and misses nothing."""
+    import tarfile
+
+    def run(name: str, **env) -> dict:
+        out = tmp_path / name
+        r = _gpu_check(tmp_path, NO_WHEELS="1", SKIP_BUILD="1", TESTS_S="0", STEPS="compile_warmup",
+                       COMPILE_WARMUP_S="600", OUT=str(out), INDUCTOR_CACHE=str(tmp_path / f"{name}-cache"),
+                       **{"CACHE_TAR": str(tmp_path / "none.tar.gz"), **env})
+        with tarfile.open(out / "results.tar.gz") as tar:
+            return json.loads(tar.extractfile("./compile_warmup.json").read())["compile"], r.stdout
+
+    cold, log = run("cold")
+    assert cold["cache_misses"] > 0 and cold["graphs"] > 0, cold
+    assert "inductor cache: cold" in log and "carry it as" in log, log[-2000:]
+    carried = tmp_path / "cold" / "inductor-cache.tar.gz"
+    assert carried.is_file() and carried.stat().st_size < 15 * 2 ** 20
+    warm, log = run("warm", CACHE_TAR=str(carried))
+    assert "inductor cache: warm" in log
+    assert warm["cache_misses"] == 0 and warm["cache_hits"] >= cold["cache_misses"], (cold, warm)
+
+
 def test_gpu_check_stops_before_building_without_the_wheels(tmp_path):
-    r = _gpu_check(tmp_path, WHEEL_DIR=str(tmp_path / "nowheels"), SKIP_BUILD="0")
+    r = _gpu_check(tmp_path, WHEEL_DIR=str(tmp_path / "nowheels"), SKIP_BUILD="0", INDUCTOR_CACHE=str(tmp_path / "c"))
     assert r.returncode == 2
     log = (tmp_path / "out" / "summary.log").read_text()
     assert "the carried wheels are missing" in log and "diffusers==" in log and "scripts/fetch_wheels.sh" in log
@@ -181,7 +226,7 @@ def test_gpu_check_on_the_cpu_leaves_at_most_three_files(tmp_path):
     import tarfile
 
     r = _gpu_check(tmp_path, NO_WHEELS="1", SKIP_BUILD="1", BLOCKS="2", TESTS_S="120", STEPS="eager,profile,graphs",
-                   EAGER_S="240", GRAPHS_S="120", PROFILE_S="120")
+                   EAGER_S="240", GRAPHS_S="120", PROFILE_S="120", INDUCTOR_CACHE=str(tmp_path / "cache"))
     out = tmp_path / "out"
     files = sorted(p.name for p in out.iterdir())
     assert files == ["results.tar.gz", "summary.log", "summary.md"], (files, r.stdout[-2000:])
