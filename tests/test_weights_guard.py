@@ -327,3 +327,44 @@ def test_routers_without_scores_and_draft_mode(tiny_pipe, scheduler):
     with poisoned_output(drafter, 1), pytest.raises(
             NonFiniteError, match=r"drafter output of block 1 holds 12 NaN values; in mode 'draft' the draft is"):
         _blocks(tiny_pipe, GenerationOptions(mode="draft", num_blocks=NB, seed=3), scheduler)
+
+
+@pytest.mark.parametrize("scheduler,run_ahead", SCHEDULERS)
+@pytest.mark.parametrize("new_router", [dict(router="pattern", pattern="1111"), dict(router="random", accept_prob=1.0)])
+def test_a_live_router_change_is_the_guards_router_too(tiny_pipe, scheduler, run_ahead, new_router):
+    """A live session starts under the reward router (tau=-inf) and switches after block 0 to a router that
+    accepts without looking; the drafter's block 2 is NaN. The block's own router decides: it would accept the
+    draft, so the run stops with NonFiniteError naming block 2; never an `accepted` block with NaN latents (the
+    guard once kept the video's first router, warned 'rejected' while the scheduler accepted the NaN draft)."""
+    session = tiny_pipe.session(PROMPT, num_blocks=NB, seed=3, tau=-math.inf, drafter_context="committed",
+                                scheduler=scheduler, run_ahead=run_ahead)
+    emitted = []
+    with poisoned_output(tiny_pipe.components.drafter, 2), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(NonFiniteError, match=r"^drafter output of block 2 holds 12 NaN values; router") as err:
+            for record in session:
+                emitted.append(record)
+                if record.index == 0:
+                    ack = session.update(**new_router)
+                    assert ack.block <= 2, ack  # the switch reaches the poisoned block
+        session.close()
+    assert (err.value.stage, err.value.block) == ("draft", 2)
+    assert all(torch.isfinite(r.latents).all() for r in emitted) and [r.index for r in emitted] in ([0], [0, 1])
+    assert not [w for w in caught if issubclass(w.category, NonFiniteDraftWarning)]  # no 'rejected' said
+
+
+@pytest.mark.parametrize("scheduler,run_ahead", SCHEDULERS)
+def test_a_live_switch_to_the_reward_router_rejects_the_nan_draft(tiny_pipe, scheduler, run_ahead):
+    """The other way: a session under a pattern that accepts everything switches to the reward router (tau=-inf)
+    after block 0: the NaN draft of block 2 is rejected with the warning and the target makes it."""
+    session = tiny_pipe.session(PROMPT, num_blocks=NB, seed=3, router="pattern", pattern="1111",
+                                drafter_context="committed", scheduler=scheduler, run_ahead=run_ahead)
+    got = []
+    with poisoned_output(tiny_pipe.components.drafter, 2), \
+            pytest.warns(NonFiniteDraftWarning, match="drafter output of block 2 holds 12 NaN values: the draft is"):
+        for record in session:
+            got.append(record)
+            if record.index == 0:
+                assert session.update(router="reward", tau=-math.inf).block <= 2
+    assert [r.decision for r in got][2] == "rejected"
+    assert all(torch.isfinite(r.latents).all() for r in got)

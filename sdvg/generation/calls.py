@@ -111,8 +111,10 @@ class StageCalls(_C.StageCalls):
         if step.stop:
             return _C.BlockPlan(stop=True)
         opts, router = self.opts, step.router
+        forced = (block == 0 and opts.force_first_reject) or step.forced
+        self.guard.route(block, router, forced)  # a non-finite draft is judged as the scheduler routes the block
         return _C.BlockPlan(
-            last=step.last, forced=(block == 0 and opts.force_first_reject) or step.forced,
+            last=step.last, forced=forced,
             recache=self.drafter_recaches(block), router=router.kind, tau=router.tau, accept_prob=router.accept_prob,
             uniform=router.uniform(block, opts.seed) if router.kind == "random" else 0.0,
             pattern_accept=router.kind == "pattern" and router.accept(block, None, opts.seed))

@@ -14,7 +14,9 @@ stage-call object of `calls.py`), so they make the same decisions:
   schedulers. The random and pattern routers decide without looking at the draft (a decision fixed
   per block in advance, which is what they are for): a non-finite draft that they reject anyway (or
   a forced block 0) is rejected with the warning; one they would accept raises `NonFiniteError`, as
-  does any non-finite draft in mode `draft`, where the draft is the block.
+  does any non-finite draft in mode `draft`, where the draft is the block. The router and the forcing
+  are the block's own, as the loop's plan routes it (`route`: a live session's router changes between
+  blocks, and an update can force a block), so the guard never says "rejected" of a block the scheduler accepts.
 
 Under `drafter_context="own"` a rejected draft still enters the drafter's own context (the paper's
 rule), so after a non-finite draft the drafter's later drafts are usually non-finite too: each is
@@ -69,6 +71,9 @@ class StageGuard:
         self.mode, self.router, self.seed = opts.mode, Router.from_options(opts), opts.seed
         self.force_first_reject, self.own_context = opts.force_first_reject, opts.drafter_context == "own"
         self._problems: dict[int, str] = {}  # block -> what is wrong with its current draft
+        # block -> (router, forced) as the loop's plan decided it (a live session's router and forced blocks change
+        # between blocks); a block the plan did not announce routes by the video's options
+        self._routes: dict[int, tuple[Router, bool]] = {}
         self._lock = threading.Lock()  # the drafter thread (run-ahead) checks drafts while the main one reads
         self.rejected: list[int] = []  # blocks whose draft was rejected for NaN/inf, in order
 
@@ -78,6 +83,18 @@ class StageGuard:
                 self._problems.pop(block, None)
             else:
                 self._problems[block] = problem
+
+    def route(self, block: int, router: Router, forced: bool) -> None:
+        """The loop's plan for `block`: the router that decides it and whether it is forced to the target. A
+        non-finite draft of the block is judged by these, as the scheduler routes it."""
+        with self._lock:
+            self._routes[block] = (router, forced)
+            self._routes.pop(block - 64, None)  # an unbounded session: only recent blocks can still be judged
+
+    def _route(self, block: int) -> tuple[Router, bool]:
+        with self._lock:
+            planned = self._routes.get(block)
+        return planned if planned is not None else (self.router, block == 0 and self.force_first_reject)
 
     def _problem(self, producer: str, block: int) -> str | None:
         if producer != "drafter":
@@ -150,9 +167,9 @@ class StageGuard:
 
     def reject(self, block: int, problem: str) -> None:
         """Reject the non-finite draft of `block` with a warning, or raise when the run cannot reject it."""
-        forced = block == 0 and self.force_first_reject
-        if not forced and self.router.kind != "reward" and self.router.accept(block, None, self.seed):
-            raise NonFiniteError(f"{problem}; router {self.router.kind!r} accepts block {block} by a decision fixed "
+        router, forced = self._route(block)
+        if not forced and router.kind != "reward" and router.accept(block, None, self.seed):
+            raise NonFiniteError(f"{problem}; router {router.kind!r} accepts block {block} by a decision fixed "
                                  "in advance and cannot reject it (router 'reward' rejects a non-finite draft; "
                                  f"{_HINT})", "draft", block)
         self.rejected.append(block)

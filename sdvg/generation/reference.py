@@ -87,6 +87,8 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
                 decision, accepted = "draft", True
             else:
                 forced = (b == 0 and opts.force_first_reject) or (step is not None and step.forced)
+                if step is not None:  # a live plan: the block's router and forcing judge a non-finite draft too
+                    setup.guard.route(b, block_router, forced)
                 if forced and opts.skips_first_draft:
                     counters.skipped_drafter_forwards += drafter.schedule.num_steps
                 else:
