@@ -383,6 +383,7 @@ def test_metrics_are_prometheus_text(server):
                  "sdvg_serve_dropped_frames_total"):
         assert name in text, name
     assert 'sdvg_serve_blocks_total{decision="forced"}' in text
+    assert "sdvg_serve_build_info{" in text and 'preset="tiny"' in text  # the build and the model served
 
 
 def test_page_is_served(server):

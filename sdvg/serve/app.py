@@ -24,8 +24,8 @@ from sdvg.live.updates import ROUTER_FIELDS
 from sdvg.serve.access import TokenGate
 from sdvg.serve.config import ServeConfig
 from sdvg.serve.encode import FORMATS
-from sdvg.serve.engine import Engine
-from sdvg.serve.metrics import ServeMetrics
+from sdvg.serve.engine import Engine, build_labels, pipe_devices
+from sdvg.serve.metrics import ServeMetrics, cuda_memory_reader
 from sdvg.serve.plain import params_error, plain_params, plain_update
 from sdvg.serve.protocol import UPLOAD_ID, ProtocolError, parse_params, parse_update
 from sdvg.serve.security import RateLimit, valid_session_id, valid_video_key
@@ -42,7 +42,7 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
     """The server of one pipeline (models loaded once). `defaults`: the server's GenerationOptions."""
     engine = Engine(pipe, defaults, max_input_video_bytes=cfg.max_input_video_bytes, max_steps=cfg.max_steps,
                     max_pixels=cfg.max_pixels)
-    metrics = ServeMetrics()
+    metrics = ServeMetrics(build_labels(pipe), cuda_memory_reader(pipe_devices(pipe)))
     folder = Path(cfg.video_dir) if cfg.video_dir else Path(tempfile.mkdtemp(prefix="sdvg-serve-"))
     videos = VideoStore(folder / "videos", cfg.fps, cfg.keep_videos)
     uploads = UploadStore(folder / "uploads", cfg.upload_ttl_s, cfg.max_upload_store_bytes)

@@ -231,3 +231,20 @@ class Engine:
 
 def _keywords(options: GenerationOptions) -> dict:
     return {name: getattr(options, name) for name in GenerationOptions.__dataclass_fields__}
+
+
+def pipe_devices(pipe) -> list[str]:
+    """The devices the pipeline's models sit on."""
+    c = pipe.components
+    return sorted({str(d) for d in (c.drafter_device, c.target_device, c.vae.device)})
+
+
+def build_labels(pipe) -> dict[str, str]:
+    """sdvg_serve_build_info's labels: the versions and sdvg._C's build (as the statistics' `build` records it),
+    the preset, its precision and the devices."""
+    prov = pipe.provenance()
+    return {"sdvg_version": prov["sdvg_version"], "torch_version": prov["torch_version"],
+            **{k: "" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+               for k, v in prov["build"].items()},
+            "preset": pipe.preset.name, "precision": str(prov["precision"]),
+            **{f"{role}_device": name for role, name in prov["devices"].items()}}

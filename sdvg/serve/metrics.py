@@ -1,14 +1,65 @@
 """Prometheus metrics of one server (its own registry, served at GET /metrics)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+# device -> {kind: bytes}, kind in MEMORY_KINDS; read at each scrape
+MemoryReader = Callable[[], dict[str, dict[str, float]]]
+MEMORY_KINDS = ("allocated", "reserved", "peak_allocated", "total")
+
+
+def cuda_memory_reader(devices: Iterable[str]) -> MemoryReader:
+    """The CUDA caching allocator's numbers of each CUDA device among `devices` (CPU devices have none):
+    allocated, reserved, the peak allocated since start, and the device's total memory."""
+    cuda = sorted({str(d) for d in devices if str(d).startswith("cuda")})
+
+    def read() -> dict[str, dict[str, float]]:
+        import torch
+
+        return {d: {"allocated": torch.cuda.memory_allocated(d), "reserved": torch.cuda.memory_reserved(d),
+                    "peak_allocated": torch.cuda.max_memory_allocated(d),
+                    "total": torch.cuda.get_device_properties(d).total_memory} for d in cuda}
+
+    return read
+
+
+class _DeviceMemory:
+    """A collector: sdvg_serve_device_memory_bytes{device, kind} read from the allocator at each scrape."""
+
+    def __init__(self, read: MemoryReader):
+        self.read = read
+
+    def describe(self):
+        return [GaugeMetricFamily("sdvg_serve_device_memory_bytes", "memory of each accelerator the pipeline "
+                                  "runs on, by kind (allocated, reserved, peak_allocated, total)",
+                                  labels=["device", "kind"])]
+
+    def collect(self):
+        family = self.describe()[0]
+        for device, kinds in sorted(self.read().items()):
+            for kind in MEMORY_KINDS:
+                if kind in kinds:
+                    family.add_metric([device, kind], float(kinds[kind]))
+        yield family
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class ServeMetrics:
-    def __init__(self):
+    """`build`: the server's build and model (label -> value) for sdvg_serve_build_info; `memory`: the device
+    memory reader behind sdvg_serve_device_memory_bytes (`cuda_memory_reader` of the pipeline's devices)."""
+
+    def __init__(self, build: dict[str, str] | None = None, memory: MemoryReader | None = None):
         r = self.registry = CollectorRegistry()
+        self.build = Info("sdvg_serve_build", "sdvg, torch and sdvg._C as built, the preset and devices served",
+                          registry=r)
+        if build:
+            self.build.info({k: str(v) for k, v in build.items()})
+        if memory is not None:
+            r.register(_DeviceMemory(memory))
         self.sessions_active = Gauge("sdvg_serve_sessions_active", "generations in progress", registry=r)
         self.sessions_queued = Gauge("sdvg_serve_sessions_queued", "sessions waiting for a slot", registry=r)
         self.sessions_total = Counter("sdvg_serve_sessions", "generations started (resets included)", registry=r)
