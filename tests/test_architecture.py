@@ -151,3 +151,76 @@ def test_default_prompts_ship_with_the_package():
     assert len(read_prompts(DEFAULT_PROMPTS)) == 1003
     digest = hashlib.sha256(DEFAULT_PROMPTS.read_bytes()).hexdigest()
     assert digest == "ae02a4bbebcb55067dbeea369e43d52a4817d57fd0ac223071b9aa236ac027c4"
+
+
+def module_graph() -> dict[str, set[str]]:
+    """sdvg's modules and the sdvg modules each imports (lazily inside functions too; `from a import b`
+    names module a.b where it is one, else a). The package root is left out: it re-exports lazily; so is a
+    module's own package (Python runs a package's __init__ before any of its modules, whatever they import)."""
+    names = {module_name(p): p for p in PACKAGE}
+    graph = {}
+    for me, path in names.items():
+        if me == "sdvg":
+            continue
+        targets = set()
+        for target in imports_of(path):
+            while target and target not in names:
+                target = target.rpartition(".")[0]
+            if target and target != "sdvg" and not (me + ".").startswith(target + "."):
+                targets.add(target)
+        graph[me] = targets
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, on_stack, stack, cycles, counter = {}, {}, set(), [], [], [0]
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in graph:
+                    continue
+                if child not in index:
+                    index[child] = low[child] = counter[0]
+                    counter[0] += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_import_cycles_are_found():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_imports_itself_through_others():
+    """No two modules of sdvg import each other, directly or through others (a lazy import inside a
+    function counts: it is the same knot, only untied at call time)."""
+    cycles = import_cycles(module_graph())
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_two_sessions_on_two_replicas(tmp_path):
     from ray import serve
 
-    from sdvg.cli import build_parser
+    from sdvg.cli import build_parser, build_pipeline
     from sdvg.options import GenerationOptions
     from sdvg.serve.config import ServeConfig
     from sdvg.serve.ray_app import deployment
@@ -34,7 +34,7 @@ def test_two_sessions_on_two_replicas(tmp_path):
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         # one socket per replica at a time: the second session must go to the other replica
         serve.run(deployment(args, cfg, GenerationOptions(), replicas=2, gpus_per_replica=0,
-                             max_ongoing_requests=1), name="sdvg", route_prefix="/")
+                             max_ongoing_requests=1, load_pipeline=build_pipeline), name="sdvg", route_prefix="/")
 
         async def both():
             params = {"prompt": "a fox", "num_blocks": 1, "seed": 3}

@@ -20,7 +20,7 @@ _ONNX_TYPES = {torch.float32: 1, torch.uint8: 2, torch.int8: 3, torch.int32: 6, 
 
 
 def import_onnxruntime():
-    from sdvg.engines.executor import import_optional
+    from sdvg.engines.dependencies import import_optional
 
     return import_optional("onnxruntime", INSTALL_HINT)
 

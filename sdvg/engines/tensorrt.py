@@ -25,7 +25,7 @@ INSTALL_HINT = ("TensorRT is not installed: install the optional extra with `pip
 
 
 def import_tensorrt():
-    from sdvg.engines.executor import import_optional
+    from sdvg.engines.dependencies import import_optional
 
     return import_optional("tensorrt", INSTALL_HINT)
 

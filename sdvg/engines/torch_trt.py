@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from sdvg.engines.executor import import_optional, require_cuda
+from sdvg.engines.dependencies import import_optional, require_cuda
 
 INSTALL_HINT = ("torch-tensorrt is not installed: install the optional extra with `pip install "
                 "'sdvg[torch-tensorrt]'` (or -r requirements-torch-tensorrt.txt: torch-tensorrt 2.14.0 for torch "

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from sdvg.engines.executor import require_cuda
+from sdvg.engines.dependencies import require_cuda
 from sdvg.engines.scratch import CudaScratch
 from sdvg.engines.tensorrt import (_torch_dtype, engine_feeds, import_tensorrt, open_engine, scratch_bytes,
                                    select_profile, set_input_shapes)
@@ -45,7 +45,7 @@ class CudaError(RuntimeError):
 
 def import_cuda_python():
     """cuda-python's runtime API module (`cuda.bindings.runtime`), or the install message."""
-    from sdvg.engines.executor import import_optional
+    from sdvg.engines.dependencies import import_optional
 
     return import_optional("cuda.bindings.runtime", INSTALL_HINT)
 

@@ -15,7 +15,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from sdvg.evaluation.evaluators import Evaluator, EvaluatorUnavailable, MetricSpec
+from sdvg.evaluation.evaluator_base import Evaluator, EvaluatorUnavailable, MetricSpec
 from sdvg.io import DEFAULT_FPS
 
 # ---------------------------------------------------------------------------- drift (MUSIQ)

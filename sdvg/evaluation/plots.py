@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from sdvg.evaluation.pareto import all_rows, pareto
+
 MINUS = "\u2212"  # a typographic minus: wider than "-", it survives small fonts
 # candidate label offsets in points, nearest first: right, upper right, lower right, left, above, below, ...
 DIRECTIONS = ((1, 0), (1, 1), (1, -1), (-1, 0), (-1, 1), (-1, -1), (0, 1), (0, -1))
@@ -127,8 +129,6 @@ def pareto_plot(summary: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from sdvg.evaluation.sweep import all_rows, pareto
 
     rows = summary["taus"]
     higher = summary.get("quality_higher_is_better", True)

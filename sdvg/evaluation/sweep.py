@@ -27,6 +27,7 @@ import os
 import statistics
 from pathlib import Path
 
+from sdvg.evaluation.pareto import all_rows, pareto  # noqa: F401 (the sweep's API)
 from sdvg.generation.types import strict_json
 from sdvg.options import GenerationOptions
 
@@ -463,23 +464,6 @@ def summary_json(summary: dict) -> str:
     return strict_json({**summary, "target": _row_json(summary.get("target")),
                         "draft": _row_json(summary.get("draft")),
                         "taus": [_row_json(r) for r in summary["taus"]]}, indent=2)
-
-
-def pareto(rows: list[dict], higher_is_better: bool = True) -> list[dict]:
-    """Rows not dominated in (speed-up, quality); quality counts downwards for a lower-is-better metric."""
-    sign = 1.0 if higher_is_better else -1.0
-    keep = []
-    for r in rows:
-        q = sign * r["quality"]
-        if not any(o is not r and o["speedup"] >= r["speedup"] and sign * o["quality"] >= q
-                   and (o["speedup"] > r["speedup"] or sign * o["quality"] > q) for o in rows):
-            keep.append(r)
-    return sorted(keep, key=lambda r: r["speedup"])
-
-
-def all_rows(summary: dict) -> list[dict]:
-    """target-only, draft-only (when swept) and SDVG at each tau."""
-    return [r for r in (summary.get("target"), summary.get("draft")) if r is not None] + list(summary["taus"])
 
 
 def plot(summary: dict, path: Path) -> None:

@@ -11,8 +11,9 @@ from sdvg.serve.config import ServeConfig
 
 
 def deployment(args: argparse.Namespace, cfg: ServeConfig, defaults, replicas: int, gpus_per_replica: float,
-               max_ongoing_requests: int | None = None):
-    """A bound Ray Serve application: `replicas` copies of `create_app(build_pipeline(args), cfg, defaults)`.
+               max_ongoing_requests: int | None = None, *, load_pipeline):
+    """A bound Ray Serve application: `replicas` copies of `create_app(load_pipeline(args), cfg, defaults)`
+    (`load_pipeline`: a module-level function, pickled by name to each replica; the CLI passes its own).
     `max_ongoing_requests` (per replica; default: its sessions + queue + 8 for HTTP) is what makes Ray
     send the next socket to another replica."""
     from ray import serve
@@ -23,10 +24,8 @@ def deployment(args: argparse.Namespace, cfg: ServeConfig, defaults, replicas: i
                       ray_actor_options={"num_gpus": gpus_per_replica, "num_cpus": 1})
     @serve.ingress()
     class SdvgServe:
-        def __init__(self, args, cfg, defaults):
-            from sdvg.cli import build_pipeline
-
-            self.pipe = build_pipeline(args)  # each replica loads its own models once
+        def __init__(self, args, cfg, defaults, load_pipeline):
+            self.pipe = load_pipeline(args)  # each replica loads its own models once
             self.cfg, self.defaults = cfg, defaults
 
         def __serve_build_asgi_app__(self):
@@ -34,10 +33,10 @@ def deployment(args: argparse.Namespace, cfg: ServeConfig, defaults, replicas: i
 
             return create_app(self.pipe, self.cfg, self.defaults)
 
-    return SdvgServe.bind(args, cfg, defaults)
+    return SdvgServe.bind(args, cfg, defaults, load_pipeline)
 
 
-def run(args: argparse.Namespace, cfg: ServeConfig, defaults) -> int:
+def run(args: argparse.Namespace, cfg: ServeConfig, defaults, load_pipeline) -> int:
     """`sdvg serve --ray-replicas N`: a local Ray instance, Ray's proxy on --host/--port."""
     import time
 
@@ -46,7 +45,8 @@ def run(args: argparse.Namespace, cfg: ServeConfig, defaults) -> int:
 
     ray.init(include_dashboard=False)
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
-    serve.run(deployment(args, cfg, defaults, args.ray_replicas, args.ray_gpus_per_replica), name="sdvg",
+    serve.run(deployment(args, cfg, defaults, args.ray_replicas, args.ray_gpus_per_replica,
+                         load_pipeline=load_pipeline), name="sdvg",
               route_prefix="/")
     try:
         while True:
