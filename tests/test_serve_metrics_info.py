@@ -3,10 +3,13 @@ the preset and devices; sdvg_serve_device_memory_bytes reads each CUDA device's 
 has no sample on the CPU."""
 from __future__ import annotations
 
+import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
-from sdvg.serve.metrics import ServeMetrics, cuda_memory_reader
+pytest.importorskip("prometheus_client", reason="the serve extra (prometheus-client) is not installed")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from sdvg.serve.metrics import ServeMetrics, cuda_memory_reader  # noqa: E402
 
 
 def _samples(metrics: ServeMetrics, name: str) -> list:
