@@ -21,7 +21,7 @@ from starlette.background import BackgroundTask
 
 from sdvg.generation.types import strict_json
 from sdvg.live.updates import ROUTER_FIELDS
-from sdvg.serve.access import TokenGate
+from sdvg.serve.access import SiteGate, TokenGate
 from sdvg.serve.config import ServeConfig
 from sdvg.serve.encode import FORMATS
 from sdvg.serve.engine import Engine, build_labels, pipe_devices
@@ -71,6 +71,8 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
     if cfg.cors_origins:  # outermost: a preflight is answered before the token is asked for
         app.add_middleware(CORSMiddleware, allow_origins=list(cfg.cors_origins), allow_credentials=True,
                            allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(SiteGate, bind=cfg.host, allowed_hosts=cfg.allowed_hosts, origins=cfg.cors_origins,
+                       refused=lambda reason: metrics.refused.labels(reason).inc())  # outermost: Host, then Origin
     site = check_static_dir(cfg.static_dir) if cfg.static_dir is not None else None
 
     @app.get("/health")

@@ -46,14 +46,17 @@ class ServeConfig:
     drain_timeout_s: float = 30.0  # SIGTERM: time given to the block in progress before sockets close
     video_dir: str | None = None  # where session MP4s and uploads live (default: a temporary folder)
     cors_origins: tuple[str, ...] = ()  # web pages on other origins allowed to call the server (scheme://host[:port])
+    allowed_hosts: tuple[str, ...] = ()  # Host names clients may use beyond the bind address (DNS rebinding rule)
     static_dir: str | None = None  # the operator's own page, served at / instead of sdvg's (its index.html)
 
     def __post_init__(self) -> None:
-        from sdvg.serve.security import check_origin
+        from sdvg.serve.security import check_allowed_host, check_origin
 
         check_port(self.port)
         for origin in self.cors_origins:
             check_origin(origin)
+        for name in self.allowed_hosts:
+            check_allowed_host(name)
         for name in ("max_sessions", "send_buffer_frames", "max_message_bytes", "max_image_bytes", "max_blocks",
                      "update_burst", "flood_close_after", "keep_videos", "max_prompt_chars", "max_upload_store_bytes",
                      "max_concurrent_uploads", "max_steps", "max_pixels", "max_concurrent_snapshots"):

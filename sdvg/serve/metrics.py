@@ -80,7 +80,8 @@ class ServeMetrics:
                                        "(each held in memory while read)", registry=r)
         self.uploads_held_bytes = Gauge("sdvg_serve_upload_bytes", "bytes of the uploads stored (and being "
                                         "written)", registry=r)
-        self.refused = Counter("sdvg_serve_refused_messages", "client messages refused, by reason", ["reason"],
+        self.refused = Counter("sdvg_serve_refused_messages", "client messages, connections and requests refused, "
+                               "by reason", ["reason"],
                                registry=r)
         self.plain_adjusted = Counter("sdvg_serve_plain_adjusted", "what plain (Krea) clients sent that sdvg took "
                                       "otherwise than asked (ignored, capped, floored) or dropped without a reply, "

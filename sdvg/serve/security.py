@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import re
 import time
+from urllib.parse import urlsplit
 
 DEFAULT_HOSTS = ("127.0.0.1", "::1", "localhost")  # the loopback default; any other bind needs a token
 SESSION_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -84,6 +86,78 @@ def check_origin(origin: str) -> str:
                         "(e.g. https://studio.example.com), one per flag; '*' is not taken (the token would be offered "
                         "to every site)")
     return origin
+
+
+LOOPBACK_NAMES = ("localhost",)
+HOST_NAME = re.compile(r"^\.?[A-Za-z0-9]([A-Za-z0-9-]{0,62}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}[A-Za-z0-9])?)*$")
+
+
+def check_allowed_host(name: str) -> str:
+    """An --allowed-host: a host name (www.example.com), a leading-dot suffix (.example.com: it and every name under
+    it), an IP address, or `*` (no Host check: only behind a proxy that checks it); BindError otherwise."""
+    if name == "*" or _ip(name) is not None or (len(name) <= 253 and HOST_NAME.match(name)):
+        return name.lower()
+    raise BindError(f"--allowed-host {name!r}: give a host name as clients type it (studio.example.com), .example.com "
+                    "for a domain and its subdomains, an IP address, or '*' behind a proxy that checks Host itself")
+
+
+def _ip(text: str):
+    try:
+        return ipaddress.ip_address(text.strip("[]"))
+    except ValueError:
+        return None
+
+
+def host_of(header: str) -> str | None:
+    """The host part of a Host header (`name[:port]`, `[v6][:port]`), lower-cased; None when it is malformed."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        end = header.find("]")
+        if end < 0 or (header[end + 1:] and not re.fullmatch(r":[0-9]{1,5}", header[end + 1:])):
+            return None
+        return header[1:end] if _ip(header[1:end]) is not None else None
+    name, _, port = header.partition(":")
+    if port and not port.isdigit():
+        return None
+    if _ip(name) is None and not HOST_NAME.match(name):
+        return None
+    return name
+
+
+def host_allowed(header: str | None, bind: str, allowed: tuple[str, ...] = ()) -> bool:
+    """The Host rule against DNS rebinding: a request's Host names the bind address, a loopback name or address for
+    a loopback bind, any IP address for a wildcard bind (0.0.0.0, ::), or one of `allowed` (--allowed-host; `*` lets
+    every Host in). A request without one (HTTP/1.0, no browser) passes."""
+    if header is None or "*" in allowed:
+        return True
+    host = host_of(header)
+    if host is None:
+        return False
+    for name in (a.lower() for a in allowed):
+        if host == name or (name.startswith(".") and (host == name[1:] or host.endswith(name))):
+            return True
+    addr, bound = _ip(host), _ip(bind)
+    if host == bind.lower().strip("[]") or (addr is not None and bound is not None and addr == bound):
+        return True
+    if bind in LOOPBACK_NAMES or (bound is not None and bound.is_loopback):  # a loopback bind
+        return host in LOOPBACK_NAMES or (addr is not None and addr.is_loopback)
+    if bound is not None and bound.is_unspecified:  # every interface: reached by address, or by a name allowed
+        return addr is not None or host in LOOPBACK_NAMES
+    return False
+
+
+def origin_allowed(origin: str | None, host: str | None, scheme: str, cors_origins: tuple[str, ...] = ()) -> bool:
+    """The Origin rule (OWASP's for websockets): a request that names an origin (every browser request that could
+    change state or read data does) must come from the server's own origin (scheme://Host) or a --cors-origin;
+    one without an Origin header (not a browser page) passes."""
+    if origin is None:
+        return True
+    if origin in cors_origins:
+        return True
+    parts = urlsplit(origin)
+    secure = scheme in ("https", "wss")
+    return host is not None and parts.netloc.lower() == host.strip().lower() \
+        and parts.scheme == ("https" if secure else "http") and not parts.path
 
 
 def token_matches(given: str | None, token: str) -> bool:
