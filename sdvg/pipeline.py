@@ -458,10 +458,11 @@ class SpeculativeVideoPipeline:
         frames the video needs, resampled to 16 frames/s) or such frames already. A clip shorter than the
         video: an explicit num_blocks is refused naming both counts (with `fit_blocks` it shrinks too, as Krea's
         server does); the preset's default shrinks to the blocks the clip covers (Krea's rule). `strength` < 1
-        without an input is refused. `max_bytes`: a file whose frames, as read, would pass it is refused."""
+        without an input is refused. `max_bytes`: a file whose frames, as read and fitted (`input_video_bytes`: the
+        uint8 frames kept and the fit's float32 working frame), would pass it is refused before a frame is decoded."""
 
         from sdvg.io import DEFAULT_FPS
-        from sdvg.io.video_input import VideoInputError, check_frames, read_video
+        from sdvg.io.video_input import VideoInputError, check_fit, check_frames, read_video
 
         opts = self.resolve(options)
         if input_video is None:
@@ -472,10 +473,12 @@ class SpeculativeVideoPipeline:
         video, vae = self.preset.video, self.preset.vae
         need = video.pixel_frames(vae, opts.num_blocks)
         if isinstance(input_video, (str, os.PathLike)):
-            frames = read_video(input_video, need, DEFAULT_FPS, max_bytes=max_bytes)
+            frames = read_video(input_video, need, DEFAULT_FPS, max_bytes=max_bytes,
+                                fit_size=(video.height, video.width))
             what = f"input video {os.fspath(input_video)}"
         elif isinstance(input_video, (np.ndarray, torch.Tensor)):
             frames, what = check_frames(input_video[:need], "input_video", max_frames=need), "input_video"
+            check_fit(frames.shape[1], frames.shape[2], video.height, video.width, where="input_video")
         else:
             raise TypeError(f"input_video must be a video file's path or uint8 frames [N, H, W, 3], got "
                             f"{type(input_video).__name__}")

@@ -18,7 +18,7 @@ import os
 import numpy as np
 import torch
 
-from sdvg.io.video_input import VideoInputError, check_frames, fit_frames
+from sdvg.io.video_input import VideoInputError, check_frames, check_image_header, fit_frames, open_image
 
 
 def start_frame_image(source) -> np.ndarray:
@@ -31,6 +31,7 @@ def start_frame_image(source) -> np.ndarray:
     except ImportError:  # pragma: no cover - Pillow is a runtime requirement
         Image = None
     if Image is not None and isinstance(source, Image.Image):
+        check_image_header(source)  # an image opened lazily is checked before its pixels are decoded
         source = np.asarray(source.convert("RGB"))  # alpha, palettes, greyscale: to RGB as Krea's convert does
     if isinstance(source, (np.ndarray, torch.Tensor)):
         shape = list(source.shape)
@@ -44,25 +45,21 @@ def start_frame_image(source) -> np.ndarray:
 
 
 def _read_image(path) -> np.ndarray:
-    """An image file -> uint8 RGB [H, W, 3]; JPEG, PNG and WebP only, its size read from the header first."""
-    from PIL import Image
-
-    from sdvg.io.video_input import MAX_SIDE
-
+    """An image file -> uint8 RGB [H, W, 3]; JPEG, PNG and WebP only, its size read from the header and checked
+    (`open_image`: at most MAX_SIDE a side, MAX_PIXELS in all) before a pixel is decoded; PIL's
+    decompression-bomb warning or error is never reached (a bigger image is refused here, by name)."""
     if not os.path.isfile(path):
         raise VideoInputError(f"start_frame {os.fspath(path)} does not exist or is not a file; give an image file "
                               "(JPEG, PNG or WebP)")
+    where = f"start_frame {os.fspath(path)}"
     try:
-        with Image.open(path, formats=["JPEG", "PNG", "WEBP"]) as img:
-            if not (2 <= img.width <= MAX_SIDE and 2 <= img.height <= MAX_SIDE):
-                raise VideoInputError(f"start_frame {os.fspath(path)} is {img.width}x{img.height}; each side must lie "
-                                      f"in [2, {MAX_SIDE}]")
+        with open_image(path, where=where) as img:
             return np.asarray(img.convert("RGB"), dtype=np.uint8).copy()
     except VideoInputError:
         raise
-    except Exception as exc:  # PIL's many decode errors, an unsupported format
-        raise VideoInputError(f"start_frame {os.fspath(path)} is not a readable JPEG, PNG or WebP image "
-                              f"({type(exc).__name__}: {exc})") from None
+    except Exception as exc:  # PIL's many decode errors (a truncated file, a corrupt stream)
+        raise VideoInputError(f"{where} is not a readable JPEG, PNG or WebP image ({type(exc).__name__}: "
+                              f"{exc})") from None
 
 
 def start_frame_pixels(image: np.ndarray, kv_cache_frames: int, height: int, width: int,

@@ -22,7 +22,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from sdvg.io.video_input import check_frames, fit_frames
+from sdvg.io.video_input import MAX_PIXELS, check_fit, check_frames, fit_frames
 
 
 class InputEnded(RuntimeError):
@@ -74,6 +74,7 @@ class LiveFrames:
     def push(self, frames) -> int:
         """Queue uint8 frames [N, H, W, 3] (checked); returns how many frames were queued before them."""
         frames = check_frames(frames)
+        check_fit(frames.shape[1], frames.shape[2], self.height, self.width, MAX_PIXELS, "input_frames")
         with self._cond:
             if self._closed:
                 raise RuntimeError("the session's input has ended; start a new session")
@@ -127,7 +128,7 @@ class LiveFrames:
             taken = [self._frames.popleft() for _ in range(count)]
             self._recent.extend(taken)
             self.taken += count
-        return fit_frames(np.stack(taken), self.height, self.width)
+        return fit_frames(taken, self.height, self.width)  # frame by frame: no stacked copy of the block
 
 
 class VideoInput:
