@@ -5,16 +5,23 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
+import queue
+import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
+from pathlib import Path
 
 import msgpack
 import numpy as np
 
+ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 240.0  # seconds any one session may take on a loaded 2-core machine
 
 
@@ -174,3 +181,40 @@ def upload(url: str, path: str, data: bytes, filename: str = "f.bin"):
         return e.code, json.loads(e.read())
     except urllib.error.URLError:  # refused from its Content-Length while the body was still being sent
         return "reset", None
+
+
+def start_server(tmp_path, *flags: str, preexec_fn=None) -> tuple[subprocess.Popen, int]:
+    """`sdvg serve --preset tiny --port 0` in its own process, up and answering /health: (process, port printed)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "sdvg.cli", "serve", "--preset", "tiny", "--port", "0",
+                             "--video-dir", str(tmp_path), *flags], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=preexec_fn)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in iter(proc.stdout.readline, b"")], daemon=True).start()
+    proc.lines = lines
+    try:
+        deadline = time.monotonic() + 300
+        port = None
+        while port is None:  # --port 0: the port bound is the one printed
+            assert time.monotonic() < deadline, "sdvg serve did not print its URL"
+            try:
+                line = lines.get(timeout=1).decode(errors="replace")
+            except queue.Empty:
+                assert proc.poll() is None, "sdvg serve exited before printing its URL"
+                continue
+            printed = re.match(r"sdvg serve: http://127\.0\.0\.1:(\d+)/", line)
+            port = int(printed.group(1)) if printed else None
+        assert port > 0
+        while True:
+            assert proc.poll() is None, "sdvg serve exited"
+            assert time.monotonic() < deadline, "sdvg serve did not come up"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                    break
+            except OSError:
+                time.sleep(0.5)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, port

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import json
 import time
 
 import pytest
@@ -141,3 +142,304 @@ def test_dns_rebinding_names_are_refused_and_health_stays_open(tiny_pipe, tmp_pa
     with running_server(tiny_pipe, tmp_path, allowed_hosts=("rebind.evil.example",)) as (url, _):
         evil = {"Host": "rebind.evil.example:" + url.rsplit(":", 1)[1]}
         assert _get(url, "/metrics", evil)[0] == 200  # named by the operator
+
+
+def test_a_huge_map_is_refused_by_the_decoder_and_refusals_close_the_socket(tiny_pipe, tmp_path):
+    """An 850k-key map (7.5 MB, under the message cap) is refused by msgpack's own limits, not decoded; every
+    refused message, whatever its kind (text, garbage, limits, invalid), counts against one budget per socket that
+    closes it (1008) once spent, before the parameters too."""
+    huge = msgpack.packb({f"k{i}": 0 for i in range(850_000)})
+    assert 7_000_000 < len(huge) < 8 * 2**20
+    deep = b"\x91" * 50 + b"\x01"  # [[[[...1]]]]
+    with running_server(tiny_pipe, tmp_path, flood_close_after=6) as (url, _):
+        async def go():
+            async with websockets.connect(f"ws://{url}/session/flood1?sdvg=1", max_size=2**26) as ws:
+                await recv_json(ws, 30)
+                said = []
+                for message in (huge, deep, "text", b"\xc1garbage", msgpack.packb({"prompt": 5}),
+                                msgpack.packb({"prompt": "x", "nope": 1})):
+                    await ws.send(message)
+                try:
+                    while True:
+                        said.append(await recv_json(ws, 30))
+                except websockets.exceptions.ConnectionClosed as exc:
+                    return said, exc.rcvd.code
+
+        said, code = asyncio.run(go())
+        assert code == 1008 and len(said) == 6
+        assert "max_map_len" in said[0]["error"] and "128 keys" in said[0]["error"]
+        assert "nested more than 4" in said[1]["error"] and "text frames" in said[2]["error"]
+        assert "malformed" in said[3]["error"] and said[4]["field"] == "prompt"
+        assert "6 messages refused" in said[5]["error"] and "--max-refused-messages" in said[5]["error"]
+        assert _refused(url, "limits") == 2 and _refused(url, "text") == 1 and _refused(url, "malformed") == 1
+        # a plain client is closed the same way, told nothing more than Krea's error list for its bad parameters
+        async def plain():
+            async with websockets.connect(f"ws://{url}/session/flood2") as ws:
+                await recv_json(ws, 30)
+                for _ in range(6):
+                    await ws.send("text")
+                try:
+                    while True:
+                        await asyncio.wait_for(ws.recv(), 30)
+                except websockets.exceptions.ConnectionClosed as exc:
+                    return exc.rcvd.code
+
+        assert asyncio.run(plain()) == 1008
+
+
+def test_a_pinging_paused_session_gives_its_slot_up_after_max_pause(tiny_pipe, tmp_path):
+    """--max-pause-s: a paused run keeps its slot that long from the pause, pings or not; then it ends with
+    `completed` (its MP4 finished) and the queued session runs."""
+    with running_server(tiny_pipe, tmp_path, max_sessions=1, max_pause_s=1.5, send_buffer_frames=4096) as (url, _):
+        async def paused():
+            async with websockets.connect(f"ws://{url}/session/p1?sdvg=1", max_size=2**26) as ws:
+                await recv_json(ws, 30)
+                await ws.send(msgpack.packb({"prompt": "a fox", "num_blocks": 200, "seed": 1}))
+                while not isinstance(await asyncio.wait_for(ws.recv(), 240), bytes):
+                    pass
+                await ws.send(msgpack.packb({"action": "pause"}))
+
+                async def pings():  # every 0.3 s, as a page keeping its socket alive would
+                    while True:
+                        await ws.send(msgpack.packb({"action": "ping", "timestamp": 1.0}))
+                        await asyncio.sleep(0.3)
+
+                pinger = asyncio.create_task(pings())
+                texts = []
+                try:
+                    while not texts or texts[-1].get("status") != "completed":
+                        m = await asyncio.wait_for(ws.recv(), 60)
+                        if isinstance(m, str):
+                            texts.append(json.loads(m))
+                finally:
+                    pinger.cancel()
+                return texts
+
+        async def queued():
+            await asyncio.sleep(1.0)
+            async with websockets.connect(f"ws://{url}/session/p2?sdvg=1") as ws:
+                await recv_json(ws, 30)
+                await ws.send(msgpack.packb({"prompt": "a cat", "num_blocks": 1, "seed": 2}))
+                statuses = []
+                while not statuses or statuses[-1] != "completed":
+                    m = await asyncio.wait_for(ws.recv(), 240)
+                    if isinstance(m, str):
+                        statuses.append(json.loads(m)["status"])
+                return statuses
+
+        async def both():
+            return await asyncio.gather(paused(), queued())
+
+        texts, statuses = asyncio.run(both())
+        assert _get(url, texts[-1]["download_url"])[0] == 200  # its MP4 finished
+    ended = [t for t in texts if t.get("status") == "error"]
+    assert ended and "--max-pause-s" in ended[0]["error"], texts
+    assert texts[-1]["status"] == "completed" and texts[-1]["session_id"] == "p1"
+    assert texts[-1]["download_url"].startswith("/download_video/p1~")
+    assert "queued" in statuses and "running" in statuses and statuses[-1] == "completed"
+
+
+class _Transport:
+    def __init__(self):
+        self.closed = False
+
+    def is_closing(self):
+        return self.closed
+
+
+def test_connection_caps_count_open_transports_and_never_cut_one():
+    from sdvg.serve.connections import ConnectionGuard, fd_budget
+
+    seen = []
+    guard = ConnectionGuard(max_connections=4, max_per_client=2, header_timeout_s=1.0, refused=seen.append)
+    a1, a2, a3, b1, c1, d1 = (_Transport() for _ in range(6))
+    assert guard.admit(a1, "10.0.0.1") is None and guard.admit(a2, "10.0.0.1") is None
+    assert guard.admit(a3, "10.0.0.1") == "client_connections"  # a third from one address
+    assert guard.admit(b1, "10.0.0.2") is None and guard.admit(c1, "10.0.0.3") is None
+    assert guard.admit(d1, "10.0.0.4") == "connections"  # four open in all
+    assert not any(t.closed for t in (a1, a2, b1, c1))  # the guard closes nothing already admitted
+    a1.closed = True  # one closes: room again, for its address too
+    assert guard.admit(a3, "10.0.0.1") is None
+    assert seen == ["client_connections", "connections"]
+    assert fd_budget(1000, 256) == 192 and fd_budget(100, 4096) == 100 and fd_budget(1000, 0) == 1000
+    assert fd_budget(1000, 40) == 8
+
+
+def test_repeated_loop_errors_are_logged_once_per_interval(caplog):
+    from sdvg.serve.connections import ThrottledLoopErrors
+
+    now = [0.0]
+    handler = ThrottledLoopErrors(interval_s=10.0, clock=lambda: now[0])
+    exc = OSError(24, "Too many open files")
+    with caplog.at_level("WARNING", logger="sdvg.serve.loop"):
+        for i in range(1000):
+            now[0] = i * 0.01
+            handler(None, {"message": "socket.accept() out of system resource", "exception": exc})
+        now[0] = 10.5
+        handler(None, {"message": "socket.accept() out of system resource", "exception": exc})
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "999 more like it" in lines[1]
+
+
+def _silent(source: str, port: int):
+    import socket
+
+    s = socket.socket()
+    s.bind((source, 0))
+    s.settimeout(30)
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+def test_silent_and_slow_clients_do_not_hold_the_server(tiny_pipe, tmp_path):
+    """A connection that sends no request is closed after --header-timeout; one client address holds at most
+    --max-connections-per-client (one more: 503, closed at once) while other addresses get in; an upload body that
+    trickles is cut with 408; a websocket is not touched by the header timeout."""
+    import socket
+
+    with running_server(tiny_pipe, tmp_path, header_timeout_s=1.0, max_connections_per_client=3,
+                        upload_grace_s=0.5, upload_min_bytes_per_s=1000) as (url, app):
+        port = int(url.rsplit(":", 1)[1])
+        held = [_silent("127.0.0.3", port) for _ in range(3)]
+        extra = _silent("127.0.0.3", port)
+        assert extra.recv(4096).startswith(b"HTTP/1.1 503")  # refused as it arrived
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30, source_address=("127.0.0.2", 0))
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200  # another address is not held back
+        conn.close()
+        t0 = time.monotonic()
+        for s in held:  # the server closes each silent one
+            assert s.recv(4096) == b""
+        assert time.monotonic() - t0 < 25
+        # an upload trickling a byte at a time: 408 once its average rate falls under the floor
+        up = socket.create_connection(("127.0.0.1", port), timeout=30)
+        up.sendall(b"POST /upload_video HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: multipart/form-data; "
+                   b"boundary=b\r\nContent-Length: 100000\r\n\r\n--b")
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            time.sleep(0.2)
+            try:
+                up.sendall(b"x")
+            except OSError:
+                pass
+            answer += up.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 408") and b"--upload-min-rate" in up.recv(4096) + answer
+        up.close()
+
+        # a websocket stays past the header timeout: its socket has left HTTP
+        async def ws():
+            async with websockets.connect(f"ws://{url}/session/w1?sdvg=1") as w:
+                await recv_json(w, 30)
+                await asyncio.sleep(2.0)
+                await w.send(msgpack.packb({"action": "ping", "timestamp": 2.0}))
+                return await recv_json(w, 30)
+
+        assert asyncio.run(ws())["status"] == "error"  # a ping before parameters: refused, but answered
+        for extra_s in (extra,):
+            extra_s.close()
+        assert _refused(url, "client_connections") == 1 and _refused(url, "header_timeout") >= 3
+
+
+@pytest.mark.slow
+def test_300_silent_connections_at_ulimit_256_leave_a_running_session_and_health_alone(tmp_path):
+    """The load case: `sdvg serve` under `ulimit -n 256` with a session running; 300 silent connections from one
+    address. The session finishes with every frame, /health answers from another address while they are open,
+    the silent ones are closed by the header timeout, and the log stays short (no traceback per connection)."""
+    import resource
+
+    from serve_harness import start_server
+
+    def limit_files():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+    proc, port = start_server(tmp_path, "--header-timeout", "3", "--send-buffer-frames", "4096",
+                              preexec_fn=limit_files)
+    silent = []
+    try:
+        async def session():
+            frames = 0
+            async with websockets.connect(f"ws://127.0.0.1:{port}/session/load1", max_size=2**26) as ws:
+                await recv_json(ws, 30)
+                await ws.send(msgpack.packb({"prompt": "a fox", "num_blocks": 6, "seed": 1}))
+                while True:
+                    m = await asyncio.wait_for(ws.recv(), 240)
+                    if isinstance(m, bytes):
+                        frames += 1
+                        if frames == 1:  # running: now the flood
+                            for _ in range(300):
+                                try:
+                                    silent.append(_silent("127.0.0.3", port))
+                                except OSError:
+                                    break
+                            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30,
+                                                              source_address=("127.0.0.2", 0))
+                            conn.request("GET", "/health")
+                            health = conn.getresponse().status
+                            conn.close()
+                    elif json.loads(m).get("status") == "completed":
+                        return frames, health
+
+        frames, health = asyncio.run(session())
+        assert health == 200 and frames == 9 + 5 * 12  # every frame of the 6 blocks
+        assert len(silent) == 300  # every connection was taken (refused ones: 503 and closed)
+        closed = 0
+        for s in silent:  # each is answered 503 at once or closed after the header timeout
+            try:
+                data = s.recv(4096)
+            except OSError:
+                data = b""
+            closed += data == b"" or data.startswith(b"HTTP/1.1 503")
+        assert closed == 300
+    finally:
+        for s in silent:
+            s.close()
+        proc.terminate()
+        try:
+            proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    log = b""
+    while not proc.lines.empty():
+        log += proc.lines.get()
+    assert log.count(b"Traceback") <= 2 and len(log) < 200_000, log[-2000:]
+
+
+def test_a_reused_id_never_replaces_a_finished_video(tiny_pipe, tmp_path):
+    """Each run's video is its own file: an sdvg client's `download_url` keeps answering its own video after the
+    owner's socket closed and another client reused the id (and after a reset on one socket); Krea's
+    /download_video/{id} answers the latest video of the id."""
+    from sdvg.io.video_writer import read_mp4_frames
+
+    def frames_at(url, path):
+        status, body = _get(url, path)
+        assert status == 200, (path, status)
+        out = tmp_path / f"dl-{len(list(tmp_path.glob('dl-*')))}.mp4"
+        out.write_bytes(body)
+        return len(read_mp4_frames(out))
+
+    async def run(url, sid, query, blocks, resets=0):
+        done = []
+        async with websockets.connect(f"ws://{url}/session/{sid}{query}", max_size=2**26) as ws:
+            await recv_json(ws, 30)
+            await ws.send(msgpack.packb({"prompt": "a fox", "num_blocks": blocks, "seed": blocks}))
+            while True:
+                m = await asyncio.wait_for(ws.recv(), 240)
+                if isinstance(m, str) and json.loads(m).get("status") == "completed":
+                    done.append(json.loads(m))
+                    if len(done) > resets:
+                        return done
+                    await ws.send(msgpack.packb({"action": "reset"}))
+
+    with running_server(tiny_pipe, tmp_path / "server") as (url, _):
+        first = asyncio.run(run(url, "own", "?sdvg=1", 1))[0]
+        assert first["download_url"].startswith("/download_video/own~")
+        later = asyncio.run(run(url, "own", "", 2))[0]  # the id reused once the first socket closed
+        assert later == {"session_id": "own", "status": "completed"}
+        assert frames_at(url, first["download_url"]) == 9  # still the first client's video
+        assert frames_at(url, "/download_video/own") == 21  # Krea's download: the latest of the id
+        two = asyncio.run(run(url, "rs", "?sdvg=1", 1, resets=1))  # a reset: two runs, two videos
+        assert two[0]["download_url"] != two[1]["download_url"]
+        assert frames_at(url, two[0]["download_url"]) == 9 and frames_at(url, two[1]["download_url"]) == 9
+        assert _get(url, "/download_video/own~0123456789abcdef")[0] == 404  # a run key never made

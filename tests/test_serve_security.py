@@ -224,7 +224,7 @@ def test_serve_cli_refuses_a_public_bind_without_token(capsys):
 def test_idle_socket_is_closed(tiny_pipe, tmp_path):
     from serve_harness import recv_json, running_server
 
-    with running_server(tiny_pipe, tmp_path, idle_timeout_s=1.0) as (url, _):
+    with running_server(tiny_pipe, tmp_path, idle_timeout_s=1.0, first_message_timeout_s=1.0) as (url, _):
         async def go(query):
             async with websockets.connect(f"ws://{url}/session/idle1{query}") as ws:
                 await recv_json(ws, 30)
@@ -236,5 +236,5 @@ def test_idle_socket_is_closed(tiny_pipe, tmp_path):
                     return said, exc.rcvd.code
         said, code = asyncio.run(go("?sdvg=1"))
         plain_said, plain_code = asyncio.run(go(""))
-    assert len(said) == 1 and said[0]["status"] == "error" and "idle" in said[0]["error"] and code == 1000
+    assert len(said) == 1 and said[0]["status"] == "error" and "no parameters" in said[0]["error"] and code == 1000
     assert plain_said == [] and plain_code == 1000  # a plain client: the close alone (Krea has no such message)

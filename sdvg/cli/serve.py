@@ -54,6 +54,29 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         f"(default: {_D.max_queue})")
     p.add_argument("--idle-timeout", type=float, default=_D.idle_timeout_s,
                    help=f"seconds a socket may stay silent while nothing generates (default: {_D.idle_timeout_s:g})")
+    p.add_argument("--first-message-timeout", type=float, default=_D.first_message_timeout_s,
+                   help="seconds from a socket's opening to its parameters; messages refused meanwhile do not extend "
+                        f"it (default: {_D.first_message_timeout_s:g})")
+    p.add_argument("--header-timeout", type=float, default=_D.header_timeout_s,
+                   help="seconds a new connection has to send its first request's headers; a silent or slow one is "
+                        f"closed (default: {_D.header_timeout_s:g})")
+    p.add_argument("--max-connections", type=int, default=_D.max_connections,
+                   help="connections open at once, kept under the open-file limit; one more gets 503 and is closed, "
+                        f"none already open is cut (default: {_D.max_connections})")
+    p.add_argument("--max-connections-per-client", type=int, default=_D.max_connections_per_client,
+                   help="connections open at once from one client address (behind a proxy every client has its "
+                        f"address: raise it) (default: {_D.max_connections_per_client})")
+    p.add_argument("--upload-min-rate", type=int, default=_D.upload_min_bytes_per_s, metavar="BYTES_PER_S",
+                   help="an upload body's least average rate once 10 s have passed; slower gets 408 "
+                        f"(default: {_D.upload_min_bytes_per_s})")
+    p.add_argument("--upload-deadline", type=float, default=_D.upload_deadline_s,
+                   help=f"seconds an upload body may take in all (default: {_D.upload_deadline_s:g})")
+    p.add_argument("--max-pause-s", type=float, default=_D.max_pause_s,
+                   help="seconds a paused run keeps its slot (pings do not extend it); then the run ends with "
+                        f"`completed` and the next session starts (default: {_D.max_pause_s:g})")
+    p.add_argument("--max-refused-messages", type=int, default=_D.flood_close_after,
+                   help="messages refused on one socket, of any kind, before it is closed with 1008 "
+                        f"(default: {_D.flood_close_after})")
     p.add_argument("--send-buffer-frames", type=int, default=_D.send_buffer_frames,
                    help=f"unsent frames per socket before the oldest is dropped (default: {_D.send_buffer_frames})")
     p.add_argument("--max-message-bytes", type=int, default=_D.max_message_bytes,
@@ -100,6 +123,11 @@ def config_of(args, environ=None) -> ServeConfig:
     token = resolve_token(args.token, args.token_file, os.environ if environ is None else environ)
     return ServeConfig(host=args.host, port=args.port, token=token, max_sessions=args.max_sessions,
                        max_queue=args.max_queue, idle_timeout_s=args.idle_timeout,
+                       first_message_timeout_s=args.first_message_timeout, max_pause_s=args.max_pause_s,
+                       header_timeout_s=args.header_timeout, max_connections=args.max_connections,
+                       max_connections_per_client=args.max_connections_per_client,
+                       upload_min_bytes_per_s=args.upload_min_rate, upload_deadline_s=args.upload_deadline,
+                       flood_close_after=args.max_refused_messages,
                        send_buffer_frames=args.send_buffer_frames, max_message_bytes=args.max_message_bytes,
                        max_upload_bytes=args.max_upload_bytes, max_upload_store_bytes=args.max_upload_store_bytes,
                        max_concurrent_uploads=args.max_concurrent_uploads, max_blocks=args.max_blocks,

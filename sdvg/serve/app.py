@@ -1,6 +1,7 @@
 """The FastAPI app: GET /health, GET / (sdvg's page, or the operator's with --static-dir), WS /session/{id},
 GET /download_video/{id}, POST /upload_video and /upload_start_frame, GET /metrics (docs/server.md has the
-protocol); who gets in is `access.TokenGate`'s (and CORS's, with --cors-origin)."""
+protocol); who gets in is `access.SiteGate`'s (Host, Origin), then `access.TokenGate`'s (and CORS's, with
+--cors-origin); how many connections, and for how long, `connections.ConnectionGuard`'s (through the server)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,10 +11,10 @@ import os
 import secrets
 import socket
 import tempfile
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import msgpack
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response
@@ -27,7 +28,7 @@ from sdvg.serve.encode import FORMATS
 from sdvg.serve.engine import Engine, build_labels, pipe_devices
 from sdvg.serve.metrics import ServeMetrics, cuda_memory_reader
 from sdvg.serve.plain import params_error, plain_params, plain_update
-from sdvg.serve.protocol import UPLOAD_ID, ProtocolError, parse_params, parse_update
+from sdvg.serve.protocol import UPLOAD_ID, ProtocolError, decode_message, parse_params, parse_update
 from sdvg.serve.security import RateLimit, valid_session_id, valid_video_key
 from sdvg.serve.sessions import Outbox, Session, SessionManager
 from sdvg.serve.static_site import check_static_dir, media_type, static_file
@@ -52,6 +53,9 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
 
     @asynccontextmanager
     async def lifespan(app):
+        from sdvg.serve.connections import ThrottledLoopErrors
+
+        asyncio.get_running_loop().set_exception_handler(ThrottledLoopErrors())  # one line per kind and interval
         manager.start()
         yield
         await drain()
@@ -140,7 +144,20 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
         if length is not None and (not length.isdigit() or int(length) > limit + 65536):
             raise UploadError(413, f"upload larger than {limit} bytes")
         body = bytearray()
-        async for chunk in request.stream():
+        stream, t0 = request.stream().__aiter__(), time.monotonic()
+        while True:
+            # the next chunk must come before the body's average rate falls under the floor (after a 10 s grace)
+            # and before the deadline
+            due = t0 + min(cfg.upload_deadline_s, max(cfg.upload_grace_s, (len(body) + 1) / cfg.upload_min_bytes_per_s))
+            try:
+                chunk = await asyncio.wait_for(stream.__anext__(), max(0.0, due - time.monotonic()))
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise UploadError(408, f"upload too slow: {len(body)} bytes in {time.monotonic() - t0:.0f} s (at least "
+                                  f"{cfg.upload_min_bytes_per_s} bytes/s after {cfg.upload_grace_s:g} s, "
+                                  f"--upload-min-rate; all within {cfg.upload_deadline_s:g} s, --upload-deadline)"
+                                  ) from None
             body += chunk
             if len(body) > limit + 65536:
                 raise UploadError(413, f"upload larger than {limit} bytes")
@@ -202,12 +219,16 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
             await websocket.close(code=1008, reason="session id: [A-Za-z0-9_-]{1,64}; fmt: " + "|".join(FORMATS))
             return
         await websocket.accept()
-        key = manager.claim_key(session_id)  # another open socket on the id: this one's videos are its own
-        if key is None:
-            await websocket.close(code=1008, reason=f"too many sockets on session id {session_id}")
-            return
         outbox = Outbox(cfg.send_buffer_frames, metrics)
         session = Session(session_id, fmt, superset, asyncio.get_running_loop(), outbox)
+        if not manager.opened(session):
+            await websocket.close(code=1001, reason="server shutting down")
+            return
+        key = manager.claim_key(session_id)  # another open socket on the id: this one's videos are its own
+        if key is None:
+            manager.release(session)
+            await websocket.close(code=1008, reason=f"too many sockets on session id {session_id}")
+            return
         session.video_key = session.adjusted.session_id = key  # log lines name the socket's own key
         sender = asyncio.create_task(send_loop(websocket, outbox))
         senders.add(sender)
@@ -241,15 +262,27 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
                 elif item[0] == "frame":
                     await websocket.send_bytes(item[1])
                 else:
-                    await websocket.close(code=item[1])
+                    await websocket.close(code=item[1], reason=item[2])
                     return
         except Exception:  # the client is gone
             return
 
-    def refuse(session: Session, error: ProtocolError, reason: str) -> None:
-        """A refused message, counted: sdvg's `error` to an sdvg client; to a plain one Krea's reply to bad parameters
-        before its run started, else nothing (Krea is silent), the operator told (sdvg.serve.plain)."""
-        metrics.refused.labels(reason).inc()
+    def refuse(session: Session, error: ProtocolError, reason: str) -> bool:
+        """A refused message, counted by reason (the error's own, where it has one): sdvg's `error` to an sdvg client;
+        to a plain one Krea's reply to bad parameters before its run started, else nothing (Krea is silent), the
+        operator told (sdvg.serve.plain). Every refusal, whatever its kind, counts against one budget per socket:
+        True when it is spent (the socket is closed, 1008)."""
+        metrics.refused.labels(error.reason or reason).inc()
+        session.refusals += 1
+        if session.refusals >= cfg.flood_close_after:
+            why = (f"{session.refusals} messages refused on this socket (at most {cfg.flood_close_after}, "
+                   "--max-refused-messages); closing")
+            if session.superset:
+                session.outbox.text({"status": "error", "error": why, "field": None})
+            else:
+                session.adjusted.tell("closed_refusals", why)
+            session.outbox.close(1008, "too many refused messages")
+            return True
         if session.superset:
             session.outbox.text(error.reply())
         elif session.spec is None:
@@ -258,25 +291,50 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
         else:
             session.adjusted.tell("dropped_update", f"{error}; dropped without a reply")
 
+    def wait_limit(session: Session, opened: float) -> tuple[float | None, str]:
+        """How long this socket's next message may take, and what happens when it does not come: 'first' (no
+        parameters yet: --first-message-timeout from the socket's opening; messages refused meanwhile do not extend
+        it), 'pause' (paused: --max-pause-s from the pause; pings do not extend it), 'idle' (nothing running:
+        --idle-timeout), or none while a run or the queue is in progress."""
+        now = time.monotonic()
+        if session.spec is None:
+            return max(0.0, opened + cfg.first_message_timeout_s - now), "first"
+        if session.paused and session.state == "running" and session.paused_at is not None:
+            return max(0.0, session.paused_at + cfg.max_pause_s - now), "pause"
+        if session.state not in ("running", "queued"):
+            return cfg.idle_timeout_s, "idle"
+        return None, "none"
+
     async def receive_loop(websocket: WebSocket, session: Session) -> None:
         rate = RateLimit(cfg.updates_per_s, cfg.update_burst)
         frame_rate = RateLimit(cfg.input_frames_per_s, max(1, round(cfg.input_frames_per_s)))
+        opened = time.monotonic()
+        limits = dict(max_array_len=max(cfg.max_blocks, 64), max_bin_len=cfg.max_image_bytes,
+                      max_str_len=max(4 * cfg.max_prompt_chars, (cfg.max_image_bytes + 2) // 3 * 4 + 256))
         while True:
-            waiting = session.state not in ("running", "queued") or session.paused
+            timeout, kind = wait_limit(session, opened)
             try:
-                message = await asyncio.wait_for(websocket.receive(), cfg.idle_timeout_s if waiting else None)
+                message = await asyncio.wait_for(websocket.receive(), timeout)
             except asyncio.TimeoutError:
+                if kind == "pause":  # the run ends; the socket stays (a reset starts it again)
+                    metrics.refused.labels("pause").inc()
+                    manager.end_run(session, f"paused for more than {cfg.max_pause_s:g} s (--max-pause-s): the run "
+                                    "ends and its slot goes to the next session")
+                    continue
+                why = (f"no parameters within {cfg.first_message_timeout_s:g} s (--first-message-timeout)"
+                       if kind == "first" else f"idle for {cfg.idle_timeout_s:g} s")
+                metrics.refused.labels("timeout").inc()
                 if session.superset:
-                    session.outbox.text({"status": "error", "error": f"idle for {cfg.idle_timeout_s:g} s; closing",
-                                         "field": None})
+                    session.outbox.text({"status": "error", "error": f"{why}; closing", "field": None})
                 session.outbox.close(1000)
                 return
             if message["type"] == "websocket.disconnect":
                 return
             data = message.get("bytes")
             if data is None:
-                refuse(session, ProtocolError(None, "messages must be binary msgpack maps (text frames are not read)"),
-                       "text")
+                if refuse(session, ProtocolError(None, "messages must be binary msgpack maps (text frames are not "
+                                                 "read)"), "text"):
+                    return
                 continue
             if len(data) > cfg.max_message_bytes:
                 refuse(session, ProtocolError(None, f"message of {len(data)} bytes; at most {cfg.max_message_bytes}"),
@@ -284,20 +342,19 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
                 session.outbox.close(1009)
                 return
             try:
-                obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
-            except Exception as exc:
-                obj = ProtocolError(None, f"malformed msgpack ({type(exc).__name__})")
+                obj = decode_message(data, **limits)
+            except ProtocolError as exc:
+                obj = exc
             webcam = isinstance(obj, dict) and obj.get("image") is not None  # webcam frames have their own rate
             limit = frame_rate if webcam else rate
             if session.spec is not None and not limit.allow():
                 what = (f"{cfg.input_frames_per_s:g} webcam frames" if webcam else f"{cfg.updates_per_s:g} updates")
-                refuse(session, ProtocolError(None, f"more than {what} per second; this one was dropped"), "rate")
-                if rate.refused + frame_rate.refused >= cfg.flood_close_after:
-                    session.outbox.close(1008)
+                if refuse(session, ProtocolError(None, f"more than {what} per second; this one was dropped"), "rate"):
                     return
                 continue
             if isinstance(obj, ProtocolError):
-                refuse(session, obj, "malformed")
+                if refuse(session, obj, "malformed"):
+                    return
                 continue
             try:
                 if session.spec is None:
@@ -305,7 +362,8 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
                 else:
                     await handle_update(session, obj)
             except ProtocolError as exc:
-                refuse(session, exc, "invalid")
+                if refuse(session, exc, "invalid"):
+                    return
             if session.outbox.items and session.outbox.items[-1][0] == "close":
                 return
 

@@ -20,7 +20,15 @@ class ServeConfig:
     token: str | None = None  # required for any bind other than the loopback default (security.check_bind)
     max_sessions: int = 4  # generations in progress at once (interleaved block by block)
     max_queue: int = 8  # sessions waiting for a slot; one more gets `busy`
-    idle_timeout_s: float = 300.0  # no client message while not generating (before params, after completed)
+    idle_timeout_s: float = 300.0  # no client message while not generating (after completed)
+    first_message_timeout_s: float = 30.0  # from the socket's opening to its parameters (refused messages don't count)
+    header_timeout_s: float = 10.0  # a connection's first request headers must be complete by then
+    max_connections: int = 1000  # open at once (lowered to fit the open-file limit); past it: 503 and close
+    max_connections_per_client: int = 32  # open at once from one client address (a proxy: raise it)
+    upload_min_bytes_per_s: int = 32 * 1024  # an upload body's least average rate once upload_grace_s passed; else 408
+    upload_grace_s: float = 10.0  # an upload body's first seconds, before its least rate applies
+    upload_deadline_s: float = 600.0  # an upload body's whole time
+    max_pause_s: float = 60.0  # a paused run holds its slot this long (pings do not extend it), then it ends
     send_buffer_frames: int = 64  # per socket; when full the oldest unsent frame is dropped (counted)
     max_message_bytes: int = 8 * 2**20  # one websocket message (uvicorn closes with 1009 above it)
     max_image_bytes: int = 4 * 2**20  # a webcam `image` or a start frame
@@ -35,7 +43,7 @@ class ServeConfig:
     updates_per_s: float = 20.0  # sustained mid-stream update rate per socket
     update_burst: int = 40  # updates allowed at once before the rate applies
     input_frames_per_s: float = 60.0  # webcam `image` frames per socket per second (their own budget; burst: 1 s)
-    flood_close_after: int = 200  # refused updates on one socket before it is closed (1008)
+    flood_close_after: int = 200  # refused messages of any kind on one socket before it is closed (1008)
     upload_ttl_s: float = 600.0  # an unclaimed upload is deleted after this
     max_upload_store_bytes: int = 4 * 2**30  # every upload held at once (claimed ones too); a POST past it: 507
     max_concurrent_uploads: int = 4  # POSTs received at once (each body is held in memory while read); more: 503
@@ -59,12 +67,14 @@ class ServeConfig:
             check_allowed_host(name)
         for name in ("max_sessions", "send_buffer_frames", "max_message_bytes", "max_image_bytes", "max_blocks",
                      "update_burst", "flood_close_after", "keep_videos", "max_prompt_chars", "max_upload_store_bytes",
-                     "max_concurrent_uploads", "max_steps", "max_pixels", "max_concurrent_snapshots"):
+                     "max_concurrent_uploads", "max_steps", "max_pixels", "max_concurrent_snapshots", "max_connections",
+                     "max_connections_per_client", "upload_min_bytes_per_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
         if self.max_queue < 0:
             raise ValueError(f"max_queue {self.max_queue} must be >= 0 (0: refuse when every slot is taken)")
-        for name in ("idle_timeout_s", "updates_per_s", "input_frames_per_s", "upload_ttl_s", "fps", "drain_timeout_s"):
+        for name in ("idle_timeout_s", "first_message_timeout_s", "max_pause_s", "header_timeout_s", "upload_deadline_s",
+                     "upload_grace_s", "updates_per_s", "input_frames_per_s", "upload_ttl_s", "fps", "drain_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} {getattr(self, name)} must be > 0")
         if not 1 <= self.jpeg_quality <= 100:

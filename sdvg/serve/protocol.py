@@ -35,12 +35,47 @@ SERVER_OWNED: dict[str, str] = {
 CLIENT_OPTIONS: tuple[str, ...] = tuple(n for n in OPTION_NAMES if n not in SERVER_OWNED)
 
 
+MAX_MAP_LEN = 128  # keys of one map: the parameters have about 50 fields (Krea's and sdvg's options)
+MAX_DEPTH = 4  # maps and arrays nested (a message is a map of scalars, a pattern list at most)
+
+
+def decode_message(data: bytes, max_array_len: int, max_str_len: int, max_bin_len: int):
+    """One binary message as msgpack, bounded while it is decoded (msgpack's own max_*_len: an 850k-key map is
+    refused by the decoder, before a Python object is made for it), then its nesting checked without
+    recursion; ProtocolError naming the limit otherwise."""
+    import msgpack
+
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_map_len=MAX_MAP_LEN,
+                              max_array_len=max_array_len, max_str_len=max_str_len, max_bin_len=max_bin_len)
+    except ValueError as exc:
+        text = str(exc)
+        if "exceeds max" in text or isinstance(exc, msgpack.exceptions.StackError):  # "... exceeds max_map_len(128)"
+            raise ProtocolError(None, f"message refused by the decoder's limits ({text[:120] or 'nested too deep'}): "
+                                f"maps of at most {MAX_MAP_LEN} keys, arrays of {max_array_len} items, strings of "
+                                f"{max_str_len} bytes, binaries of {max_bin_len} bytes", reason="limits") from None
+        raise ProtocolError(None, f"malformed msgpack ({type(exc).__name__})") from None
+    except Exception as exc:  # noqa: BLE001 (msgpack raises several kinds for bad bytes)
+        raise ProtocolError(None, f"malformed msgpack ({type(exc).__name__})") from None
+    pending = [(obj, 1)]
+    while pending:
+        value, depth = pending.pop()
+        if isinstance(value, (dict, list)):
+            if depth > MAX_DEPTH:
+                raise ProtocolError(None, f"message nested more than {MAX_DEPTH} deep; send a map of values",
+                                    reason="limits")
+            items = value.values() if isinstance(value, dict) else value
+            pending.extend((v, depth + 1) for v in items if isinstance(v, (dict, list)))
+    return obj
+
+
 class ProtocolError(ValueError):
     """A client message the server refuses: `field` names the field (None: the whole message)."""
 
-    def __init__(self, field: str | None, message: str, details: list[dict] | None = None):
+    def __init__(self, field: str | None, message: str, details: list[dict] | None = None, reason: str | None = None):
         super().__init__(f"{field}: {message}" if field else message)
         self.field, self.message = field, message
+        self.reason = reason  # how /metrics counts it, where the caller's own reason is not the right one
         self.details = details  # Krea's error list, when its pydantic would refuse the message (sdvg.serve.plain)
 
     def reply(self) -> dict:

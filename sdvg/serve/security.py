@@ -13,7 +13,7 @@ DEFAULT_HOSTS = ("127.0.0.1", "::1", "localhost")  # the loopback default; any o
 SESSION_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # A run's video: its socket's session id, or `id.N` for a socket opened while another held the id (a name no client
 # id can be, so no client's video is ever another's)
-VIDEO_KEY = re.compile(r"^[A-Za-z0-9_-]{1,64}(\.[1-9][0-9]{0,5})?$")
+VIDEO_KEY = re.compile(r"^[A-Za-z0-9_-]{1,64}(\.[1-9][0-9]{0,5})?(~[0-9a-f]{16})?$")  # ~hex: one run's own video
 MAX_SHARED_ID = 999_999  # sockets open at once under one session id
 
 

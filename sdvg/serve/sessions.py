@@ -67,8 +67,8 @@ class Outbox:
         self.frames += 1
         self.event.set()
 
-    def close(self, code: int) -> None:
-        self.items.append(("close", code))
+    def close(self, code: int, reason: str = "") -> None:
+        self.items.append(("close", code, reason))
         self.event.set()
 
     async def next(self):
@@ -89,10 +89,13 @@ class Session:
         self.id, self.fmt, self.superset, self.loop, self.outbox = session_id, fmt, superset, loop, outbox
         self.adjusted = Adjusted(session_id, outbox.metrics.plain_adjusted)  # a plain client's: told to the operator
         self.spec: SessionSpec | None = None
-        self.video_key = session_id  # the name of its runs' MP4 (GET /download_video/{video_key})
+        self.video_key = session_id  # the name of its runs' MP4s (GET /download_video/{video_key}: the latest)
+        self.run_key: str | None = None  # (worker) the last finished run's own video (videos.RunVideo.run_key)
         self.upload: str | None = None  # the input_video upload this socket claimed (released when it closes)
         self.state = "new"  # new | queued | running | done | closed
         self.paused = False
+        self.paused_at: float | None = None  # time.monotonic() of the pause (its --max-pause-s counts from it)
+        self.refusals = 0  # messages refused on this socket, whatever the reason (--max-refused-messages closes it)
         self.commands: collections.deque = collections.deque()  # for the worker (under the manager's lock)
         self.run = 0  # bumped by every (re)start: blocks of an older run are not sent
         self.next_seed: int | None = None  # Krea: a `seed` update applies at the next reset
@@ -116,8 +119,8 @@ class Session:
         """Krea's `completed`, whose session_id names the video to download (the socket's own: `id.N` when another
         socket held the id); sdvg clients also get its `download_url`."""
         out = {"session_id": self.video_key, "status": "completed"}
-        if self.superset:
-            out["download_url"] = f"/download_video/{self.video_key}"
+        if self.superset:  # this run's own video: no later run (a reset, the id reused) replaces it
+            out["download_url"] = f"/download_video/{self.run_key or self.video_key}"
         return out
 
     def post_error(self, message: str, field: str | None = None, failed: bool = False) -> None:
@@ -131,15 +134,18 @@ class Session:
         if failed:
             self.post_text(failure(message))
 
-    def post_close(self, code: int) -> None:
-        self.post(self._ordered, ("close", code))
+    def post_close(self, code: int, reason: str = "") -> None:
+        self.post(self._ordered, ("close", code, reason))
 
     def _ordered(self, item) -> None:
         asyncio.ensure_future(self._ordered_async(item))
 
     async def _ordered_async(self, item) -> None:
         async with self.lock:  # FIFO: after the frames of the blocks handed over before it
-            (self.outbox.text if item[0] == "text" else self.outbox.close)(item[1])
+            if item[0] == "text":
+                self.outbox.text(item[1])
+            else:
+                self.outbox.close(item[1], item[2])
 
     def post(self, fn, *args) -> None:
         """Run fn(*args) on the event loop (from the worker)."""
@@ -158,6 +164,7 @@ class SessionManager:
         self.queue: collections.deque[Session] = collections.deque()
         self.closing: list[Session] = []  # sockets gone or runs ended early, for the worker to close
         self.keys: set[str] = set()  # video keys of open sockets
+        self.sockets: set[Session] = set()  # every open socket's session (shutdown closes the idle ones at once)
         self.turn = 0
         self.stopping = False
         self.busy_block = False
@@ -167,6 +174,14 @@ class SessionManager:
         self.thread.start()
 
     # ------------------------------------------------------------------ called on the event loop
+    def opened(self, session: Session) -> bool:
+        """A socket is open (False once the server is stopping: it is closed at once, 1001)."""
+        with self.cond:
+            if self.stopping:
+                return False
+            self.sockets.add(session)
+            return True
+
     def claim_key(self, session_id: str) -> str | None:
         """The video key of a new socket: its session id, or `id.N` (the smallest N free) while another open socket
         holds the id, so its runs never replace that one's video (None past MAX_SHARED_ID sockets on one id)."""
@@ -214,11 +229,14 @@ class SessionManager:
             self.cond.notify()
 
     def snapshot(self, video_key: str) -> concurrent.futures.Future | None:
-        """The frames so far of the run writing video `video_key`: a Future of hard-linked finished segments that
+        """The frames so far of the run writing video `video_key` (a video key or that run's run key): a Future of hard-linked finished segments that
         the worker makes between two blocks (`VideoStore.snapshot_links`), or None when no admitted session is
         writing it (its run is being finished)."""
+        key = video_key.split("~", 1)[0]  # a run key: its socket's video key, while that run is the one written
+        if "~" in video_key and self.videos.writing(key) != video_key:
+            return None
         with self.cond:
-            session = next((s for s in self.active if s.video_key == video_key), None)
+            session = next((s for s in self.active if s.video_key == key), None)
             if session is None:
                 return None
             future: concurrent.futures.Future = concurrent.futures.Future()
@@ -228,13 +246,29 @@ class SessionManager:
 
     def pause(self, session: Session, paused: bool) -> None:
         with self.cond:
+            if paused and not session.paused:
+                session.paused_at = time.monotonic()
             session.paused = paused
+            if not paused:
+                session.paused_at = None
+            self.cond.notify()
+
+    def end_run(self, session: Session, why: str) -> None:
+        """End the session's run now (a pause past --max-pause-s): its MP4 finished, its slot freed, `completed`
+        sent; the socket stays open."""
+        with self.cond:
+            if session.state != "running":
+                return
+            session.paused = False
+            session.paused_at = None
+            session.commands.append(("end", why))
             self.cond.notify()
 
     def release(self, session: Session) -> None:
         """The socket is gone: out of the rotation now; the worker closes its generation next."""
         with self.cond:
             self.keys.discard(session.video_key)
+            self.sockets.discard(session)
             if session in self.queue:
                 self.queue.remove(session)
                 self._tell_positions()
@@ -248,10 +282,23 @@ class SessionManager:
             self.cond.notify()
 
     def stop(self) -> None:
-        """Shutdown: the block in progress ends, then every generation is finished (MP4 included)."""
+        """Shutdown: sockets with nothing running or queued are closed at once (1001), queued ones told the server
+        is going away and closed; the block in progress ends, then every generation is finished (MP4 included),
+        `completed` sent and its socket closed (1001)."""
         with self.cond:
             self.stopping = True
+            idle = [s for s in self.sockets if s.state in ("new", "done")]
+            queued = list(self.queue)
+            self.queue.clear()
+            self._counts()
             self.cond.notify()
+        for s in idle:
+            s.post_close(1001, "server shutting down")
+        for s in queued:
+            if s.superset:
+                s.post_text({"status": "error", "error": "the server is shutting down; this session did not run",
+                             "field": None})
+            s.post_close(1001, "server shutting down before this session ran")
         self.thread.join(self.cfg.drain_timeout_s)
 
     # ------------------------------------------------------------------ under the lock
@@ -355,6 +402,14 @@ class SessionManager:
                 self._finished(s)
                 return
             self._begin(s, spec, clip)
+        elif cmd[0] == "end":  # the run ends early (a pause past --max-pause-s): completed, the slot freed
+            if s.superset:
+                s.post_text({"status": "error", "error": cmd[1], "field": None})
+            else:
+                s.adjusted.tell("run_ended", cmd[1])
+            self._end(s, reason="ended")
+            self._finished(s)
+            s.post_text(s.completed())
         elif cmd[0] == "snapshot":  # a download while the run is written: its frames so far
             try:
                 cmd[1].set_result(self.videos.snapshot_links(s.writer) if s.writer is not None else [])
@@ -443,6 +498,7 @@ class SessionManager:
                 traceback.print_exc()
             s.generation = None
         if s.writer is not None:
+            s.run_key = s.writer.run_key
             try:
                 self.videos.finish(s.video_key, s.writer)
             except Exception as exc:

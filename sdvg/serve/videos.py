@@ -1,7 +1,12 @@
-"""The MP4 of each session's current run, written block by block by sdvg's incremental writer
-(`sdvg.io.video_writer`) under a name the server made (the session's video key), finished when the run
-ends (completed, reset, disconnect or shutdown); the newest `keep` finished files are kept for
-GET /download_video/{key}. Frames are never held in memory.
+"""The MP4 of each session's run, written block by block by sdvg's incremental writer
+(`sdvg.io.video_writer`) under a name the server made, finished when the run ends (completed, reset,
+disconnect or shutdown). Frames are never held in memory.
+
+Each run's video is its own file, named by its **run key** `<video key>~<16 hex>` (random: only the client
+its `completed` went to knows it), so no later run replaces it, on the same socket (a reset) or on a reused
+id. GET /download_video/<run key> answers that video (sdvg clients' `download_url`); GET
+/download_video/<video key> answers the latest video of that key (Krea's rule, what its page asks for).
+The newest `keep` finished files are kept.
 
 A download while the run is being written gets the frames so far as a playable MP4: the worker cuts the
 run's video between two blocks (`RunVideo.cut`: the segment written so far is finished, the next block
@@ -50,6 +55,7 @@ class RunVideo:
 
     def __init__(self, folder: Path, key: str, fps: float):
         self.folder, self.key, self.fps = folder, key, fps
+        self.run_key = f"{key}~{secrets.token_hex(8)}"  # this run's own file (security.VIDEO_KEY)
         self.segments: list[Path] = []
         self.current: IncrementalMP4Writer | None = None
         self.frames = 0  # written in all
@@ -85,31 +91,39 @@ class VideoStore:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.fps, self.keep = fps, keep
-        self._finished: OrderedDict[str, Path] = OrderedDict()
-        self._writing: set[str] = set()
+        self._finished: OrderedDict[str, Path] = OrderedDict()  # run key -> its MP4, oldest first
+        self._latest: dict[str, str] = {}  # video key -> the run key of its latest finished video
+        self._writing: dict[str, str] = {}  # video key -> the run key being written
         self._lock = threading.Lock()
 
-    def path(self, key: str) -> Path:
-        return self.folder / f"{key}.mp4"  # a key the server made from a validated id (security.video_key)
+    def path(self, run_key: str) -> Path:
+        return self.folder / f"{run_key}.mp4"  # a key the server made from a validated id (security.VIDEO_KEY)
 
     def writer(self, key: str) -> RunVideo:
+        """A new run's video for the socket whose video key is `key` (its own file: nothing finished is touched)."""
+        video = RunVideo(self.folder, key, self.fps)
         with self._lock:
-            self._finished.pop(key, None)
-            self._writing.add(key)
-        return RunVideo(self.folder, key, self.fps)
+            self._writing[key] = video.run_key
+        return video
 
     def finish(self, key: str, video: RunVideo) -> None:
+        path = self.path(video.run_key)
         try:
-            video.close(self.path(key))
+            video.close(path)
         finally:
             with self._lock:
-                self._writing.discard(key)
-                if self.path(key).is_file():
-                    self._finished[key] = self.path(key)
-                    self._finished.move_to_end(key)
+                if self._writing.get(key) == video.run_key:
+                    del self._writing[key]
+                if path.is_file():
+                    self._finished[video.run_key] = path
+                    self._latest[key] = video.run_key
                 old = []
                 while len(self._finished) > self.keep:
-                    old.append(self._finished.popitem(last=False)[1])
+                    run_key, p = self._finished.popitem(last=False)
+                    old.append(p)
+                    owner = run_key.split("~", 1)[0]
+                    if self._latest.get(owner) == run_key:
+                        del self._latest[owner]
             for p in old:
                 p.unlink(missing_ok=True)
 
@@ -123,11 +137,21 @@ class VideoStore:
             links.append(link)
         return links
 
-    def state(self, key: str) -> tuple[str, Path | None]:
-        """'writing', 'finished' (with the file) or 'none'."""
+    def writing(self, key: str) -> str | None:
+        """The run key being written for video key `key`, if any."""
         with self._lock:
+            return self._writing.get(key)
+
+    def state(self, key: str) -> tuple[str, Path | None]:
+        """For a run key: 'finished' (with the file), 'writing' or 'none'; for a video key (Krea's download): its run
+        being written ('writing'), else its latest finished video, else 'none'."""
+        with self._lock:
+            if "~" in key:
+                if key in self._finished:
+                    return "finished", self._finished[key]
+                return ("writing", None) if key in self._writing.values() else ("none", None)
             if key in self._writing:
                 return "writing", None
-            if key in self._finished:
-                return "finished", self._finished[key]
+            if key in self._latest:
+                return "finished", self._finished[self._latest[key]]
         return "none", None
