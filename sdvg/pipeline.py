@@ -452,14 +452,15 @@ class SpeculativeVideoPipeline:
                            input_drop_oldest=input_drop_oldest, record_blocks=record_blocks, start_frame=image)
 
     def input_clip(self, input_video, options: GenerationOptions, fit_blocks: bool = False,
-                   max_bytes: int | None = None) -> tuple[GenerationOptions, object]:
+                   max_bytes: int | None = None, max_pixels: int | None = None) -> tuple[GenerationOptions, object]:
         """Video-to-video's input for a video of `options`: (resolved options, uint8 frames [N, H, W, 3] at the
         model's 16 frames/s, or None without an input). `input_video` is a video file's path (read up to the
         frames the video needs, resampled to 16 frames/s) or such frames already. A clip shorter than the
         video: an explicit num_blocks is refused naming both counts (with `fit_blocks` it shrinks too, as Krea's
         server does); the preset's default shrinks to the blocks the clip covers (Krea's rule). `strength` < 1
         without an input is refused. `max_bytes`: a file whose frames, as read and fitted (`input_video_bytes`: the
-        uint8 frames kept and the fit's float32 working frame), would pass it is refused before a frame is decoded."""
+        uint8 frames kept and the fit's float32 working frame), would pass it is refused before a frame is decoded;
+        `max_pixels`: so is a file whose frames have more pixels (width x height, read from its header)."""
 
         from sdvg.io import DEFAULT_FPS
         from sdvg.io.video_input import VideoInputError, check_fit, check_frames, read_video
@@ -474,7 +475,8 @@ class SpeculativeVideoPipeline:
         need = video.pixel_frames(vae, opts.num_blocks)
         if isinstance(input_video, (str, os.PathLike)):
             frames = read_video(input_video, need, DEFAULT_FPS, max_bytes=max_bytes,
-                                fit_size=(video.height, video.width))
+                                fit_size=(video.height, video.width),
+                                **({} if max_pixels is None else {"max_pixels": max_pixels}))
             what = f"input video {os.fspath(input_video)}"
         elif isinstance(input_video, (np.ndarray, torch.Tensor)):
             frames, what = check_frames(input_video[:need], "input_video", max_frames=need), "input_video"

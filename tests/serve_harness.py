@@ -167,6 +167,23 @@ async def run_session(url: str, params: dict, fmt: str = "jpeg", superset: bool 
     return out
 
 
+def tiny_mp4(frames: int = 2, side: int = 16) -> bytes:
+    """A real MP4 (H.264, black side x side frames): an upload ffmpeg can read."""
+    import tempfile
+
+    import imageio_ffmpeg
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "tiny.mp4"
+        writer = imageio_ffmpeg.write_frames(str(path), (side, side), fps=16, macro_block_size=1,
+                                             output_params=["-preset", "ultrafast"])
+        writer.send(None)
+        for _ in range(frames):
+            writer.send(bytes(side * side * 3))
+        writer.close()
+        return path.read_bytes()
+
+
 def upload(url: str, path: str, data: bytes, filename: str = "f.bin"):
     """POST a multipart file upload: (status, JSON body), or ("reset", None) when refused mid-body."""
     boundary = "sdvgboundary"

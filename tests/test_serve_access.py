@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("fastapi")
 websockets = pytest.importorskip("websockets")
 
-from serve_harness import running_server, upload  # noqa: E402
+from serve_harness import running_server, tiny_mp4, upload  # noqa: E402
 
 from sdvg.serve.security import BindError, cookie_value, resolve_token  # noqa: E402
 
@@ -184,4 +184,4 @@ def test_static_dir_serves_the_operators_page_read_only(tiny_pipe, tmp_path):
             assert request(url, "GET", path)[0] == 404, path
         assert request(url, "POST", "/app.js")[0] == 405
         assert request(url, "GET", "/health")[0] == 200 and request(url, "GET", "/metrics")[0] == 200
-        assert upload(url, "/upload_video", b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 64)[0] == 200  # routes still first
+        assert upload(url, "/upload_video", tiny_mp4())[0] == 200  # routes still first

@@ -443,3 +443,38 @@ def test_a_reused_id_never_replaces_a_finished_video(tiny_pipe, tmp_path):
         assert two[0]["download_url"] != two[1]["download_url"]
         assert frames_at(url, two[0]["download_url"]) == 9 and frames_at(url, two[1]["download_url"]) == 9
         assert _get(url, "/download_video/own~0123456789abcdef")[0] == 404  # a run key never made
+
+
+def test_an_mp4_bomb_is_refused_at_upload_before_a_frame_is_decoded(tiny_pipe, tmp_path):
+    """A ~50 KB MP4 of 4096x4096 frames: refused by its header at POST /upload_video (413 naming the flag), not
+    stored, not decoded; an image past the pixel limit likewise (by its header, PIL's bomb check never runs); a
+    small video goes through."""
+    import struct
+    import zlib
+
+    import imageio_ffmpeg
+
+    def video(path, side, frames=2):
+        writer = imageio_ffmpeg.write_frames(str(path), (side, side), fps=16, macro_block_size=1,
+                                             output_params=["-preset", "ultrafast"])
+        writer.send(None)
+        for _ in range(frames):
+            writer.send(bytes(side * side * 3))
+        writer.close()
+        return path.read_bytes()
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 20000, 20000, 8, 2, 0, 0, 0)) + \
+        chunk(b"IDAT", zlib.compress(b"\x00" * 16)) + chunk(b"IEND", b"")
+    bomb = video(tmp_path / "bomb.mp4", 4096)
+    assert len(bomb) < 200_000
+    with running_server(tiny_pipe, tmp_path / "server") as (url, app):
+        status, body = upload(url, "/upload_video", bomb, "bomb.mp4")
+        assert status == 413 and "4096x4096" in body["error"] and "--max-input-video-pixels" in body["error"]
+        assert app.state.uploads.nbytes == 0 and not list((tmp_path / "server" / "uploads").iterdir())
+        status, body = upload(url, "/upload_start_frame", png, "huge.png")
+        assert status == 413 and "20000x20000" in body["error"]
+        status, body = upload(url, "/upload_video", video(tmp_path / "ok.mp4", 64, 4), "ok.mp4")
+        assert status == 200 and body["type"] == "mp4"

@@ -89,6 +89,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-concurrent-uploads", type=int, default=_D.max_concurrent_uploads,
                    help=f"POSTs received at once (each body is held in memory while read); more get 503 "
                         f"(default: {_D.max_concurrent_uploads})")
+    p.add_argument("--max-input-video-pixels", type=int, default=_D.max_input_video_pixels,
+                   help="largest width * height of an uploaded video's frames, read from its header at upload (no "
+                        f"frame decoded); more gets 413 (default: {_D.max_input_video_pixels}, 1920x1080)")
     p.add_argument("--max-blocks", type=int, default=_D.max_blocks,
                    help=f"largest num_blocks a client may ask for (default: {_D.max_blocks})")
     p.add_argument("--max-steps", type=int, default=_D.max_steps,
@@ -129,10 +132,12 @@ def config_of(args, environ=None) -> ServeConfig:
                        upload_min_bytes_per_s=args.upload_min_rate, upload_deadline_s=args.upload_deadline,
                        flood_close_after=args.max_refused_messages,
                        send_buffer_frames=args.send_buffer_frames, max_message_bytes=args.max_message_bytes,
-                       max_upload_bytes=args.max_upload_bytes, max_upload_store_bytes=args.max_upload_store_bytes,
+                       max_upload_bytes=args.max_upload_bytes, max_input_video_pixels=args.max_input_video_pixels,
+                       max_upload_store_bytes=args.max_upload_store_bytes,
                        max_concurrent_uploads=args.max_concurrent_uploads, max_blocks=args.max_blocks,
                        max_steps=args.max_steps, max_pixels=args.max_pixels,
-                       updates_per_s=args.updates_per_s, input_frames_per_s=args.input_frames_per_s, video_dir=args.video_dir, fps=args.fps,
+                       updates_per_s=args.updates_per_s, input_frames_per_s=args.input_frames_per_s,
+                       video_dir=args.video_dir, fps=args.fps,
                        cors_origins=tuple(args.cors_origin), allowed_hosts=tuple(args.allowed_host),
                        static_dir=args.static_dir)
 

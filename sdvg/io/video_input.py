@@ -48,6 +48,10 @@ class VideoInputError(ValueError):
     """Input frames or an input video that cannot be used; the message names the value and the fix."""
 
 
+class InputTooLarge(VideoInputError):
+    """A frame or image whose size (read from its header) passes a limit (or is under 2 pixels a side)."""
+
+
 def check_frames(frames, where: str = "input_frames", max_frames: int = MAX_PUSH_FRAMES,
                  max_pixels: int = MAX_PIXELS) -> np.ndarray:
     """Pushed frames: uint8 [N, H, W, 3] (or one frame [H, W, 3]) as a numpy array or a torch tensor ->
@@ -82,11 +86,11 @@ def check_size(width: int, height: int, where: str, max_side: int = MAX_SIDE, ma
     """A frame or image of width x height (as its header says, before anything is decoded): each side in
     [2, max_side] and width * height <= max_pixels, else `VideoInputError` naming the limit, the size and the fix."""
     if not (2 <= width <= max_side and 2 <= height <= max_side):
-        raise VideoInputError(f"{where} is {width}x{height} (width x height); each side must lie in [2, {max_side}] "
-                              f"(max_side); give a smaller one (e.g. 832x480)")
+        raise InputTooLarge(f"{where} is {width}x{height} (width x height); each side must lie in [2, {max_side}] "
+                            f"(max_side); give a smaller one (e.g. 832x480)")
     if width * height > max_pixels:
-        raise VideoInputError(f"{where} is {width}x{height} = {width * height} pixels, more than max_pixels "
-                              f"{max_pixels}; give a smaller one (e.g. 832x480)")
+        raise InputTooLarge(f"{where} is {width}x{height} = {width * height} pixels, more than max_pixels "
+                            f"{max_pixels}; give a smaller one (e.g. 832x480)")
 
 
 def cover_size(h: int, w: int, height: int, width: int) -> tuple[int, int]:

@@ -32,8 +32,8 @@ from sdvg.serve.protocol import UPLOAD_ID, ProtocolError, decode_message, parse_
 from sdvg.serve.security import RateLimit, valid_session_id, valid_video_key
 from sdvg.serve.sessions import Outbox, Session, SessionManager
 from sdvg.serve.static_site import check_static_dir, media_type, static_file
-from sdvg.serve.uploads import (IMAGE_KINDS, VIDEO_KINDS, UploadError, UploadStore, check_image, decode_frame,
-                                image_bytes, sniff)
+from sdvg.serve.uploads import (IMAGE_KINDS, VIDEO_KINDS, UploadError, UploadStore, check_image, check_video_upload,
+                                decode_frame, image_bytes, sniff)
 from sdvg.serve.videos import VideoStore, join_segments
 
 STATIC = Path(__file__).parent / "static"
@@ -42,6 +42,7 @@ STATIC = Path(__file__).parent / "static"
 def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI:
     """The server of one pipeline (models loaded once). `defaults`: the server's GenerationOptions."""
     engine = Engine(pipe, defaults, max_input_video_bytes=cfg.max_input_video_bytes, max_steps=cfg.max_steps,
+                    max_input_video_pixels=cfg.max_input_video_pixels,
                     max_pixels=cfg.max_pixels)
     metrics = ServeMetrics(build_labels(pipe), cuda_memory_reader(pipe_devices(pipe)))
     folder = Path(cfg.video_dir) if cfg.video_dir else Path(tempfile.mkdtemp(prefix="sdvg-serve-"))
@@ -193,6 +194,8 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
             if image:
                 await asyncio.to_thread(check_image, data, cfg.max_image_pixels)
             upload_id = await asyncio.to_thread(uploads.add, data, kind)  # 507 past max_upload_store_bytes
+            if not image:  # its frame size from the container's header (ffmpeg -i, nothing decoded)
+                await asyncio.to_thread(check_video_upload, uploads, upload_id, cfg.max_input_video_pixels)
         except UploadError as exc:
             metrics.refused.labels("upload").inc()
             return JSONResponse({"error": str(exc)}, status_code=exc.status)

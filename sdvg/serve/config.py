@@ -34,7 +34,8 @@ class ServeConfig:
     max_image_bytes: int = 4 * 2**20  # a webcam `image` or a start frame
     max_image_pixels: int = 4096 * 4096  # decoded image limit (uploads)
     max_webcam_pixels: int = 1920 * 1080  # a webcam `image` frame (kept until its block reads it)
-    max_input_video_bytes: int = 2 * 2**30  # an uploaded input video's frames as read (uint8, before the fit)
+    max_input_video_bytes: int = 2 * 2**30  # an uploaded input video's frames as read and fitted (uint8 + the fit's)
+    max_input_video_pixels: int = 1920 * 1080  # one frame of an uploaded video, from its header (refused at upload)
     max_upload_bytes: int = 256 * 2**20  # POST /upload_video
     max_prompt_chars: int = 2000
     max_blocks: int = 256  # num_blocks a client may ask for
@@ -68,7 +69,7 @@ class ServeConfig:
         for name in ("max_sessions", "send_buffer_frames", "max_message_bytes", "max_image_bytes", "max_blocks",
                      "update_burst", "flood_close_after", "keep_videos", "max_prompt_chars", "max_upload_store_bytes",
                      "max_concurrent_uploads", "max_steps", "max_pixels", "max_concurrent_snapshots", "max_connections",
-                     "max_connections_per_client", "upload_min_bytes_per_s"):
+                     "max_connections_per_client", "upload_min_bytes_per_s", "max_input_video_pixels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
         if self.max_queue < 0:

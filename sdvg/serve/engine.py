@@ -45,9 +45,10 @@ class Engine:
     (`sdvg serve --tau ...`) that a client's fields override."""
 
     def __init__(self, pipe, defaults: GenerationOptions | None = None, max_input_video_bytes: int | None = None,
-                 max_steps: int = 8, max_pixels: int | None = None):
+                 max_steps: int = 8, max_pixels: int | None = None, max_input_video_pixels: int | None = None):
         self.pipe = pipe
-        self.max_input_video_bytes = max_input_video_bytes  # an uploaded input video's frames, as read
+        self.max_input_video_bytes = max_input_video_bytes  # an uploaded input video's frames, as read and fitted
+        self.max_input_video_pixels = max_input_video_pixels  # one frame of an uploaded input video (its header's)
         self.defaults = defaults or GenerationOptions()
         self.preset = pipe.preset
         self.max_steps = max_steps  # num_denoising_steps: 1..max_steps
@@ -189,7 +190,8 @@ class Engine:
         clip, as in Krea, uint8 frames). It touches no model, so it runs off the generation worker."""
         try:
             return self.pipe_at(spec.height, spec.width).input_clip(spec.input_video, spec.options, fit_blocks=True,
-                                                                    max_bytes=self.max_input_video_bytes)
+                                                                    max_bytes=self.max_input_video_bytes,
+                                                                    max_pixels=self.max_input_video_pixels)
         except Exception as exc:  # the reply names the upload, never the server's path of it
             raise type(exc)(str(exc).replace(spec.input_video, "the uploaded video")) from None
 

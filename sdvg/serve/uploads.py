@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
 import re
 import secrets
 import threading
@@ -35,20 +34,42 @@ def sniff(head: bytes, kinds: dict) -> str | None:
     return next((name for name, test in kinds.items() if test(head)), None)
 
 
-def check_image(data: bytes, max_pixels: int) -> tuple[int, int]:
-    """Decode an image under a pixel limit (before and after the header is read); its (width, height)."""
-    from PIL import Image
+def _open_image(data: bytes, max_pixels: int, where: str):
+    """An image (JPEG, PNG or WebP) opened lazily, its size checked from the header before any pixel is decoded
+    (`sdvg.io.video_input.open_image`: PIL's own bomb check never runs); UploadError 413 past `max_pixels`."""
+    from sdvg.io.video_input import InputTooLarge, VideoInputError, open_image
 
     try:
-        with Image.open(io.BytesIO(data)) as img:
-            if img.width * img.height > max_pixels:
-                raise UploadError(413, f"image of {img.width}x{img.height} pixels; at most {max_pixels} pixels")
+        return open_image(data, max_pixels=max_pixels, where=where)
+    except VideoInputError as exc:
+        raise UploadError(413 if isinstance(exc, InputTooLarge) else 400, str(exc)) from None
+
+
+def check_image(data: bytes, max_pixels: int) -> tuple[int, int]:
+    """Decode an image under a pixel limit (read from the header before decoding); its (width, height)."""
+    img = _open_image(data, max_pixels, "the uploaded image")
+    try:
+        with img:
             img.load()
             return img.width, img.height
-    except UploadError:
-        raise
     except Exception as exc:  # PIL's many decode errors
         raise UploadError(400, f"not a decodable image ({type(exc).__name__})") from None
+
+
+def check_video_upload(store: "UploadStore", upload_id: str, max_pixels: int) -> None:
+    """A stored video upload's frame size from its container's header (ffmpeg, no frame decoded); past `max_pixels`
+    or unreadable, the upload is deleted and UploadError (413 / 415) names the limit and the flag."""
+    from sdvg.io.video_input import InputTooLarge, VideoInputError, probe_video
+
+    path = store.path(upload_id)
+    try:
+        probe_video(path, max_pixels=max_pixels, where="the uploaded video")
+    except VideoInputError as exc:
+        store.delete(upload_id)
+        text = str(exc).replace(str(path), "the uploaded video")
+        too_big = isinstance(exc, InputTooLarge)
+        raise UploadError(413 if too_big else 415, text + (" (sdvg serve --max-input-video-pixels)" if too_big
+                                                           else "")) from None
 
 
 def image_bytes(image: bytes | str, max_bytes: int) -> bytes:
@@ -80,15 +101,11 @@ def decode_frame(data: bytes, max_pixels: int):
     """A webcam `image` (JPEG, PNG or WebP bytes; no other format is opened) -> uint8 RGB [H, W, 3], under a pixel
     limit (read from the header before decoding); `UploadError` names what is wrong."""
     import numpy as np
-    from PIL import Image
 
+    img = _open_image(data, max_pixels, "image")
     try:
-        with Image.open(io.BytesIO(data), formats=["JPEG", "PNG", "WEBP"]) as img:
-            if img.width * img.height > max_pixels:
-                raise UploadError(413, f"image of {img.width}x{img.height} pixels; at most {max_pixels} pixels")
+        with img:
             return np.asarray(img.convert("RGB"), dtype=np.uint8)
-    except UploadError:
-        raise
     except Exception as exc:  # PIL's many decode errors
         raise UploadError(400, f"not a decodable image ({type(exc).__name__})") from None
 
