@@ -172,6 +172,11 @@ def test_a_huge_map_is_refused_by_the_decoder_and_refusals_close_the_socket(tiny
         assert "malformed" in said[3]["error"] and said[4]["field"] == "prompt"
         assert "6 messages refused" in said[5]["error"] and "--max-refused-messages" in said[5]["error"]
         assert _refused(url, "limits") == 2 and _refused(url, "text") == 1 and _refused(url, "malformed") == 1
+        from prometheus_client.parser import text_string_to_metric_families
+
+        lag = {s.name: s.value for f in text_string_to_metric_families(_get(url, "/metrics")[1].decode())
+               for s in f.samples if s.name.startswith("sdvg_serve_event_loop_lag")}
+        assert lag["sdvg_serve_event_loop_lag_seconds_count"] > 0 and "sdvg_serve_event_loop_lag_max_seconds" in lag
         # a plain client is closed the same way, told nothing more than Krea's error list for its bad parameters
         async def plain():
             async with websockets.connect(f"ws://{url}/session/flood2") as ws:

@@ -58,9 +58,24 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
 
         asyncio.get_running_loop().set_exception_handler(ThrottledLoopErrors())  # one line per kind and interval
         manager.start()
+        lag = asyncio.create_task(watch_loop_lag())
         yield
+        lag.cancel()
         await drain()
         uploads.clear()
+
+    async def watch_loop_lag(period_s: float = 0.1) -> None:
+        """sdvg_serve_event_loop_lag_seconds: every `period_s`, how much later than asked the loop woke (the time one
+        callback held every socket; goal: under 0.1 s whatever a client sends)."""
+        worst = 0.0
+        while True:
+            t0 = time.monotonic()
+            await asyncio.sleep(period_s)
+            late = max(0.0, time.monotonic() - t0 - period_s)
+            metrics.loop_lag.observe(late)
+            if late > worst:
+                worst = late
+                metrics.loop_lag_max.set(worst)
 
     async def drain() -> None:
         """Shutdown: finish every generation and MP4, send `completed`, close each socket (1001)."""

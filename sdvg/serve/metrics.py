@@ -74,6 +74,11 @@ class ServeMetrics:
         self.jitter = Histogram("sdvg_serve_inter_frame_jitter_seconds", "|change| of the interval between "
                                 "consecutive blocks' frames reaching a socket (per session)",
                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.loop_lag = Histogram("sdvg_serve_event_loop_lag_seconds", "how late the event loop woke a 0.1 s timer: "
+                                  "how long one callback (a message decoded, a request parsed) held every socket",
+                                  buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0), registry=r)
+        self.loop_lag_max = Gauge("sdvg_serve_event_loop_lag_max_seconds", "the longest event-loop lag since start",
+                                  registry=r)
         self.dropped = Counter("sdvg_serve_dropped_frames", "frames dropped from full send buffers (slow "
                                "clients); the MP4 keeps them", registry=r)
         self.uploads_receiving = Gauge("sdvg_serve_uploads_receiving", "uploads whose bodies are being received "
