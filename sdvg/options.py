@@ -58,6 +58,19 @@ MAX_BLOCKS = 10**9  # far past any video; keeps every size derived from it well 
 MAX_FRAMES = 1_000_000  # latent frames of a context, window or sink
 MAX_STEPS = 1000  # denoising steps: past the table's 1000 entries, Krea's integer steps repeat
 MAX_INTERP_BLOCKS = 1024  # a prompt blend longer than this is a mistake (Krea's demo uses 4)
+# Krea's kv_cache_num_frames: the clean context frames a recompute role rebuilds before every block (Krea: 3),
+# which a start frame also writes as its latent frames. Every DiT places a frame at one of its RoPE table's
+# positions (DiTConfig.rope_max_seq_len, 1024 on every preset), so no context can hold more; the video's own
+# length (num_blocks * frames_per_block) bounds it further once the preset is known (`resolved`), and the memory
+# budget check counts the cache it makes before anything is allocated (sdvg/generation/prepare.py).
+MAX_KV_CACHE_FRAMES = 1024
+# The pattern router cycles its decisions over the blocks (pattern[block % len]): a period longer than this is no
+# acceptance pattern anyone runs, and it is what a client could make the server store and copy per update.
+MAX_PATTERN = 1024
+# exit_eps is a relative gap (the gap to the full schedule's output over the median token norm): the paper uses
+# 0.24 to 0.28, the random-weight tests 1.5, and on the tiny preset every token exits at its first step from about
+# 3; a gap of 100 median token norms is far past any a model shows, so a larger eps says nothing more.
+MAX_EXIT_EPS = 100.0
 
 
 class OptionError(ValueError):
@@ -78,13 +91,34 @@ EAGER_ONLY: dict[str, str] = {
 
 
 def _check_fields(obj, cls) -> None:
-    """The rules every option of `cls` shares: a declared choice, a bool that is a bool."""
+    """The rules every option of `cls` shares: None only where None is the declared default (it means "the
+    preset's" or "not set"), a declared choice, a bool that is a bool."""
     for f in dataclasses.fields(cls):
         choices, value = f.metadata["choices"], getattr(obj, f.name)
+        if value is None and f.default is not None:
+            raise OptionError(f"{f.name} must be {_what(f)}, got None; give one, or leave {f.name} out for its default "
+                              f"({_shown_default(f)})")
         if choices is not None and not (value is None and f.default is None) and value not in choices:
             raise OptionError(f"unknown {f.name} {_quote(value)}; choose one of {', '.join(choices)}")
         if isinstance(f.default, bool) and not isinstance(value, bool):
-            raise OptionError(f"{f.name} must be True or False, got {value!r}")
+            raise OptionError(f"{f.name} must be True or False, got {_quote(value)}")
+
+
+def _what(f) -> str:
+    """What option field `f` takes, in words (for the messages that refuse a value of the wrong kind)."""
+    if f.metadata["choices"] is not None:
+        return "one of " + ", ".join(f.metadata["choices"])
+    if isinstance(f.default, bool):
+        return "True or False"
+    return {"pattern": "a string of 0/1 decisions (e.g. '0110')"}.get(f.name) or _FROM_TEXT.get(f.name, (0, "a value"))[1]
+
+
+def _shown_default(f) -> str:
+    if f.name == "pattern":
+        return "no pattern"
+    if f.name == "exit_thresholds":
+        return ",".join(f"{x:g}" for x in f.default)
+    return repr(f.default)
 
 
 @dataclass(frozen=True)
@@ -186,7 +220,13 @@ class MethodOptions:
         if self.target_steps is not None:
             set_("target_steps", _integer("target_steps", self.target_steps, low=1, high=MAX_STEPS))
         if self.kv_cache_frames is not None:
-            set_("kv_cache_frames", _integer("kv_cache_frames", self.kv_cache_frames, low=1, cap=MAX_FRAMES))
+            kv = _integer("kv_cache_frames", self.kv_cache_frames, low=1)
+            if kv > MAX_KV_CACHE_FRAMES:
+                _integer("kv_cache_frames", kv, low=1, high=MAX_KV_CACHE_FRAMES,
+                         fix="it is Krea's kv_cache_num_frames, the clean context frames rebuilt before every block "
+                             f"(Krea's default: 3); no model places a frame past its RoPE table's {MAX_KV_CACHE_FRAMES} "
+                             "positions, and the video's num_blocks * frames_per_block bounds it further")
+            set_("kv_cache_frames", kv)
         for name in ("window_frames", "sink_frames"):
             if getattr(self, name) is not None:
                 set_(name, _integer(name, getattr(self, name), low=0, cap=MAX_FRAMES))
@@ -204,11 +244,19 @@ class MethodOptions:
         eps = _number("exit_eps", self.exit_eps)
         if eps < 0:
             raise OptionError(f"exit_eps {eps} must be >= 0 (0: no token exits early)")
+        if eps > MAX_EXIT_EPS:
+            raise OptionError(f"exit_eps {eps:g} must lie in [0, {MAX_EXIT_EPS:g}]: it is a relative gap to the full "
+                              "schedule's output (the paper uses 0.24 to 0.28; the random-weight presets exit every token "
+                              f"at its first step from about 3); give at most {MAX_EXIT_EPS:g}")
         set_("exit_eps", eps)
         set_("exit_thresholds", parse_thresholds(self.exit_thresholds))
         steps = _number("exit_pattern_steps", self.exit_pattern_steps)
         if steps < 1:
             raise OptionError(f"exit_pattern_steps {steps} must be >= 1 (every token takes at least one step)")
+        if steps > MAX_STEPS:
+            raise OptionError(f"exit_pattern_steps {steps:g} must lie in [1, {MAX_STEPS}]: it is a mean of denoising "
+                              "steps per token, at most the role's own steps (checked against them once the preset is "
+                              "known; the paper's mean: 1.65)")
         set_("exit_pattern_steps", steps)
         if self.exit_head is not None and not isinstance(self.exit_head, str):
             import os
@@ -219,9 +267,7 @@ class MethodOptions:
                 raise OptionError(f"exit_head must be a file path, got {type(self.exit_head).__name__} "
                                   f"{quote(self.exit_head)}")
             set_("exit_head", os.fspath(self.exit_head))
-        if self.early_exit != "none" and self.exit_verifier == "head" and not self.exit_head:
-            raise OptionError("exit_verifier 'head' needs the learned head's file: exit_head=<path> (API) or "
-                              "--exit-head FILE (CLI); train one with `sdvg train-exit-head`")
+        check_exit_head(self, resolved=False)
         if self.early_exit != "none" and self.mode != "sdvg":
             role = {"target": "target", "draft": "drafter"}[self.mode]
             if self.early_exit not in (role, "both"):
@@ -362,9 +408,7 @@ class GenerationOptions(RunOptions, MethodOptions):
         conflicts = backend_conflicts(self, self.backend)
         if conflicts:
             raise OptionError(conflicts[0])
-        if self.exit_head and self.exit_verifier != "head":
-            raise OptionError(f"exit_head {self.exit_head!r} is read by the head verifier only, but exit_verifier is "
-                              f"{self.exit_verifier!r}: pass --exit-verifier head, or drop --exit-head")
+        check_exit_head(self, resolved=True)
         for role in (r for r in self.exit_roles() if r in self.roles):
             steps = len(preset.recompute_timesteps if modes[role] == "recompute" else preset.timesteps)
             if role == "target" and self.target_steps is not None:
@@ -408,6 +452,23 @@ class GenerationOptions(RunOptions, MethodOptions):
 
 
 
+def check_exit_head(opts, resolved: bool) -> None:
+    """The head verifier and its file (the one place that says it): exit_verifier 'head' reads `exit_head`.
+    On the options alone (`resolved` False) a missing file is refused only when early exit asks for the head:
+    the file may still come from where the options meet a pipeline (`sdvg serve --exit-head`, a command line's
+    --exit-head under a --config file's verifier). Where they meet it (`resolved`, `GenerationOptions.resolved`:
+    the API's call, the CLI before loading, the server's session) the head verifier needs its file whether or
+    not early exit is on, and a file is refused under another verifier. Whether the file is one a pipeline can
+    read is `sdvg.models.exit_head`'s to say (`check_head_file`)."""
+    if opts.exit_verifier == "head" and not opts.exit_head and (resolved or opts.early_exit != "none"):
+        raise OptionError("exit_verifier 'head' needs the learned head's file and none is given: exit_head=<path> "
+                          "(API) or --exit-head FILE (sdvg generate, sdvg serve); train one with `sdvg train-exit-head`, "
+                          "or choose another verifier (stability, oracle, pattern)")
+    if resolved and opts.exit_head and opts.exit_verifier != "head":
+        raise OptionError(f"exit_head {_quote(opts.exit_head)} is read by the head verifier only, but exit_verifier is "
+                          f"{opts.exit_verifier!r}: pass --exit-verifier head, or drop --exit-head")
+
+
 def backend_conflicts(opts, backend: str | None) -> list[str]:
     """Why `opts` cannot run on stage `backend` (None: not chosen yet, nothing to say): the one place
     that says which options need the eager backend. Each entry names the option and the fix."""
@@ -436,7 +497,10 @@ def _number(name: str, value, allow_inf: bool = False) -> float:
         raise OptionError(f"{name} must be a number, got {quote(value)}")
     if isinstance(value, int) and abs(value) > 2**1023:
         raise OptionError(f"{name} is too large to be a number here; give a value of a sensible size")
-    value = float(value)
+    try:
+        value = float(value)
+    except (OverflowError, ValueError, TypeError):  # e.g. a Fraction past float's range
+        raise OptionError(f"{name} is too large to be a number here; give a value of a sensible size") from None
     if math.isnan(value):
         raise OptionError(f"{name} is NaN; give a number" + (" (or inf / -inf)" if allow_inf else ""))
     if math.isinf(value) and not allow_inf:
@@ -444,7 +508,7 @@ def _number(name: str, value, allow_inf: bool = False) -> float:
     return value
 
 
-def _integer(name: str, value, low: int, high: int | None = None, cap: int | None = None) -> int:
+def _integer(name: str, value, low: int, high: int | None = None, cap: int | None = None, fix: str = "") -> int:
     from sdvg.bounded import quote
 
     if isinstance(value, bool) or not hasattr(value, "__index__"):
@@ -452,7 +516,7 @@ def _integer(name: str, value, low: int, high: int | None = None, cap: int | Non
     value = int(value.__index__())
     if value < low or (high is not None and value > high):
         bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise OptionError(f"{name} {quote(value)} must be an integer {bound}")
+        raise OptionError(f"{name} {quote(value)} must be an integer {bound}" + (f"; {fix}" if fix else ""))
     if cap is not None and value > cap:
         raise OptionError(f"{name} {quote(value)} must be an integer <= {cap} (a size bound)")
     return value
@@ -484,18 +548,34 @@ def parse_thresholds(value) -> tuple[float, float]:
     return out
 
 
+def _long_pattern(length: str) -> OptionError:
+    return OptionError(f"pattern has {length} decisions; at most {MAX_PATTERN}: the pattern router cycles them over the "
+                       "blocks (block b takes pattern[b % len]), so a video reads at most num_blocks of them; give one "
+                       "period (e.g. '0110')")
+
+
 def parse_pattern(value) -> tuple[bool, ...]:
-    """A decision pattern from a string of 0/1 ('0110') or a sequence of bools (or 0/1 ints)."""
+    """A decision pattern from a string of 0/1 ('0110') or a sequence of bools (or 0/1 ints), at most
+    `MAX_PATTERN` long (read no further than that; messages quote a bounded prefix of the value)."""
+    import itertools
+
     if isinstance(value, str):
+        if len(value) > MAX_PATTERN:
+            raise _long_pattern(str(len(value)))
         bad = sorted(set(value) - {"0", "1"})
         if bad:
             raise OptionError(f"pattern {_quote(value)} may hold only 0 and 1 (found {_quote(''.join(bad))}); "
                               "e.g. '0110'")
         return tuple(c == "1" for c in value)
+    if isinstance(value, (dict, set, frozenset)):  # no order, or keys: never a decision list
+        raise OptionError(f"pattern must be a string of 0/1 or a list of bools, got {type(value).__name__} "
+                          f"{_quote(value)}")
     try:
-        items = tuple(value)
+        items = tuple(itertools.islice(iter(value), MAX_PATTERN + 1))  # an endless iterable is not read to its end
     except TypeError:
         raise OptionError(f"pattern must be a string of 0/1 or a list of bools, got {_quote(value)}") from None
+    if len(items) > MAX_PATTERN:
+        raise _long_pattern(str(len(value)) if hasattr(value, "__len__") else f"more than {MAX_PATTERN}")
     out = []
     for x in items:
         if isinstance(x, bool):
@@ -503,7 +583,7 @@ def parse_pattern(value) -> tuple[bool, ...]:
         elif isinstance(x, int) and x in (0, 1):
             out.append(bool(x))
         else:
-            raise OptionError(f"pattern entries must be bools (or 0/1), got {x!r}")
+            raise OptionError(f"pattern entries must be bools (or 0/1), got {_quote(x)}")
     return tuple(out)
 
 
@@ -520,7 +600,7 @@ PAPER_RESOLUTION = (480, 832)  # height, width
 def protocol_options(name: str, **overrides) -> "GenerationOptions":
     """The options of a named protocol (`PROTOCOLS`), with `overrides` on top."""
     if name not in PROTOCOLS:
-        raise OptionError(f"unknown protocol {name!r}; choose one of {', '.join(PROTOCOLS)}")
+        raise OptionError(f"unknown protocol {_quote(name)}; choose one of {', '.join(PROTOCOLS)}")
     return GenerationOptions(**{**PROTOCOLS[name], **overrides})
 
 

@@ -9,6 +9,7 @@ import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
+from sdvg.bounded import quote
 from sdvg.options import MAX_INTERP_BLOCKS, ROUTERS, SEED_MAX, GenerationOptions, OptionError
 
 # The router's options a live update may change (from the acknowledged block on), tau first.
@@ -29,9 +30,9 @@ def check_prompt(prompt, where: str = "prompt") -> str:
 
 def _check_int(name: str, value, low: int, high: int, fix: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise UpdateError(f"{name} must be an integer, got {value!r}; {fix}")
+        raise UpdateError(f"{name} must be an integer, got {quote(value)}; {fix}")
     if not low <= int(value) <= high:
-        raise UpdateError(f"{name} {value} must lie in [{low}, {high}]; {fix}")
+        raise UpdateError(f"{name} {quote(int(value))} must lie in [{low}, {high}]; {fix}")
     return int(value)
 
 
@@ -63,13 +64,17 @@ class Update:
         if self.seed is not None:
             _check_int("seed", self.seed, 0, SEED_MAX, f"give a seed in [0, {SEED_MAX}]")
         if not isinstance(self.reset, bool):
-            raise UpdateError(f"reset must be True or False, got {self.reset!r}")
+            raise UpdateError(f"reset must be True or False, got {quote(self.reset)}")
         if self.tau is not None:
-            if isinstance(self.tau, bool) or not isinstance(self.tau, numbers.Real) or math.isnan(self.tau):
-                raise UpdateError(f"tau must be a number (inf / -inf allowed), got {self.tau!r}")
-            object.__setattr__(self, "tau", float(self.tau))
+            try:  # a number float() takes (an integer of 5000 digits does not)
+                tau = float(self.tau) if isinstance(self.tau, numbers.Real) and not isinstance(self.tau, bool) else None
+            except OverflowError:
+                tau = None
+            if tau is None or math.isnan(tau):
+                raise UpdateError(f"tau must be a number (inf / -inf allowed), got {quote(self.tau)}")
+            object.__setattr__(self, "tau", tau)
         if self.router is not None and self.router not in ROUTERS:
-            raise UpdateError(f"router {self.router!r} is not one of {', '.join(ROUTERS)}")
+            raise UpdateError(f"router {quote(self.router)} is not one of {', '.join(ROUTERS)}")
         for name in ("accept_prob", "pattern"):  # each checked (and normalised) as the option is
             value = getattr(self, name)
             if value is None:
@@ -78,6 +83,9 @@ class Update:
                 object.__setattr__(self, name, getattr(GenerationOptions(**{name: value}), name))
             except (OptionError, TypeError, ValueError) as exc:
                 raise UpdateError(str(exc)) from None
+        if self.pattern is not None and not self.pattern:  # () is the options' "no pattern"; an update sets one
+            raise UpdateError("pattern is empty: an update sets the pattern router's decisions from its block on; give "
+                              "at least one (e.g. '0110'), or leave pattern out")
         # (whether the router options fit together, e.g. router 'pattern' with a pattern, the session checks
         # against its own: sdvg/live/session.py)
         if self.prompt is None and self.seed is None and not self.reset and not self.router_changes:
@@ -131,14 +139,14 @@ def parse_schedule(schedule) -> list[tuple[int, Update | str]]:
         schedule = _read_schedule_file(Path(schedule))
     if not isinstance(schedule, (list, tuple)) or not schedule:
         raise UpdateError(f"prompt_schedule must be a non-empty list of (block, prompt) pairs or "
-                          f"{{block, prompt, interp_blocks}} entries, got {schedule!r:.80}")
+                          f"{{block, prompt, interp_blocks}} entries, got {quote(schedule)}")
     entries = []
     for i, item in enumerate(schedule):
         where = f"prompt_schedule[{i}]"
         if isinstance(item, dict):
-            unknown = sorted(set(map(str, item)) - set(_ENTRY_KEYS))
+            unknown = sorted(quote(k, 40) for k in item if k not in _ENTRY_KEYS)
             if unknown:
-                raise UpdateError(f"{where} has unknown keys {unknown}; use {', '.join(_ENTRY_KEYS)}")
+                raise UpdateError(f"{where} has unknown keys {', '.join(unknown[:10])}; use {', '.join(_ENTRY_KEYS)}")
             if "block" not in item:
                 raise UpdateError(f"{where} has no 'block'; give the block index the entry takes effect at")
             fields = {k: v for k, v in item.items() if k != "block"}
@@ -148,7 +156,7 @@ def parse_schedule(schedule) -> list[tuple[int, Update | str]]:
         elif isinstance(item, (list, tuple)) and len(item) == 2:
             block, fields = item[0], {"prompt": item[1]}
         else:
-            raise UpdateError(f"{where} is {item!r:.60}; give (block, prompt) or {{block: N, prompt: ...}}")
+            raise UpdateError(f"{where} is {quote(item)}; give (block, prompt) or {{block: N, prompt: ...}}")
         block = _check_int(f"{where} block", block, 0, 2**62, "blocks count from 0")
         if "prompt" in fields:
             check_prompt(fields["prompt"], f"{where} prompt")
