@@ -34,6 +34,10 @@ def quote(value, limit: int = 60) -> str:
         if len(value) <= limit:
             return repr(value)
         return repr(value[:limit]) + f"... ({len(value)} characters)"
+    if isinstance(value, (bytes, bytearray)):  # reprlib would repr the whole of it before cutting
+        if len(value) <= limit:
+            return repr(value)
+        return repr(bytes(value[:limit])) + f"... ({len(value)} bytes)"
     if isinstance(value, bool) or value is None:
         return repr(value)
     if isinstance(value, int):
@@ -159,19 +163,36 @@ def load_yaml_text(text: str, source: str):
 
     if len(text) > MAX_CONFIG_BYTES:
         raise BoundedInputError(f"{source} is larger than {MAX_CONFIG_BYTES} bytes; a config is small text")
-    loader = _yaml_loader()(text)
-    try:
+    loader = None
+    try:  # the loader too: its reader refuses a character YAML does not allow (a NUL byte) as it is built
+        loader = _yaml_loader()(text)
         data = loader.get_single_data()
     except BoundedInputError as exc:
         raise BoundedInputError(f"{source}: {exc}") from None
+    except yaml.reader.ReaderError as exc:
+        raise BoundedInputError(_unreadable_character(text, exc, source)) from None
     except yaml.YAMLError as exc:
         raise BoundedInputError(f"{source} is not valid YAML: {_bounded_text(str(exc))}") from None
     except (ValueError, RecursionError, OverflowError) as exc:  # e.g. an integer of too many digits
         raise BoundedInputError(f"{source}: a value cannot be read ({_bounded_text(str(exc))})") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     _check_tree(data, source)
     return data
+
+
+def _unreadable_character(text: str, exc, source: str) -> str:
+    """yaml's ReaderError (a character YAML does not allow: NUL, other control characters) as a message naming
+    the source, the character's code and its line and column."""
+    pos = exc.position if isinstance(exc.position, int) and 0 <= exc.position <= len(text) else None
+    code = exc.character if isinstance(exc.character, int) else None
+    what = "a character" if code is None else "a NUL byte (0x00)" if code == 0 else f"the character U+{code:04X}"
+    if pos is not None:
+        line = text.count("\n", 0, pos) + 1
+        what += f" at line {line}, column {pos - (text.rfind(chr(10), 0, pos) + 1) + 1}"
+    return (f"{source} holds {what}, which YAML does not allow; a config is plain text: remove it (or re-save the "
+            "file as UTF-8 text)")
 
 
 def _refuse_duplicates(source: str):

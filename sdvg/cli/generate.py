@@ -112,11 +112,16 @@ def run(args, load_pipeline) -> int:
 
 
 def _check_input_video(args, opts) -> None:
-    """--input-video, --strength and --start-frame, before any model loads: the files are there; strength needs
-    an input."""
+    """--input-video, --strength, --start-frame and --exit-head, before any model loads: the files are there (the
+    exit head a regular file); strength needs an input."""
     if args.input_video is None and opts.strength != 1.0:
         raise ValueError(f"--strength {opts.strength} sets how much of an input video is kept; give "
                          "--input-video FILE (or leave --strength at 1.0)")
+    if opts.exit_head is not None:  # read at the first block: a named pipe there would block it forever
+        from sdvg.io.safe_files import check_regular_input
+
+        check_regular_input(opts.exit_head, "--exit-head", "give the head's .safetensors file (`sdvg train-exit-head` "
+                                                           "writes head.safetensors in its --out)")
     if args.start_frame is not None and not Path(args.start_frame).is_file():
         raise ValueError(f"--start-frame {args.start_frame} does not exist or is not a file; give an image file "
                          "(JPEG, PNG or WebP)")

@@ -33,12 +33,13 @@ def run(args, load_pipeline) -> int:
     """Train the exit head on the hidden states and oracle gaps of recorded rollouts; report its AUROC on
     held-out rollouts beside the stability verifier's (docs/early-exit.md, "Training the head")."""
     from sdvg.evaluation.exit_calibration import TrainConfig, role_mode
-    from sdvg.evaluation.exit_head_training import (HeadTrainingJob, check_heldout_seeds, folder_paths,
-                                                    train_exit_head)
+    from sdvg.evaluation.exit_head_training import (HeadTrainingJob, check_heldout_seeds, check_out_folder,
+                                                    folder_paths, train_exit_head)
 
     check_heldout_seeds(args.seeds, args.heldout_seeds)
-    every, source = exit_prompts(args, extra=args.heldout_prompts)
     out = Path(args.out)
+    check_out_folder(out)  # --out a folder, its files files: refused here, not after the model loads
+    every, source = exit_prompts(args, extra=args.heldout_prompts)
     paths = folder_paths(out)
     if paths["checkpoint"].exists() and not args.resume:
         raise ValueError(f"{out} holds a training checkpoint; pass --resume to continue it or another --out")

@@ -21,6 +21,49 @@ def folder_paths(out: Path) -> dict[str, Path]:
     return {name: Path(out) / file for name, file in FOLDER_FILES}
 
 
+def check_out_folder(out: Path) -> None:
+    """What the run will write, checked before any model loads or rollout runs (ValueError naming the path, what
+    is there and the fix): `out` is a folder or nothing yet (then creatable: its nearest existing ancestor a
+    folder), and each file of FOLDER_FILES there is a regular file or nothing (a folder at checkpoint.safetensors
+    would otherwise be found at the first checkpoint, after the rollouts), its temporary name too."""
+    import os
+    import stat
+
+    from sdvg.io.safe_files import kind_of, refuse_planted
+
+    out = Path(out)
+    what = ", ".join(file for _, file in FOLDER_FILES)
+    try:
+        mode = os.stat(out).st_mode
+    except FileNotFoundError:
+        mode = None
+    except NotADirectoryError:
+        mode = None
+    except OSError as exc:
+        raise ValueError(f"training folder {out} (--out) cannot be read ({exc.strerror}); give another --out") from None
+    if mode is not None and not stat.S_ISDIR(mode):
+        raise ValueError(f"training folder {out} (--out) is {kind_of(mode)}, not a folder: train-exit-head writes a folder "
+                         f"there ({what}); give a folder's path, new or existing")
+    if mode is None:
+        parent = out.parent
+        while not os.path.lexists(parent) and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir():
+            raise ValueError(f"training folder {out} (--out) cannot be created: {parent} is not a folder; give another "
+                             "--out")
+        return
+    for name, file in FOLDER_FILES:
+        path = out / file
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            mode = None
+        if mode is not None and not stat.S_ISREG(mode):
+            raise ValueError(f"{path} is {kind_of(mode)}, not a file: train-exit-head writes its {name} there; remove it "
+                             "or give another --out")
+        refuse_planted(path.with_name(f".{file}.tmp"), f"the temporary file of {path}")
+
+
 @dataclass(frozen=True)
 class HeadTrainingJob:
     """What one training run records and trains on; `config` an `exit_calibration.TrainConfig`, `base`
@@ -55,6 +98,7 @@ def train_exit_head(pipe, job: HeadTrainingJob, source: dict | None = None, phas
     from sdvg.generation.types import strict_json
     from sdvg.io.outputs import write_text_atomic
 
+    check_out_folder(job.out)  # before the rollouts: a folder where a file goes is not found at the first save
     paths, config, base = folder_paths(job.out), job.config, job.base
     prov = pipe.provenance()
     generator = {"role": job.role, "preset": job.preset, "preset_fingerprint": prov["preset_fingerprint"],

@@ -45,6 +45,25 @@ def refuse_planted(path: str | Path, what: str) -> None:
                               "(it may have been planted) or choose another path")
 
 
+def check_regular_input(path: str | Path, what: str, fix: str) -> Path:
+    """`path`, checked to name a regular file (a symlink to one is followed: model caches are made of them) with
+    stat, before anything opens it: a named pipe would block the open (and a reader after it) forever, a folder or
+    a device fails later or never. FileNotFoundError when nothing is there, ValueError for anything else; both
+    name `what`, the path, what is there and `fix`."""
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {path} not found; {fix}") from None
+    except NotADirectoryError:
+        raise FileNotFoundError(f"{what} {path} not found (a part of its folder is a file); {fix}") from None
+    except OSError as exc:
+        raise ValueError(f"{what} {path} cannot be read ({exc.strerror}); {fix}") from None
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{what} {path} is {kind_of(mode)}, not a regular file; {fix}")
+    return path
+
+
 def _open_error(path: Path, what: str, exc: OSError) -> UnsafePathError:
     if exc.errno in (errno.ELOOP, errno.EMLINK):
         return UnsafePathError(f"{what}: {path} is a symbolic link, which sdvg never writes through; remove it (it "

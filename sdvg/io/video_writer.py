@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sdvg.io import DEFAULT_CRF, DEFAULT_FPS, MAX_FPS
+from sdvg.io import DEFAULT_CRF, DEFAULT_FPS, check_fps
 from sdvg.io.safe_files import UnsafePathError, create_new, refuse_planted
 
 
@@ -54,8 +54,7 @@ class IncrementalMP4Writer:
     process starts with the first frames (their size fixes the video's)."""
 
     def __init__(self, path: str | Path, fps: float = DEFAULT_FPS, crf: int = DEFAULT_CRF):
-        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps <= MAX_FPS:
-            raise ValueError(f"fps {fps!r} must be a number in (0, {MAX_FPS}]")
+        fps = check_fps(fps)  # [MIN_FPS, MAX_FPS]: refused here, not by ffmpeg once the video is done
         if isinstance(crf, bool) or not isinstance(crf, int) or not 0 <= crf <= 51:
             raise ValueError(f"crf {crf!r} must be an integer in [0, 51] (libx264; lower is better quality)")
         self.path = Path(path)

@@ -61,6 +61,18 @@ def read_metadata_json(meta: dict, key: str, source: str, default=None):
         raise ValueError(f"{exc}; the file is damaged or not sdvg's") from None
 
 
+HEAD_FILE_FIX = "give the head's .safetensors file (`sdvg train-exit-head` writes head.safetensors in its --out)"
+
+
+def check_head_file(path: str | Path) -> Path:
+    """`path` as a head file may be: a regular file (a symlink to one followed), checked before anything opens it
+    (FileNotFoundError when missing, ValueError naming what is there instead: a folder, a named pipe, a device).
+    The command line runs it before loading any model (`sdvg generate --exit-head`)."""
+    from sdvg.io.safe_files import check_regular_input
+
+    return check_regular_input(path, "exit head file", HEAD_FILE_FIX)
+
+
 @dataclass(frozen=True)
 class ExitHeadConfig:
     dim: int  # the generator's hidden width
@@ -142,9 +154,7 @@ class ExitHead(nn.Module):
         """A head from its file; `dim`: the generator's width it must match."""
         from safetensors import safe_open
 
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"exit head file {path} not found; train one with `sdvg train-exit-head`")
+        path = check_head_file(path)
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
@@ -196,6 +206,7 @@ class ExitHead(nn.Module):
         from safetensors import safe_open
 
         try:
+            check_head_file(path)  # never opened unless a regular file: a named pipe would block the open
             with safe_open(str(path), framework="pt") as f:
                 extra = read_metadata_json(f.metadata() or {}, "extra", str(path), {})
         except Exception:  # noqa: BLE001 (unreadable: `load` says why)
