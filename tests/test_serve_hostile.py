@@ -483,3 +483,40 @@ def test_an_mp4_bomb_is_refused_at_upload_before_a_frame_is_decoded(tiny_pipe, t
         assert status == 413 and "20000x20000" in body["error"]
         status, body = upload(url, "/upload_video", video(tmp_path / "ok.mp4", 64, 4), "ok.mp4")
         assert status == 200 and body["type"] == "mp4"
+
+
+def test_each_session_event_is_one_log_line(tiny_pipe, tmp_path, caplog):
+    """The operator's view (`sdvg.serve.sessions` at INFO): started and completed with their numbers, the first
+    refusal of each reason, a socket closed mid-run; never the prompt's text."""
+    import logging
+
+    from serve_harness import run_session
+
+    with caplog.at_level(logging.INFO, logger="sdvg.serve.sessions"), running_server(tiny_pipe, tmp_path) as (url, _):
+        asyncio.run(run_session(url, {"prompt": "a secret prompt", "num_blocks": 2, "seed": 3}, session_id="log1"))
+
+        async def refused_then_gone():
+            async with websockets.connect(f"ws://{url}/session/log2?sdvg=1") as ws:
+                await recv_json(ws, 30)
+                for _ in range(3):
+                    await ws.send("text")
+                    await recv_json(ws, 30)
+                await ws.send(msgpack.packb({"prompt": "x", "num_blocks": 200, "seed": 1}))
+                while not isinstance(await asyncio.wait_for(ws.recv(), 60), bytes):  # running: leave mid-run
+                    pass
+
+        asyncio.run(refused_then_gone())
+        deadline = time.monotonic() + 60
+        while not any("session log2 closed" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+            time.sleep(0.1)
+    lines = [r.getMessage() for r in caplog.records if r.name == "sdvg.serve.sessions"]
+    started = [m for m in lines if m.startswith("session log1 started")]
+    completed = [m for m in lines if m.startswith("session log1 completed")]
+    assert len(started) == 1 and "kind=plain" in started[0] and "blocks=2" in started[0] and "client=127.0.0.1:" in \
+        started[0] and "prompt_chars=15" in started[0]
+    assert len(completed) == 1 and "blocks=2" in completed[0] and "frames=21" in completed[0]
+    refused = [m for m in lines if m.startswith("session log2 refused")]
+    assert len(refused) == 1 and "reason=text" in refused[0]  # the first of its reason only
+    assert any(m.startswith("session log2 closed") and "during=run" in m for m in lines)
+    assert not any("secret" in m for m in lines)

@@ -57,8 +57,9 @@ def test_sigterm_completes_every_socket_and_finishes_every_mp4(tmp_path):
         assert texts[-1] == {"session_id": sid, "status": "completed"}
         assert code == 1001
         assert 0 < frames < 9 + 39 * 12  # stopped early, not run to its end
-        video = tmp_path / "videos" / f"{sid}.mp4"
-        assert video.is_file() and not list(tmp_path.glob("videos/.*partial*"))
+        videos = list((tmp_path / "videos").glob(f"{sid}~*.mp4"))  # the run's own file (its run key)
+        assert len(videos) == 1 and not list(tmp_path.glob("videos/.*partial*"))
+        video = videos[0]
         assert len(read_mp4_frames(video)) == frames
 
 

@@ -26,6 +26,7 @@ from sdvg.serve.access import SiteGate, TokenGate
 from sdvg.serve.config import ServeConfig
 from sdvg.serve.encode import FORMATS
 from sdvg.serve.engine import Engine, build_labels, pipe_devices
+from sdvg.serve.events import refusal_event, session_event
 from sdvg.serve.metrics import ServeMetrics, cuda_memory_reader
 from sdvg.serve.plain import params_error, plain_params, plain_update
 from sdvg.serve.protocol import UPLOAD_ID, ProtocolError, decode_message, parse_params, parse_update
@@ -239,6 +240,8 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
         await websocket.accept()
         outbox = Outbox(cfg.send_buffer_frames, metrics)
         session = Session(session_id, fmt, superset, asyncio.get_running_loop(), outbox)
+        peer = websocket.client
+        session.client = f"{peer.host}:{peer.port}" if peer else None
         if not manager.opened(session):
             await websocket.close(code=1001, reason="server shutting down")
             return
@@ -291,10 +294,12 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
         operator told (sdvg.serve.plain). Every refusal, whatever its kind, counts against one budget per socket:
         True when it is spent (the socket is closed, 1008)."""
         metrics.refused.labels(error.reason or reason).inc()
+        refusal_event(session, error.reason or reason, str(error))
         session.refusals += 1
         if session.refusals >= cfg.flood_close_after:
             why = (f"{session.refusals} messages refused on this socket (at most {cfg.flood_close_after}, "
                    "--max-refused-messages); closing")
+            session_event(session, "closed", why="max_refused_messages", refused=session.refusals)
             if session.superset:
                 session.outbox.text({"status": "error", "error": why, "field": None})
             else:
@@ -342,6 +347,7 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
                 why = (f"no parameters within {cfg.first_message_timeout_s:g} s (--first-message-timeout)"
                        if kind == "first" else f"idle for {cfg.idle_timeout_s:g} s")
                 metrics.refused.labels("timeout").inc()
+                session_event(session, "closed", why="first_message_timeout" if kind == "first" else "idle_timeout")
                 if session.superset:
                     session.outbox.text({"status": "error", "error": f"{why}; closing", "field": None})
                 session.outbox.close(1000)

@@ -30,6 +30,7 @@ import numpy as np
 from sdvg.serve.config import ServeConfig
 from sdvg.serve.encode import encode_block
 from sdvg.serve.engine import Engine, SessionSpec
+from sdvg.serve.events import session_event
 from sdvg.serve.metrics import ServeMetrics
 from sdvg.serve.plain import Adjusted, failure
 from sdvg.serve.security import MAX_SHARED_ID
@@ -96,6 +97,7 @@ class Session:
         self.paused = False
         self.paused_at: float | None = None  # time.monotonic() of the pause (its --max-pause-s counts from it)
         self.refusals = 0  # messages refused on this socket, whatever the reason (--max-refused-messages closes it)
+        self.client: str | None = None  # host:port of the socket's peer (log lines)
         self.commands: collections.deque = collections.deque()  # for the worker (under the manager's lock)
         self.run = 0  # bumped by every (re)start: blocks of an older run are not sent
         self.next_seed: int | None = None  # Krea: a `seed` update applies at the next reset
@@ -202,20 +204,25 @@ class SessionManager:
             if self.stopping:
                 return "busy"
             session.spec = spec
+            described = _described(spec)
             if session.state == "running":  # a reset: the slot is kept
                 self._restart(session)
+                session_event(session, "reset", run=session.run, **described)
                 return "running"
             if len(self.active) < self.cfg.max_sessions:
                 self.active.append(session)
                 session.state = "running"
                 self._restart(session)
                 self._counts()
+                session_event(session, "started", run=session.run, **described)
                 return "running"
             if len(self.queue) >= self.cfg.max_queue:
                 self.metrics.busy_total.inc()
+                session_event(session, "busy", active=len(self.active), queued=len(self.queue))
                 return "busy"
             self.queue.append(session)
             session.state = "queued"
+            session_event(session, "queued", position=len(self.queue), **described)
             self._counts()
             self._tell_positions()
             if not session.superset:
@@ -295,6 +302,7 @@ class SessionManager:
         for s in idle:
             s.post_close(1001, "server shutting down")
         for s in queued:
+            session_event(s, "shutdown", state="queued", ran=False)
             if s.superset:
                 s.post_text({"status": "error", "error": "the server is shutting down; this session did not run",
                              "field": None})
@@ -317,6 +325,7 @@ class SessionManager:
             self.active.append(nxt)
             nxt.state = "running"
             self._restart(nxt)
+            session_event(nxt, "started", run=nxt.run, from_queue=True)
             if nxt.superset:  # sdvg: the slot is held now (a webcam page starts sending frames)
                 nxt.post_text({"status": "running", "session_id": nxt.id})
         self._tell_positions()
@@ -376,6 +385,8 @@ class SessionManager:
             self.queue.clear()
             self._counts()
         for s in every:
+            if s.generation is not None:
+                session_event(s, "shutdown", state=s.state, blocks=s.blocks_done, frames=s.frames_done)
             self._end(s, reason="shutdown")
             if s.state != "closed":
                 s.post_text(s.completed())
@@ -398,11 +409,13 @@ class SessionManager:
                 return
             s.reading = False
             if isinstance(clip, Exception):
+                session_event(s, "failed", at="input_video", error=type(clip).__name__, why=str(clip)[:80])
                 s.post_error(f"could not start: {clip}", failed=True)
                 self._finished(s)
                 return
             self._begin(s, spec, clip)
         elif cmd[0] == "end":  # the run ends early (a pause past --max-pause-s): completed, the slot freed
+            session_event(s, "ended", why="max_pause", blocks=s.blocks_done, frames=s.frames_done)
             if s.superset:
                 s.post_text({"status": "error", "error": cmd[1], "field": None})
             else:
@@ -435,6 +448,7 @@ class SessionManager:
             s.generation = self.engine.start(spec, clip)
             s.writer = self.videos.writer(s.video_key)
         except Exception as exc:  # e.g. a memory budget refusal, an unreadable video
+            session_event(s, "failed", at="start", error=type(exc).__name__, why=str(exc)[:80])
             s.post_error(f"could not start: {exc}", failed=True)
             self._finished(s)
             return
@@ -454,12 +468,16 @@ class SessionManager:
         try:
             block = next(gen)
         except StopIteration:  # the slot is free before the client hears of the end (it may start again at once)
+            session_event(s, "completed", run=s.run, blocks=s.blocks_done, frames=s.frames_done,
+                          acceptance=s.accepted / s.later if s.later else None,
+                          seconds=time.perf_counter() - s.t_start, dropped_frames=s.outbox.dropped)
             self._end(s, reason="completed")
             self._finished(s)
             s.post_text(s.completed())
             return
         except Exception as exc:
             traceback.print_exc()
+            session_event(s, "failed", at=f"block {s.blocks_done}", error=type(exc).__name__, why=str(exc)[:80])
             self._end(s, reason="error")
             self._finished(s)
             s.post_error(f"generation failed at block {s.blocks_done}: {type(exc).__name__}: {exc}", failed=True)
@@ -491,6 +509,8 @@ class SessionManager:
 
     def _end(self, s: Session, reason: str) -> None:
         """Close the generation and finish its MP4 (worker)."""
+        if s.generation is not None and reason == "closed":  # the socket went away mid-run
+            session_event(s, "closed", during="run", blocks=s.blocks_done, frames=s.frames_done)
         if s.generation is not None:
             try:
                 self.engine.close(s.generation)
@@ -550,6 +570,17 @@ class SessionManager:
             stats["queue_depth"] = s.outbox.frames
             stats["dropped_frames"] = s.outbox.dropped
             s.outbox.text(stats)
+
+
+def _described(spec) -> dict:
+    """What a session's log lines say of its parameters (never the prompt's text)."""
+    o = getattr(spec, "options", None)
+    if o is None:
+        return {}
+    return dict(blocks=o.num_blocks, seed=o.seed, mode=o.mode, tau=o.tau, prompt_chars=len(spec.prompt or ""),
+                size=f"{spec.width}x{spec.height}" if spec.width else None,
+                input_video=spec.input_video is not None or None, webcam=spec.webcam or None,
+                start_frame=spec.start_frame is not None or None)
 
 
 def _drop_snapshots(s: Session) -> None:
