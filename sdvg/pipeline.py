@@ -43,7 +43,8 @@ from sdvg.options import OPTION_NAMES, SEED_MAX, GenerationOptions, OptionError
 COMPONENT_ROLES = ("drafter", "target", "vae", "reward", "text_encoder")
 SCHEDULE_KEYWORD = "prompt_schedule"  # __call__ and stream: replaces prompt (docs/live.md), not an option
 API_KEYWORDS = ("num_videos_per_prompt", "generator", "output_type", "return_dict",
-                "callback_on_block_end")  # __call__ only, not options
+                "callback_on_block_end", "height", "width", "num_inference_steps", "guidance_scale",
+                "negative_prompt")  # __call__ only, not options (the last five: diffusers' names, taken or refused)
 PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -61,6 +62,27 @@ def precision_of(torch_dtype) -> str:
 def _options(keywords: dict) -> GenerationOptions:
     """The options given as `stream`/`__call__` keywords (their names are exactly OPTION_NAMES)."""
     return GenerationOptions(**{name: keywords[name] for name in OPTION_NAMES})
+
+
+def _diffusers_steps(num_inference_steps, target_steps):
+    """diffusers' num_inference_steps as sdvg's target_steps (both given: they must agree)."""
+    if num_inference_steps is None:
+        return target_steps
+    if target_steps is not None and target_steps != num_inference_steps:
+        raise OptionError(f"num_inference_steps {num_inference_steps} and target_steps {target_steps} name the same "
+                          "thing (the target's denoising steps); give one")
+    return num_inference_steps
+
+
+def _no_guidance(guidance_scale, negative_prompt) -> None:
+    """Classifier-free guidance: sdvg's models (Self-Forcing's drafter, Krea's target) are distilled to sample
+    without it, so only a request for none is taken."""
+    if guidance_scale is not None and guidance_scale != 1.0:
+        raise OptionError(f"guidance_scale {guidance_scale}: sdvg's models are distilled to sample without "
+                          "classifier-free guidance (Self-Forcing, Krea Realtime Video); leave it out or pass 1.0")
+    if negative_prompt is not None and any(negative_prompt if isinstance(negative_prompt, list) else [negative_prompt]):
+        raise OptionError("negative_prompt: sdvg's models are distilled to sample without classifier-free guidance, "
+                          "so a negative prompt would change nothing; leave it out")
 
 
 class BlockStream:
@@ -90,6 +112,14 @@ class BlockStream:
             raise
         self.stats.add(block)
         return block
+
+    def __enter__(self) -> "BlockStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """`with pipe.stream(...) as blocks:` closes the video when the block ends (a break, an error): its
+        scheduler thread stops and its stats are final."""
+        self.close()
 
     def close(self) -> None:
         """Stop an unfinished video (its scheduler thread included); its stats are then final and
@@ -124,6 +154,14 @@ class SpeculativeVideoPipeline:
         self._progress_bar_config: dict = {}  # tqdm keywords of __call__'s block progress bar
         self._start_memo: tuple | None = None  # (key, latents): the last start frame encoded (`start_latents`)
         self._warn_cpu_build()
+
+    def __repr__(self) -> str:
+        c, v = self.components, self.preset.video
+        random = " (random weights)" if self.preset.sources is None else ""
+        return (f"SpeculativeVideoPipeline(preset={self.preset.name!r}{random}, {v.width}x{v.height}, "
+                f"precision={self.preset.precision}, "
+                f"drafter_device={str(c.drafter_device)!r}, target_device={str(c.target_device)!r}, "
+                f"backend={self.default_backend!r}, quantization={self.default_quantization!r})")
 
     def _warn_cpu_build(self) -> None:
         """A CPU-only sdvg._C under CUDA devices is said at load and after `to()`."""
@@ -653,7 +691,9 @@ class SpeculativeVideoPipeline:
                  input_video=None, start_frame=None, num_videos_per_prompt: int | None = 1,
                  generator: torch.Generator | list[torch.Generator] | None = None, output_type: str = "np",
                  return_dict: bool = True,
-                 callback_on_block_end: Callable[["SpeculativeVideoPipeline", BlockRecord], None] | None = None):
+                 callback_on_block_end: Callable[["SpeculativeVideoPipeline", BlockRecord], None] | None = None,
+                 height: int | None = None, width: int | None = None, num_inference_steps: int | None = None,
+                 guidance_scale: float | None = None, negative_prompt: str | list[str] | None = None):
         """Whole videos at once, returned as diffusers' `WanPipeline` returns them (sdvg/io/video_batch.py).
         The generation keywords are those of `stream`; besides them:
 
@@ -671,7 +711,22 @@ class SpeculativeVideoPipeline:
         `pipe.interrupt = True` there stops the call after that block (the output then holds the blocks
         every emitted video has; `blocks` and `stats`, marked interrupted, keep all).
         Everything is checked before any work: a bad callback, generator list or num_videos_per_prompt is
-        refused naming the fix. A progress bar counts the blocks (`set_progress_bar_config`)."""
+        refused naming the fix. A progress bar counts the blocks (`set_progress_bar_config`).
+
+        diffusers' names: height / width make videos of that size with these weights (`resized`: each a multiple of
+        the VAE's stride times the patch size; the eager backend only); num_inference_steps is the target's
+        steps (`target_steps`, as Krea's server reads its num_denoising_steps; the drafter keeps its own);
+        guidance_scale and negative_prompt are refused unless they ask for nothing (1.0, empty): the models
+        are distilled to sample without classifier-free guidance."""
+        if height is not None or width is not None:
+            video = self.preset.video
+            size = (video.height if height is None else height, video.width if width is None else width)
+            if size != (video.height, video.width):
+                keywords = {k: v for k, v in locals().items()
+                            if k not in ("self", "height", "width", "video", "size", "__class__")}
+                return self.resized(*size)(**keywords)
+        target_steps = _diffusers_steps(num_inference_steps, target_steps)
+        _no_guidance(guidance_scale, negative_prompt)
         if output_type not in OUTPUT_TYPES:
             raise ValueError(f"unknown output_type {output_type!r}; choose one of {', '.join(OUTPUT_TYPES)}")
         prompts = [None] if prompt_schedule is not None and prompt is None else _prompt_list(prompt)

@@ -80,3 +80,34 @@ def _read(path) -> np.ndarray:
     from sdvg.io.video_writer import read_mp4_frames
 
     return read_mp4_frames(path)
+
+
+def test_diffusers_keywords_are_taken_or_refused_by_name(tiny_pipe):
+    """height / width make that size with the same weights (pipe.resized); num_inference_steps is target_steps;
+    guidance_scale / negative_prompt are refused unless they ask for nothing (the models are CFG-distilled)."""
+    from sdvg.options import OptionError
+
+    kw = dict(num_blocks=1, seed=2, output_type="uint8")
+    sized = tiny_pipe("a fox", height=48, width=80, **kw).frames
+    assert sized.shape == (1, 9, 48, 80, 3)
+    assert torch.equal(sized, tiny_pipe.resized(48, 80)("a fox", **kw).frames)
+    assert torch.equal(tiny_pipe("a fox", num_inference_steps=3, **kw).frames,
+                       tiny_pipe("a fox", target_steps=3, **kw).frames)
+    assert torch.equal(tiny_pipe("a fox", guidance_scale=1.0, negative_prompt="", **kw).frames,
+                       tiny_pipe("a fox", **kw).frames)
+    with pytest.raises(OptionError, match="classifier-free guidance"):
+        tiny_pipe("a fox", guidance_scale=5.0, **kw)
+    with pytest.raises(OptionError, match="negative prompt would change nothing"):
+        tiny_pipe("a fox", negative_prompt=["blurry"], **kw)
+    with pytest.raises(OptionError, match="give one"):
+        tiny_pipe("a fox", num_inference_steps=3, target_steps=4, **kw)
+    with pytest.raises(ValueError, match="multiple"):
+        tiny_pipe("a fox", height=50, **kw)
+
+
+def test_repr_and_a_stream_as_a_context_manager(tiny_pipe):
+    text = repr(tiny_pipe)
+    assert text.startswith("SpeculativeVideoPipeline(preset='tiny' (random weights), 64x64") and "backend='eager'" in text
+    with tiny_pipe.stream("a fox", num_blocks=3, seed=1) as blocks:
+        first = next(blocks)
+    assert first.index == 0 and blocks.finished and blocks.stats.interrupted
