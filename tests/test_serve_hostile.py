@@ -520,3 +520,19 @@ def test_each_session_event_is_one_log_line(tiny_pipe, tmp_path, caplog):
     assert len(refused) == 1 and "reason=text" in refused[0]  # the first of its reason only
     assert any(m.startswith("session log2 closed") and "during=run" in m for m in lines)
     assert not any("secret" in m for m in lines)
+
+
+def test_an_explicit_null_option_is_refused_by_its_validator_not_dropped(tiny_pipe, tmp_path):
+    """`mode: null` from an sdvg client reaches the option's own validator (refused naming the field) instead of
+    silently becoming the default; a null where None is the declared default (target_context: the preset's) runs."""
+    with running_server(tiny_pipe, tmp_path) as (url, _):
+        async def first_reply(params):
+            async with websockets.connect(f"ws://{url}/session/null1?sdvg=1") as ws:
+                await recv_json(ws, 30)
+                await ws.send(msgpack.packb(params))
+                return await recv_json(ws, 60)
+
+        refused = asyncio.run(first_reply({"prompt": "a fox", "num_blocks": 1, "mode": None}))
+        assert refused["status"] == "error" and refused["field"] == "mode", refused
+        taken = asyncio.run(first_reply({"prompt": "a fox", "num_blocks": 1, "target_context": None}))
+        assert taken["status"] == "params", taken

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from sdvg.io import fps_type
 from sdvg.serve.config import ServeConfig, check_port
 
 _D = ServeConfig()
@@ -105,7 +106,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--input-frames-per-s", type=float, default=_D.input_frames_per_s,
                    help=f"webcam `image` frames per second per socket (default: {_D.input_frames_per_s:g})")
     p.add_argument("--video-dir", help="folder of the session MP4s and uploads (default: a temporary folder)")
-    p.add_argument("--fps", type=float, default=_D.fps, help=f"frame rate of the MP4s (default: {_D.fps:g})")
+    p.add_argument("--fps", type=fps_type, default=_D.fps, help=f"frame rate of the MP4s (default: {_D.fps:g})")
     p.add_argument("--ray-replicas", type=int, default=0,
                    help="serve through Ray Serve with this many replicas, each its own pipeline (one per GPU pair; "
                         "the serve-ray extra; 0: no Ray, the default)")

@@ -183,9 +183,10 @@ def parse_update(data: Any, prompt_limit: int = 2000) -> Update:
 
 
 def option_fields(params: KreaParams) -> dict:
-    """The sdvg options the client set (by option name)."""
+    """The sdvg options the client set (by option name), an explicit null included: the option's own validator
+    takes it where None is its declared default and refuses it, naming the field, where it is not."""
     return {name: getattr(params, name) for name in CLIENT_OPTIONS
-            if name in FIELDS and name not in KreaParams.model_fields and getattr(params, name) is not None}
+            if name in FIELDS and name not in KreaParams.model_fields and name in params.model_fields_set}
 
 
 def refuse_server_owned(data: dict) -> None:
