@@ -812,10 +812,13 @@ class SpeculativeVideoPipeline:
         self._progress_bar_config = dict(kwargs)
 
     def _progress_bar(self, total: int):
-        from tqdm.auto import tqdm
+        """The call's block bar (tqdm.auto): drawn on a terminal or in a notebook, not into a file or pipe (no
+        escape codes in logs); set_progress_bar_config(disable=True) hides it, disable=False forces it."""
+        from sdvg.io.progress import progress_bar
 
         config = {"desc": "blocks", "unit": "block", **self._progress_bar_config}
-        return tqdm(total=total, **config)
+        disable = config.pop("disable", None)
+        return progress_bar(total, show=disable is not True, force=disable is False, auto=True, **config)
 
 
 def _start_image(start_frame):

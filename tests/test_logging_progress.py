@@ -70,8 +70,11 @@ def test_building_a_pipeline_is_logged(caplog):
     assert any(r.name == "sdvg.models.components" and "random weights" in r.getMessage() for r in caplog.records)
 
 
-def test_load_progress_logs_each_component_and_counts_it(caplog):
+def test_load_progress_logs_each_component_and_counts_it(caplog, monkeypatch):
+    import sdvg.io.progress
     from sdvg.models.components import LoadProgress
+
+    monkeypatch.setattr(sdvg.io.progress, "draws", lambda stream=None: True)  # stderr as a terminal
 
     with caplog.at_level(logging.INFO, logger="sdvg"):
         steps = LoadProgress(["a", "b"], show=True)
@@ -98,10 +101,44 @@ def test_an_interrupted_summary_says_so(capsys, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_prompts_file_has_an_outer_bar(tmp_path, tiny_pipe, capsys):
+def test_a_prompts_file_has_an_outer_bar(tmp_path, tiny_pipe, capsys, monkeypatch):
+    import sdvg.io.progress
+
+    monkeypatch.setattr(sdvg.io.progress, "draws", lambda stream=None: True)  # stderr as a terminal
     prompts = tmp_path / "p.txt"
     prompts.write_text("a fox\na cat\n")
     assert cli.main(["generate", "--prompts-file", str(prompts), "--num-blocks", "1", "--out",
                           str(tmp_path / "v.mp4")], load_pipeline=lambda args: tiny_pipe) == 0
     err = capsys.readouterr().err
     assert "prompts: 100%" in err and "2/2" in err and ("video/s" in err or "s/video" in err)  # with its rate
+
+
+def test_no_progress_bar_escapes_where_stderr_is_no_terminal(tmp_path):
+    """`sdvg generate` with stderr to a file (a log, CI): no bar, so no carriage returns or escape codes; the
+    summary lines are still there. The API's bar: off into a file, forced with disable=False, and on where the
+    stream is a terminal (sdvg.io.progress.draws)."""
+    import io
+    import os
+    import subprocess
+    import sys
+
+    from sdvg.io.progress import draws, progress_bar
+
+    err = tmp_path / "err.log"
+    with open(err, "wb") as f:
+        done = subprocess.run([sys.executable, "-m", "sdvg", "generate", "--preset", "tiny", "--num-blocks", "1",
+                               "--prompt", "a fox", "--out", str(tmp_path / "v.mp4")], stderr=f,
+                              stdout=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
+    text = err.read_bytes()
+    assert done.returncode == 0, text[-2000:]
+    assert b"\r" not in text and b"\x1b[" not in text and b"block/s" not in text and b"s/block" not in text
+    assert b"9 frames" in text  # the summary line
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert not draws(io.StringIO()) and draws(Tty())
+    assert progress_bar(3, file=io.StringIO()).disable and not progress_bar(3, file=Tty()).disable
+    assert not progress_bar(3, file=io.StringIO(), force=True).disable
+    assert progress_bar(3, file=Tty(), show=False).disable

@@ -245,7 +245,7 @@ def say(args, message: str) -> None:
 
 
 def bar(args, total: int, desc: str, unit: str, initial: int = 0):
-    """A tqdm progress bar on stderr, off under --quiet."""
-    from tqdm import tqdm
+    """A tqdm progress bar on stderr, off under --quiet and where stderr is no terminal (sdvg.io.progress)."""
+    from sdvg.io.progress import progress_bar
 
-    return tqdm(total=total, initial=initial, desc=desc, unit=unit, disable=args.quiet, file=sys.stderr)
+    return progress_bar(total, show=not args.quiet, initial=initial, desc=desc, unit=unit)

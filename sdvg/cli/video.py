@@ -2,7 +2,6 @@
 SIGHUP; and the exit status its stats give."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from sdvg.io import DEFAULT_CRF, DEFAULT_FPS
@@ -21,14 +20,13 @@ def run_one(pipe, prompt: str, opts, video: Path, progress: bool = True, fps: fl
     encode raises `VideoWriteError`. `nested`: the block bar sits under an outer bar (a prompts file's)
     and is cleared when the video is done. `input_video`: video-to-video's input file, `start_frame`: the start
     frame's image file (`pipe.run`)."""
-    from tqdm import tqdm
-
     from sdvg.io.interrupts import Interrupted, shielded, signals_interrupt
+    from sdvg.io.progress import progress_bar
     from sdvg.io.video_writer import IncrementalMP4Writer
 
     opts = pipe.resolve(opts)
-    bar = tqdm(total=opts.num_blocks, desc=video.name, unit="block", disable=not progress, file=sys.stderr,
-               position=1 if nested else None, leave=not nested)
+    bar = progress_bar(opts.num_blocks, show=progress, desc=video.name, unit="block",
+                       position=1 if nested else None, leave=not nested)
     counts = {"forced": 0, "accepted": 0, "rejected": 0}
     writer = IncrementalMP4Writer(video, fps=fps, crf=crf)
     stream = pipe.run(prompt, opts, input_video=input_video, start_frame=start_frame)

@@ -49,6 +49,10 @@ def check_partial_names(path: Path) -> None:
     refuse_planted(partial_log_path(path), f"the encoder log of {path}")
 
 
+# the colour of every MP4 sdvg writes: BT.709 primaries, transfer and matrix, limited (tv) range, yuv420p
+COLOR_TAGS = ("-colorspace", "bt709", "-color_primaries", "bt709", "-color_trc", "bt709", "-color_range", "tv")
+
+
 class IncrementalMP4Writer:
     """fps: frames per second; crf: libx264's constant rate factor, 0 (lossless) to 51. The ffmpeg
     process starts with the first frames (their size fixes the video's)."""
@@ -81,12 +85,16 @@ class IncrementalMP4Writer:
         except UnsafePathError:
             self._cleanup(keep=False)
             raise
+        # RGB -> YUV with the BT.709 matrix into limited range, and the stream tagged so (COLOR_TAGS): players
+        # read what was written instead of guessing (an untagged stream is BT.601 to some, BT.709 to others)
+        scale = ("scale=out_color_matrix=bt709:out_range=tv,"
+                 "setparams=color_primaries=bt709:color_trc=bt709:colorspace=bt709:range=tv")
+        pad = "pad=ceil(iw/2)*2:ceil(ih/2)*2," if height % 2 or width % 2 else ""  # yuv420p needs even sides
         args = [imageio_ffmpeg.get_ffmpeg_exe(), "-y", "-loglevel", "error", "-f", "rawvideo", "-vcodec", "rawvideo",
                 "-s", f"{width}x{height}", "-pix_fmt", "rgb24", "-r", f"{self.fps:g}", "-i", "-", "-an",
-                "-vcodec", "libx264", "-pix_fmt", "yuv420p", "-crf", str(self.crf), "-movflags", "+faststart",
+                "-vf", pad + scale, "-vcodec", "libx264", "-pix_fmt", "yuv420p", *COLOR_TAGS, "-crf", str(self.crf),
+                "-movflags", "+faststart",
                 "-f", "mp4", f"file:/dev/fd/{self._fd}"]  # the file we created; ffmpeg reopens it for faststart
-        if height % 2 or width % 2:
-            args[-1:-1] = ["-vf", "pad=ceil(iw/2)*2:ceil(ih/2)*2"]  # yuv420p needs even sides
         # its own session: a Ctrl-C in the terminal reaches sdvg, which then closes the file properly
         self._proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self._stderr,
                                       start_new_session=True, pass_fds=(self._fd,))

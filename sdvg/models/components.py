@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -111,10 +110,9 @@ class LoadProgress:
     step of a progress bar on stderr when `show` (as diffusers' "Loading pipeline components")."""
 
     def __init__(self, names: list[str], show: bool):
-        from tqdm import tqdm
+        from sdvg.io.progress import progress_bar
 
-        self.bar = tqdm(total=len(names), desc="loading components", unit="component", disable=not show,
-                        file=sys.stderr)
+        self.bar = progress_bar(len(names), show=show, desc="loading components", unit="component")
 
     @contextmanager
     def step(self, name: str, source):
