@@ -123,9 +123,13 @@ def test_export_to_video_writes_the_first_video(tiny_pipe, tmp_path):
         w.write(u8)
     a, b = _read(theirs), _read(tmp_path / "s.mp4")
     assert a.shape == b.shape == (21, 64, 64, 3) == tuple(u8.shape)  # frames, height, width, RGB
-    a, b = a.astype(np.float32), b.astype(np.float32)
-    # both are lossy H.264 of the same frames: close to each other and to the source
-    assert np.abs(a - b).mean() < 0.5 and np.abs(a - u8.numpy()).mean() < 12.0
+    a, b, src = a.astype(np.float32), b.astype(np.float32), u8.numpy().astype(np.float32)
+    # both are lossy H.264 of the same frames, sdvg's converted with BT.709 and tagged so, diffusers' (imageio's)
+    # with BT.601 untagged: each decoded by its own matrix is as close to the source (random-weight noise, hard
+    # to code) as the other, and they agree within a few levels
+    err_theirs, err_ours = np.abs(a - src).mean(), np.abs(b - src).mean()
+    assert err_theirs < 12.0 and err_ours < 12.0 and err_ours <= err_theirs + 1.0, (err_theirs, err_ours)
+    assert np.abs(a - b).mean() < 5.0
 
 
 def _read(path) -> np.ndarray:

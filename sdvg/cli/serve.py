@@ -188,7 +188,8 @@ def run(args, load_pipeline=None) -> int:
         pipe = load_pipeline(args)
         app = create_app(pipe, cfg, defaults)
         if not args.quiet:
-            print(f"sdvg serve: {bound_url(sock)} (preset {args.preset}, at most {cfg.max_sessions} sessions)",
+            sessions = f"{cfg.max_sessions} session" + "s" * (cfg.max_sessions != 1)
+            print(f"sdvg serve: {bound_url(sock)} (preset {args.preset}, at most {sessions})",
                   file=sys.stderr, flush=True)
         serve(app, cfg, args.log_level, sock)
     finally:

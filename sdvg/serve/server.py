@@ -21,11 +21,11 @@ def http_protocol(app, cfg) -> type:
     caps and header timeout (`connections.ConnectionGuard`), the total kept under the open-file limit raised now."""
     from sdvg.serve.connections import ConnectionGuard, fd_budget, guarded_protocol, raise_fd_limit
 
-    try:
-        import httptools  # noqa: F401
+    import importlib.util
 
+    if importlib.util.find_spec("httptools") is not None:  # uvicorn's `auto` picks it where installed
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
-    except ImportError:
+    else:
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
     state = getattr(app, "state", None)  # sdvg's app keeps its metrics and the guard there
     metrics = getattr(state, "metrics", None)
