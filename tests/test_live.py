@@ -135,7 +135,7 @@ def test_router_updates_are_checked_against_the_sessions_router_and_take_effect_
     ([], "non-empty list"), ([(1, "a")], "start with a prompt at block 0"), ([(0, "")], r"\[0\] prompt is empty"),
     ([(0, "a"), {"block": 2, "promt": "b"}], "unknown keys"), ([(0, "a"), (2, "b", 3)], r"prompt_schedule\[1\]"),
     ([(0, "a"), {"block": 2, "prompt": "b", "interp_blocks": 0}], r"prompt_schedule\[1\]: interp_blocks 0"),
-    ([(-1, "a")], "block -1"), ("/nonexistent/s.json", "does not exist"),
+    ([(-1, "a")], "block -1"), ("/nonexistent/s.json", "not found"),
 ])
 def test_bad_schedules_are_refused_by_name(schedule, match):
     with pytest.raises(UpdateError, match=match):

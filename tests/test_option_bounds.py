@@ -151,3 +151,21 @@ def test_the_server_refuses_krea_kv_cache_num_frames_past_the_bound(tiny_pipe):
     with pytest.raises(ProtocolError) as exc:  # a server without --exit-head: the head verifier has no head
         engine.spec(parse_params({"prompt": "x", "exit_verifier": "head"}), 256, lambda _: False)
     assert exc.value.field == "exit_verifier" and "needs the learned head's file" in str(exc.value)
+
+
+def test_a_prompt_schedule_file_is_read_as_every_config_is(tmp_path):
+    """A schedule file goes through sdvg.bounded like a --config: YAML aliases, a FIFO, a 5000-deep JSON list and a
+    missing file are UpdateErrors naming the file; a plain list reads."""
+    import os
+
+    from sdvg.live.updates import UpdateError, _read_schedule_file
+
+    (tmp_path / "ok.yaml").write_text("- {block: 0, prompt: a fox}\n- {block: 2, prompt: a cat}\n")
+    assert _read_schedule_file(tmp_path / "ok.yaml") == [{"block": 0, "prompt": "a fox"}, {"block": 2, "prompt": "a cat"}]
+    (tmp_path / "bomb.yaml").write_text("a: &a [1, 1, 1, 1]\nb: &b [*a, *a, *a, *a]\nc: [*b, *b, *b]\n")
+    os.mkfifo(tmp_path / "fifo.yaml")
+    (tmp_path / "deep.json").write_text("[" * 5000 + "]" * 5000)
+    for name, why in (("bomb.yaml", "anchor"), ("fifo.yaml", "not a regular file"), ("deep.json", "deeper"),
+                      ("none.yaml", "not found")):
+        with pytest.raises(UpdateError, match=why):
+            _read_schedule_file(tmp_path / name)

@@ -3,7 +3,6 @@ naming the value and the fix), `UpdateAck` (the session block at which it takes 
 prompt schedule of a batch run (`parse_schedule`), which is the list of updates in one format."""
 from __future__ import annotations
 
-import json
 import math
 import numbers
 from dataclasses import dataclass
@@ -180,22 +179,16 @@ def parse_schedule(schedule) -> list[tuple[int, Update | str]]:
 
 
 def _read_schedule_file(path: Path) -> list:
-    """A JSON or YAML list of entries (never unpickled, never executed)."""
-    if not path.is_file():
-        raise UpdateError(f"prompt schedule file {path} does not exist; give a JSON or YAML list of "
-                          "{block, prompt, interp_blocks} entries")
-    text = path.read_text()
-    if path.suffix.lower() == ".json":
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise UpdateError(f"prompt schedule file {path} is not valid JSON: {exc}") from None
-    import yaml
+    """A JSON or YAML list of entries, read as every config is (sdvg.bounded: a regular file of bounded size, UTF-8,
+    no YAML aliases, bounded depth and node count; never unpickled, never executed)."""
+    from sdvg.bounded import BoundedInputError, decode_utf8, load_json_text, load_yaml_text, read_bounded
 
+    what = "prompt schedule file"
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise UpdateError(f"prompt schedule file {path} is not valid YAML: {exc}") from None
+        text = decode_utf8(read_bounded(path, what), str(path), what)
+        return load_json_text(text, str(path)) if path.suffix.lower() == ".json" else load_yaml_text(text, str(path))
+    except BoundedInputError as exc:
+        raise UpdateError(f"{exc}; give a JSON or YAML list of {{block, prompt, interp_blocks}} entries") from None
 
 
 class ScheduledPrompt(str):
