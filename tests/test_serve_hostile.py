@@ -457,23 +457,14 @@ def test_an_mp4_bomb_is_refused_at_upload_before_a_frame_is_decoded(tiny_pipe, t
     import struct
     import zlib
 
-    import imageio_ffmpeg
-
-    def video(path, side, frames=2):
-        writer = imageio_ffmpeg.write_frames(str(path), (side, side), fps=16, macro_block_size=1,
-                                             output_params=["-preset", "ultrafast"])
-        writer.send(None)
-        for _ in range(frames):
-            writer.send(bytes(side * side * 3))
-        writer.close()
-        return path.read_bytes()
+    from serve_harness import tiny_mp4
 
     def chunk(kind, data):
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 20000, 20000, 8, 2, 0, 0, 0)) + \
         chunk(b"IDAT", zlib.compress(b"\x00" * 16)) + chunk(b"IEND", b"")
-    bomb = video(tmp_path / "bomb.mp4", 4096)
+    bomb = tiny_mp4(frames=2, side=4096)
     assert len(bomb) < 200_000
     with running_server(tiny_pipe, tmp_path / "server") as (url, app):
         status, body = upload(url, "/upload_video", bomb, "bomb.mp4")
@@ -481,7 +472,7 @@ def test_an_mp4_bomb_is_refused_at_upload_before_a_frame_is_decoded(tiny_pipe, t
         assert app.state.uploads.nbytes == 0 and not list((tmp_path / "server" / "uploads").iterdir())
         status, body = upload(url, "/upload_start_frame", png, "huge.png")
         assert status == 413 and "20000x20000" in body["error"]
-        status, body = upload(url, "/upload_video", video(tmp_path / "ok.mp4", 64, 4), "ok.mp4")
+        status, body = upload(url, "/upload_video", tiny_mp4(frames=4, side=64), "ok.mp4")
         assert status == 200 and body["type"] == "mp4"
 
 
