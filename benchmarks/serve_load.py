@@ -27,6 +27,7 @@ import socket
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -92,31 +93,42 @@ def summarise(recs: list[dict], wall: float) -> dict:
                           for d in ("forced", "accepted", "rejected")}}
 
 
-def run_round(pipe, n: int, args) -> dict:
+@contextmanager
+def served(pipe, cfg):
+    """`pipe` served by sdvg's app under `cfg` (uvicorn in a thread, on cfg's port) until the block ends; yields
+    the app. Used by the serve benchmarks (serve_loop_lag.py too)."""
     from sdvg.serve.app import create_app
-    from sdvg.serve.config import ServeConfig
     from sdvg.serve.server import DrainingServer, uvicorn_config
 
-    cfg = ServeConfig(port=free_port(), max_sessions=max(n, 1), max_queue=0)
     app = create_app(pipe, cfg)
     server = DrainingServer(uvicorn_config(app, cfg))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
+    deadline = time.monotonic() + 60
     while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.05)
+    try:
+        yield app
+    finally:
+        server.should_exit = True
+        thread.join(60)
+
+
+def run_round(pipe, n: int, args) -> dict:
+    from sdvg.serve.config import ServeConfig
+
+    cfg = ServeConfig(port=free_port(), max_sessions=max(n, 1), max_queue=0)
     url = f"127.0.0.1:{cfg.port}"
 
     async def go():
         return await asyncio.gather(*[one_session(url, f"load{n}-{i}", args.prompt, args.num_blocks, i,
                                                   args.timeout) for i in range(n)])
 
-    try:
+    with served(pipe, cfg):
         t0 = time.perf_counter()
         recs = asyncio.run(go())
         wall = time.perf_counter() - t0
-    finally:
-        server.should_exit = True
-        thread.join(60)
     return summarise(recs, wall)
 
 

@@ -17,20 +17,13 @@ import asyncio
 import http.client
 import json
 import platform
-import socket
 import sys
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from serve_load import free_port, served  # noqa: E402 (benchmarks/ is this script's folder)
 
 
 def cases() -> dict[str, bytes]:
@@ -65,22 +58,13 @@ def health_s(port: int) -> float:
 def one_case(pipe, message: bytes, repeats: int) -> dict:
     import websockets
 
-    from sdvg.serve.app import create_app
     from sdvg.serve.config import ServeConfig
-    from sdvg.serve.server import DrainingServer, uvicorn_config
 
     cfg = ServeConfig(port=free_port())
-    app = create_app(pipe, cfg)
-    server = DrainingServer(uvicorn_config(app, cfg))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    time.sleep(0.5)  # the lag watcher's first samples
     healths = []
-    try:
+    with served(pipe, cfg):
+        time.sleep(0.5)  # the lag watcher's first samples
+
         async def go():
             async with websockets.connect(f"ws://127.0.0.1:{cfg.port}/session/lag?sdvg=1", max_size=2**26) as ws:
                 await asyncio.wait_for(ws.recv(), 30)  # ready
@@ -92,9 +76,6 @@ def one_case(pipe, message: bytes, repeats: int) -> dict:
         asyncio.run(go())
         time.sleep(0.3)
         lag = metric(cfg.port, "sdvg_serve_event_loop_lag_max_seconds")
-    finally:
-        server.should_exit = True
-        thread.join(60)
     return {"bytes": len(message), "repeats": repeats, "loop_lag_max_s": lag, "health_max_s": max(healths)}
 
 

@@ -93,7 +93,7 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
         app.add_middleware(CORSMiddleware, allow_origins=list(cfg.cors_origins), allow_credentials=True,
                            allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
     app.add_middleware(SiteGate, bind=cfg.host, allowed_hosts=cfg.allowed_hosts, origins=cfg.cors_origins,
-                       refused=lambda reason: metrics.refused.labels(reason).inc())  # outermost: Host, then Origin
+                       refused=metrics.count_refused)  # outermost: Host, then Origin
     site = check_static_dir(cfg.static_dir) if cfg.static_dir is not None else None
 
     @app.get("/health")

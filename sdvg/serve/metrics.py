@@ -95,6 +95,10 @@ class ServeMetrics:
                                   "told nothing (Krea has no queue)", registry=r)
         self._later = self._accepted = 0
 
+    def count_refused(self, reason: str) -> None:
+        """One refusal (a message, a request, a connection) under `reason`."""
+        self.refused.labels(reason).inc()
+
     def block(self, index: int, decision: str) -> None:
         self.blocks.labels(decision).inc()
         if index > 0 and decision in ("accepted", "rejected"):

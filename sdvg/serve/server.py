@@ -19,9 +19,9 @@ class DrainingServer(uvicorn.Server):
 def http_protocol(app, cfg) -> type:
     """uvicorn's HTTP protocol (httptools where installed, else h11: uvicorn's own choice) under the connection
     caps and header timeout (`connections.ConnectionGuard`), the total kept under the open-file limit raised now."""
-    from sdvg.serve.connections import ConnectionGuard, fd_budget, guarded_protocol, raise_fd_limit
-
     import importlib.util
+
+    from sdvg.serve.connections import ConnectionGuard, fd_budget, guarded_protocol, raise_fd_limit
 
     if importlib.util.find_spec("httptools") is not None:  # uvicorn's `auto` picks it where installed
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
@@ -31,7 +31,7 @@ def http_protocol(app, cfg) -> type:
     metrics = getattr(state, "metrics", None)
     guard = ConnectionGuard(fd_budget(cfg.max_connections, raise_fd_limit()), cfg.max_connections_per_client,
                             cfg.header_timeout_s,
-                            refused=None if metrics is None else (lambda reason: metrics.refused.labels(reason).inc()))
+                            refused=None if metrics is None else metrics.count_refused)
     if state is not None:
         state.connections = guard
     return guarded_protocol(base, guard)

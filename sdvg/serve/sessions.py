@@ -237,8 +237,8 @@ class SessionManager:
 
     def snapshot(self, video_key: str) -> concurrent.futures.Future | None:
         """The frames so far of the run writing video `video_key` (a video key or that run's run key): a Future of
-        hard-linked finished segments that the worker makes between two blocks (`VideoStore.snapshot_links`), or None when no admitted session is
-        writing it (its run is being finished)."""
+        hard-linked finished segments that the worker makes between two blocks (`VideoStore.snapshot_links`), or
+        None when no admitted session is writing it (its run is being finished)."""
         key = video_key.split("~", 1)[0]  # a run key: its socket's video key, while that run is the one written
         if "~" in video_key and self.videos.writing(key) != video_key:
             return None
