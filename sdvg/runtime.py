@@ -29,6 +29,23 @@ def claim_wait_policy() -> None:
     _policy_before_torch = not torch_loaded or WAIT_POLICY in os.environ
 
 
+def waiters_spin() -> bool:
+    """Whether OpenMP's waiting threads spin in this process: its default (torch imported before sdvg with
+    OMP_WAIT_POLICY unset) or OMP_WAIT_POLICY=ACTIVE; False under PASSIVE.
+
+    Why it decides where a whole-video call runs (sdvg/pipeline.py): libgomp (torch's OpenMP on Linux) spins
+    a waiter for about 300,000 iterations while the process's OpenMP threads fit the cores, but only about
+    1,000 once they outnumber the cores. A video on the main thread alone keeps one team (fits the cores):
+    its waiters spin, and beside other processes they take turns on the cores with the work they wait for
+    (a 3-block `tiny` video 2.5x slower than `stream()`, benchmarks/busy_machine.py). `stream()`'s scheduler
+    thread brings a second team, so its waiters throttle. The policy cannot be changed once torch has
+    loaded OpenMP (libgomp reads it once and exports no setter), so a whole-video call runs on the same kind
+    of scheduler thread as `stream()` whenever waiters spin, and on the calling thread when they sleep."""
+    if _policy_before_torch is False:  # torch first, the variable unset then: OpenMP's default
+        return True
+    return os.environ.get(WAIT_POLICY, "").upper() != "PASSIVE"
+
+
 def thread_settings() -> dict:
     """torch's intra-op and inter-op threads, the OpenMP variables, the wait policy in force, the cores."""
     import torch

@@ -46,3 +46,34 @@ def test_each_run_records_its_threads_and_load():
                                                "omp_wait_policy", "cpu_count", "load_average_1m"}
     assert host["intra_op_threads"] == torch.get_num_threads() and host["cpu_count"] == os.cpu_count()
     assert host["load_average_1m"] is None or host["load_average_1m"] >= 0
+
+
+@pytest.mark.parametrize("code,env,want", [
+    ("import sdvg.runtime as r; print(r.waiters_spin())", {}, "False"),  # PASSIVE, as import sdvg sets it
+    ("import sdvg.runtime as r; print(r.waiters_spin())", {"OMP_WAIT_POLICY": "active"}, "True"),
+    # torch first with the variable unset: OpenMP's default (spin), whatever sdvg would set later
+    ("import sys; sys.modules['torch'] = type(sys)('torch'); import sdvg.runtime as r; print(r.waiters_spin())",
+     {}, "True"),
+])
+def test_waiters_spin_reads_the_policy_in_force(code, env, want):
+    assert _probe(code, **env) == want
+
+
+# A whole-video call on the scheduler's thread (as stream()) when OpenMP's waiters spin, on the calling thread when
+# they sleep; the same video either way. Run in a fresh process: the policy is the process's.
+WHERE = """
+import threading, torch, sdvg
+pipe = sdvg.SpeculativeVideoPipeline.from_preset("tiny")
+pipe.set_progress_bar_config(disable=True)
+started, start = [], threading.Thread.start
+threading.Thread.start = lambda t: (started.append(t.name), start(t))[1]  # every thread the call starts, by name
+out = pipe("a fox", num_blocks=2, seed=3, output_type="pt")
+threading.Thread.start = start
+ref = torch.cat([b.frames for b in pipe.stream("a fox", num_blocks=2, seed=3)])
+print("sdvg-scheduler" in started, bool(torch.equal((out.frames[0].permute(0, 2, 3, 1) * 255).round().to(torch.uint8), ref)))
+"""
+
+
+@pytest.mark.parametrize("policy,threaded", [("ACTIVE", "True"), ("PASSIVE", "False")])
+def test_a_whole_video_call_runs_where_the_policy_says(policy, threaded):
+    assert _probe(WHERE, OMP_WAIT_POLICY=policy, HF_HUB_OFFLINE="1") == f"{threaded} True"
