@@ -57,61 +57,50 @@ def running_server(pipe, tmp_path, **config):
 
 
 class BlockGate:
-    """Holds a session's blocks after its first one on the server's worker until its client's mid-stream messages
-    (updates, resets) have reached the session manager, so that a test's update cannot lose a race with the end of
-    a short generation on a fast machine. `session_id` None: the first session that reaches block 1; `messages`:
-    how many of its messages open the gate (each `update` command and each reset counts). Once open it stays open.
-    `timed_out` says the messages never came (the worker went on after TIMEOUT)."""
+    """A `sdvg.serve.sessions.WorkerHook` that holds a session's blocks after its first one on the server's worker
+    until its client's mid-stream messages (updates, resets) have reached the worker's queue, so that a test's update
+    cannot lose a race with the end of a short generation on a fast machine. `session_id` None: the first session
+    that reaches block 1; `messages`: how many of its messages open the gate (each live update or webcam frame, and
+    each reset: a `Start` after the session's first). Once open it stays open. `timed_out` says the messages never
+    came (the worker went on after TIMEOUT)."""
 
     def __init__(self, session_id: str | None = None, messages: int = 1):
+        from sdvg.serve.commands import LiveUpdate, Start
+
         self.session_id, self.messages = session_id, messages
         self.seen = 0
         self.timed_out = False
         self.open = threading.Event()
+        self._counted = lambda c: isinstance(c, LiveUpdate) or isinstance(c, Start) and c.run > 1
 
     def _mine(self, s) -> bool:
         if self.session_id is None:
             self.session_id = s.id
         return s.id == self.session_id
 
-    def _told(self, s) -> None:
-        if self._mine(s):
+    def queued(self, session, command) -> None:  # under the manager's lock: never waits
+        if self._counted(command) and self._mine(session):
             self.seen += 1
             if self.seen >= self.messages:
                 self.open.set()
 
+    def before_block(self, session) -> None:  # on the worker: holds it
+        if session.blocks_done >= 1 and not self.open.is_set() and self._mine(session):
+            self.timed_out = not self.open.wait(TIMEOUT)
+
 
 @contextmanager
-def block_gate(session_id: str | None = None, messages: int = 1):
-    """Installs a `BlockGate` on the in-process server's `SessionManager` (restored on exit; the gate opens)."""
-    from sdvg.serve.sessions import SessionManager
-
-    gate = BlockGate(session_id, messages)
-    step, command, admit = SessionManager._step, SessionManager.command, SessionManager.admit
-
-    def gated_step(manager, s):
-        if s.blocks_done >= 1 and not gate.open.is_set() and gate._mine(s):
-            gate.timed_out = not gate.open.wait(TIMEOUT)
-        return step(manager, s)
-
-    def counted_command(manager, s, *cmd):
-        command(manager, s, *cmd)
-        if cmd[0] == "update":
-            gate._told(s)
-
-    def counted_admit(manager, s, spec):
-        reset = s.state == "running"
-        state = admit(manager, s, spec)
-        if reset:
-            gate._told(s)
-        return state
-
-    SessionManager._step, SessionManager.command, SessionManager.admit = gated_step, counted_command, counted_admit
+def block_gate(app, session_id: str | None = None, messages: int = 1):
+    """A `BlockGate` on the in-process server's worker (`app.state.manager.hook`) for the `with` block; on exit it
+    opens and the hook before it is put back."""
+    manager = app.state.manager
+    gate, before = BlockGate(session_id, messages), manager.hook
+    manager.hook = gate
     try:
         yield gate
     finally:
-        SessionManager._step, SessionManager.command, SessionManager.admit = step, command, admit
         gate.open.set()
+        manager.hook = before
 
 
 def decode_jpeg(data: bytes) -> np.ndarray:

@@ -121,7 +121,7 @@ def test_download_has_every_frame(server, refs, tmp_path):
 
 @pytest.mark.slow
 def test_reset_restarts_at_block_0(server, refs):
-    url, _ = server
+    url, app = server
 
     async def go():
         async with websockets.connect(f"ws://{url}/session/reset1?fmt=raw&sdvg=1") as ws:
@@ -141,7 +141,7 @@ def test_reset_restarts_at_block_0(server, refs):
                     reset_at = len(frames)
                     await ws.send(msgpack.packb({"action": "reset", "request_id": "x"}))
 
-    with block_gate("reset1") as gate:  # block 1 waits for the reset: the run cannot end before it arrives
+    with block_gate(app, "reset1") as gate:  # block 1 waits for the reset: the run cannot end before it arrives
         frames, texts, reset_at = asyncio.run(go())
     assert not gate.timed_out and gate.seen == 1
     assert {"status": "ack", "field": "action", "block": 0, "request_id": "x", "action": "reset"} in texts
@@ -232,7 +232,7 @@ def test_updates_sdvg_cannot_take_are_refused_by_field_and_krea_rules_hold(serve
 def test_live_prompt_and_tau_updates_are_acked_blended_and_replay_bitwise(server, tiny_pipe):
     """A prompt change (blended over 2 blocks) and a tau change sent mid-stream are acked at a block;
     the stream equals, bitwise, `pipe.session` fed the same updates at the acked blocks."""
-    url, _ = server
+    url, app = server
     n_blocks = 5
 
     async def on_frame(ws, count):
@@ -241,7 +241,7 @@ def test_live_prompt_and_tau_updates_are_acked_blended_and_replay_bitwise(server
             await ws.send(msgpack.packb({"tau": 0.25, "request_id": "u2"}))
             await ws.send(msgpack.packb({"router": "pattern"}))  # no pattern to go with it: refused, nothing changes
 
-    with block_gate("live1", messages=3) as gate:  # block 1 waits for the three updates: none can miss the run
+    with block_gate(app, "live1", messages=3) as gate:  # block 1 waits for the three updates: none can miss the run
         out = asyncio.run(run_session(url, params(num_blocks=n_blocks), fmt="raw", superset=True,
                                       session_id="live1", on_frame=on_frame, stop_on_field_error=False))
     assert not gate.timed_out and gate.seen == 3

@@ -88,9 +88,9 @@ def chromium(url: str, tmp_path: Path):
 @pytest.mark.slow
 @NEEDS_CHROMIUM
 def test_page_in_headless_chromium(tiny_pipe, tmp_path):
-    with running_server(tiny_pipe, tmp_path / "server") as (url, _), chromium(f"http://{url}/", tmp_path) as page:
+    with running_server(tiny_pipe, tmp_path / "server") as (url, app), chromium(f"http://{url}/", tmp_path) as page:
         # the page's first session waits after block 0 for its mid-stream update (it cannot end before the click)
-        with block_gate() as gate:
+        with block_gate(app) as gate:
             shot = asyncio.run(drive(page, tmp_path))
         assert not gate.timed_out and gate.seen >= 1
     assert shot.stat().st_size > 1000

@@ -67,3 +67,49 @@ def test_worker_takes_turns_round_robin(tmp_path):
         loop.close()
     assert engine.order == ["s0", "s1", "s2", "s3"] * 3
     assert manager.active == []  # every run ended and gave its slot back
+
+
+def test_a_worker_hook_sees_typed_commands_and_holds_the_worker_between_blocks(tmp_path):
+    """The test seam (`WorkerHook`): told of each command as it is queued, called before each block on the worker,
+    where it may hold it; a command that is not one of `sdvg.serve.commands` is refused on the caller's thread."""
+    from sdvg.serve.commands import LiveUpdate, Start
+    from sdvg.serve.sessions import WorkerHook
+
+    class Hold(WorkerHook):
+        def __init__(self):
+            self.commands, self.blocks, self.release = [], [], threading.Event()
+
+        def queued(self, session, command):
+            self.commands.append((session.id, command))
+
+        def before_block(self, session):
+            self.blocks.append((session.id, session.blocks_done))
+            if session.blocks_done == 1:
+                assert self.release.wait(60)
+
+    engine = FakeEngine(blocks=3)
+    metrics = ServeMetrics()
+    hook = Hold()
+    manager = SessionManager(engine, ServeConfig(max_sessions=1), metrics, VideoStore(tmp_path, 16, 8), hook=hook)
+    loop = asyncio.new_event_loop()
+    try:
+        s = Session("s0", "raw", False, loop, Outbox(8, metrics))
+        assert manager.admit(s, SessionSpec(s.id, None, None)) == "running"
+        with pytest.raises(TypeError, match="not a worker command"):
+            manager.command(s, ("update", {"tau": 0.5}, "tau", None))  # the old string-tagged tuple
+        manager.start()
+        deadline = time.monotonic() + 60
+        while ("s0", 1) not in hook.blocks and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.1)
+        assert engine.order == ["s0"]  # held before block 1
+        hook.release.set()
+        while len(engine.order) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        manager.stop()
+    finally:
+        loop.close()
+    assert engine.order == ["s0"] * 3  # (the fourth call finds the generation's end)
+    assert hook.blocks == [("s0", 0), ("s0", 1), ("s0", 2), ("s0", 3)]
+    assert [(sid, type(c)) for sid, c in hook.commands] == [("s0", Start)] and hook.commands[0][1].run == 1
+    assert not any(isinstance(c, LiveUpdate) for _, c in hook.commands) and not s.commands

@@ -23,6 +23,7 @@ from starlette.background import BackgroundTask
 from sdvg.generation.types import strict_json
 from sdvg.live.updates import ROUTER_FIELDS
 from sdvg.serve.access import SiteGate, TokenGate
+from sdvg.serve.commands import LiveUpdate
 from sdvg.serve.config import ServeConfig
 from sdvg.serve.encode import FORMATS
 from sdvg.serve.engine import Engine, build_labels, pipe_devices
@@ -31,7 +32,7 @@ from sdvg.serve.metrics import ServeMetrics, cuda_memory_reader
 from sdvg.serve.plain import params_error, plain_params, plain_update
 from sdvg.serve.protocol import UPLOAD_ID, ProtocolError, decode_message, parse_params, parse_update
 from sdvg.serve.security import RateLimit, valid_session_id, valid_video_key
-from sdvg.serve.sessions import Outbox, Session, SessionManager
+from sdvg.serve.sessions import Outbox, Session, SessionManager, WorkerHook
 from sdvg.serve.static_site import check_static_dir, media_type, static_file
 from sdvg.serve.uploads import (IMAGE_KINDS, VIDEO_KINDS, UploadError, UploadStore, check_image, check_video_upload,
                                 decode_frame, image_bytes, sniff)
@@ -40,8 +41,9 @@ from sdvg.serve.videos import VideoStore, join_segments
 STATIC = Path(__file__).parent / "static"
 
 
-def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI:
-    """The server of one pipeline (models loaded once). `defaults`: the server's GenerationOptions."""
+def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None, hook: WorkerHook | None = None) -> FastAPI:
+    """The server of one pipeline (models loaded once). `defaults`: the server's GenerationOptions; `hook`: a
+    test's seam on the generation worker (`sessions.WorkerHook`; also `app.state.manager.hook`)."""
     engine = Engine(pipe, defaults, max_input_video_bytes=cfg.max_input_video_bytes, max_steps=cfg.max_steps,
                     max_input_video_pixels=cfg.max_input_video_pixels,
                     max_pixels=cfg.max_pixels)
@@ -50,7 +52,7 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
     videos = VideoStore(folder / "videos", cfg.fps, cfg.keep_videos)
     uploads = UploadStore(folder / "uploads", cfg.upload_ttl_s, cfg.max_upload_store_bytes)
     metrics.uploads_held_bytes.set_function(lambda: uploads.nbytes)  # read at each scrape
-    manager = SessionManager(engine, cfg, metrics, videos, uploads)
+    manager = SessionManager(engine, cfg, metrics, videos, uploads, hook)
     senders: set[asyncio.Task] = set()
 
     @asynccontextmanager
@@ -497,7 +499,8 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
             if session.state != "running":  # reset (queued again) while it was decoded
                 raise ProtocolError("image", f"the session is {session.state}; send webcam frames once it runs")
             # (a `strength` sent with it changes nothing, as in Krea's server, whose schedule is fixed at the start)
-            manager.command(session, "update", {"input_frames": frame[None]}, "image", u.request_id)
+            frames = {"input_frames": frame[None]}
+            manager.command(session, LiveUpdate(frames, "image", u.request_id))
         elif u.strength is not None:
             raise ProtocolError("strength", "applies to webcam `image` frames; send it with one")
         router = {name: getattr(u, name) for name in ROUTER_FIELDS if getattr(u, name) is not None}
@@ -518,7 +521,7 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None) -> FastAPI
             if not engine.live:
                 raise ProtocolError(field, "this server's pipeline has no live sessions (pipe.session); "
                                     "a live update needs one")
-            manager.command(session, "update", changes, field, u.request_id)
+            manager.command(session, LiveUpdate(changes, field, u.request_id))
         if u.prompt is not None and "prompt" in live:
             session.spec = dataclasses.replace(session.spec, prompt=u.prompt)
 

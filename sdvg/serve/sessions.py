@@ -23,10 +23,11 @@ import concurrent.futures
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
+from sdvg.serve.commands import Command, EndRun, InputRead, LiveUpdate, Snapshot, Start
 from sdvg.serve.config import ServeConfig
 from sdvg.serve.encode import encode_block
 from sdvg.serve.engine import Engine, SessionSpec
@@ -157,10 +158,25 @@ class Session:
             pass
 
 
+class WorkerHook(Protocol):
+    """A seam for tests: what the worker is asked, watched, and the worker held between blocks.
+    `SessionManager(hook=...)` (or `create_app(hook=...)`, or `manager.hook = ...` while it runs) installs one; with
+    none (the default) nothing is called and nothing is paid. tests/serve_harness.py's `BlockGate` is one."""
+
+    def queued(self, session: Session, command: Command) -> None:
+        """`command` was queued for `session` (on the thread that queued it, under the manager's lock: return at
+        once)."""
+
+    def before_block(self, session: Session) -> None:
+        """The worker is about to run `session`'s next block (on the worker, outside the lock: it may wait here,
+        which holds every session)."""
+
+
 class SessionManager:
     def __init__(self, engine: Engine, cfg: ServeConfig, metrics: ServeMetrics, videos: VideoStore,
-                 uploads=None):
+                 uploads=None, hook: WorkerHook | None = None):
         self.engine, self.cfg, self.metrics, self.videos, self.uploads = engine, cfg, metrics, videos, uploads
+        self.hook = hook
         self.cond = threading.Condition()
         self.active: list[Session] = []  # admitted (running or paused), in round-robin order
         self.queue: collections.deque[Session] = collections.deque()
@@ -230,10 +246,10 @@ class SessionManager:
                                       "nothing (Krea has no queue; sdvg_serve_plain_sessions_queued)")
             return "queued"
 
-    def command(self, session: Session, *command) -> None:
+    def command(self, session: Session, command: Command) -> None:
+        """Queue `command` for the worker: applied between two blocks, in order (from any thread)."""
         with self.cond:
-            session.commands.append(command)
-            self.cond.notify()
+            self._queue(session, command)
 
     def snapshot(self, video_key: str) -> concurrent.futures.Future | None:
         """The frames so far of the run writing video `video_key` (a video key or that run's run key): a Future of
@@ -247,8 +263,7 @@ class SessionManager:
             if session is None:
                 return None
             future: concurrent.futures.Future = concurrent.futures.Future()
-            session.commands.append(("snapshot", future))
-            self.cond.notify()
+            self._queue(session, Snapshot(future))
         return future
 
     def pause(self, session: Session, paused: bool) -> None:
@@ -268,8 +283,7 @@ class SessionManager:
                 return
             session.paused = False
             session.paused_at = None
-            session.commands.append(("end", why))
-            self.cond.notify()
+            self._queue(session, EndRun(why))
 
     def release(self, session: Session) -> None:
         """The socket is gone: out of the rotation now; the worker closes its generation next."""
@@ -310,14 +324,21 @@ class SessionManager:
         self.thread.join(self.cfg.drain_timeout_s)
 
     # ------------------------------------------------------------------ under the lock
+    def _queue(self, session: Session, command: Command) -> None:
+        if not isinstance(command, Command):  # refused on the caller's thread: the worker never sees it
+            raise TypeError(f"not a worker command (sdvg.serve.commands): {command!r}")
+        session.commands.append(command)
+        if self.hook is not None:
+            self.hook.queued(session, command)
+        self.cond.notify()
+
     def _restart(self, session: Session) -> None:
         session.run += 1
         session.t_start = time.perf_counter()
         session.first_frame_sent = False
         session.last_block_sent = session.last_interval = None
-        session.commands.append(("start", session.run, session.spec))
         self.metrics.sessions_total.inc()
-        self.cond.notify()
+        self._queue(session, Start(session.run, session.spec))
 
     def _promote(self) -> None:
         while self.queue and len(self.active) < self.cfg.max_sessions:
@@ -375,6 +396,8 @@ class SessionManager:
             with self.cond:
                 pick = self._next()
             if pick is not None:
+                if self.hook is not None:
+                    self.hook.before_block(pick)
                 self._step(pick)
         # shutdown: finish every generation and MP4, tell each socket completed, close it
         with self.cond:
@@ -392,55 +415,75 @@ class SessionManager:
                 s.post_text(s.completed())
                 s.post_close(1001)
 
-    def _apply(self, s: Session, cmd: tuple) -> None:
-        if cmd[0] == "start":
-            self._end(s, reason="restart")
-            run, spec = cmd[1], cmd[2]
-            s.gen_run = run
-            s.reading = spec.input_video is not None and self.engine.live
-            if s.reading:  # read off the worker: the other sessions' blocks go on meanwhile
-                threading.Thread(target=self._read_input, args=(s, run, spec), name=f"sdvg-serve-read-{s.id}",
-                                 daemon=True).start()
-                return
-            self._begin(s, spec, None)
-        elif cmd[0] == "input":  # an uploaded video read for run cmd[1] (or why it could not be)
-            run, spec, clip = cmd[1], cmd[2], cmd[3]
-            if run != s.gen_run:  # a reset came while it was read: that run's own read follows
-                return
-            s.reading = False
-            if isinstance(clip, Exception):
-                session_event(s, "failed", at="input_video", error=type(clip).__name__, why=str(clip)[:80])
-                s.post_error(f"could not start: {clip}", failed=True)
-                self._finished(s)
-                return
-            self._begin(s, spec, clip)
-        elif cmd[0] == "end":  # the run ends early (a pause past --max-pause-s): completed, the slot freed
-            session_event(s, "ended", why="max_pause", blocks=s.blocks_done, frames=s.frames_done)
-            if s.superset:
-                s.post_text({"status": "error", "error": cmd[1], "field": None})
-            else:
-                s.adjusted.tell("run_ended", cmd[1])
-            self._end(s, reason="ended")
+    def _apply(self, s: Session, cmd: Command) -> None:
+        """One command, on the worker between two blocks."""
+        match cmd:
+            case Start():
+                self._start(s, cmd)
+            case InputRead():
+                self._input_read(s, cmd)
+            case EndRun():
+                self._end_run(s, cmd)
+            case Snapshot():
+                self._snapshot(s, cmd)
+            case LiveUpdate():
+                self._update(s, cmd)
+            case _:
+                raise TypeError(f"not a worker command: {cmd!r}")
+
+    def _start(self, s: Session, cmd: Start) -> None:
+        self._end(s, reason="restart")
+        s.gen_run = cmd.run
+        s.reading = cmd.spec.input_video is not None and self.engine.live
+        if s.reading:  # read off the worker: the other sessions' blocks go on meanwhile
+            threading.Thread(target=self._read_input, args=(s, cmd.run, cmd.spec), name=f"sdvg-serve-read-{s.id}",
+                             daemon=True).start()
+            return
+        self._begin(s, cmd.spec, None)
+
+    def _input_read(self, s: Session, cmd: InputRead) -> None:
+        """An uploaded video read for run `cmd.run` (or why it could not be)."""
+        if cmd.run != s.gen_run:  # a reset came while it was read: that run's own read follows
+            return
+        s.reading = False
+        if isinstance(cmd.clip, Exception):
+            session_event(s, "failed", at="input_video", error=type(cmd.clip).__name__, why=str(cmd.clip)[:80])
+            s.post_error(f"could not start: {cmd.clip}", failed=True)
             self._finished(s)
-            s.post_text(s.completed())
-        elif cmd[0] == "snapshot":  # a download while the run is written: its frames so far
-            try:
-                cmd[1].set_result(self.videos.snapshot_links(s.writer) if s.writer is not None else [])
-            except Exception as exc:  # the segment could not be finished: the download says so
-                cmd[1].set_exception(exc)
-        elif cmd[0] == "update":  # live sessions only (engine.live)
-            if s.reading:  # its input video is still being read
-                s.post_error(f"{cmd[2]}: the session's input video is still being read; send it once the first "
-                             "frames came", cmd[2])
-                return
-            changes, field, request_id = cmd[1], cmd[2], cmd[3]
-            try:
-                block = self.engine.update(s.generation, **changes)
-            except Exception as exc:
-                s.post_error(f"{field}: {exc}", field)
-                return
-            if s.superset and field != "image":  # webcam frames are not acknowledged (Krea sends nothing)
-                s.post_text({"status": "ack", "field": field, "block": block, "request_id": request_id})
+            return
+        self._begin(s, cmd.spec, cmd.clip)
+
+    def _end_run(self, s: Session, cmd: EndRun) -> None:
+        """The run ends early (a pause past --max-pause-s): completed, the slot freed."""
+        session_event(s, "ended", why="max_pause", blocks=s.blocks_done, frames=s.frames_done)
+        if s.superset:
+            s.post_text({"status": "error", "error": cmd.why, "field": None})
+        else:
+            s.adjusted.tell("run_ended", cmd.why)
+        self._end(s, reason="ended")
+        self._finished(s)
+        s.post_text(s.completed())
+
+    def _snapshot(self, s: Session, cmd: Snapshot) -> None:
+        """A download while the run is written: its frames so far."""
+        try:
+            cmd.future.set_result(self.videos.snapshot_links(s.writer) if s.writer is not None else [])
+        except Exception as exc:  # the segment could not be finished: the download says so
+            cmd.future.set_exception(exc)
+
+    def _update(self, s: Session, cmd: LiveUpdate) -> None:
+        """A live update (live sessions only: engine.live)."""
+        if s.reading:  # its input video is still being read
+            s.post_error(f"{cmd.field}: the session's input video is still being read; send it once the first "
+                         "frames came", cmd.field)
+            return
+        try:
+            block = self.engine.update(s.generation, **cmd.changes)
+        except Exception as exc:
+            s.post_error(f"{cmd.field}: {exc}", cmd.field)
+            return
+        if s.superset and cmd.field != "image":  # webcam frames are not acknowledged (Krea sends nothing)
+            s.post_text({"status": "ack", "field": cmd.field, "block": block, "request_id": cmd.request_id})
 
     def _begin(self, s: Session, spec: SessionSpec, clip) -> None:
         """The run's generation and MP4 (worker); `clip`: its input video, already read."""
@@ -455,12 +498,12 @@ class SessionManager:
         s.blocks_done = s.frames_done = s.accepted = s.later = 0
 
     def _read_input(self, s: Session, run: int, spec: SessionSpec) -> None:
-        """(its own thread) Read the run's input video, then hand it to the worker as an `input` command."""
+        """(its own thread) Read the run's input video, then hand it to the worker (`InputRead`)."""
         try:
             clip = self.engine.read_input(spec)
         except Exception as exc:
             clip = exc
-        self.command(s, "input", run, spec, clip)
+        self.command(s, InputRead(run, spec, clip))
 
     def _step(self, s: Session) -> None:
         gen = s.generation
@@ -587,5 +630,5 @@ def _drop_snapshots(s: Session) -> None:
     """(under the manager's lock) Snapshots asked of a session whose run the worker will not step again: cancelled,
     so the download waiting for one answers at once."""
     for cmd in s.commands:
-        if cmd[0] == "snapshot":
-            cmd[1].cancel()
+        if isinstance(cmd, Snapshot):
+            cmd.future.cancel()
