@@ -762,13 +762,13 @@ def test_a_slow_webcam_decode_blocks_neither_the_server_nor_the_frame_order(serv
     (bitwise `pipe.session` fed the same frames in that order)."""
     import threading
 
-    import sdvg.serve.app as app_module
+    import sdvg.serve.connection as connection_module
     from serve_harness import decode_jpeg
 
     url, _ = server
     jpegs = _jpegs(9, seed=4)
     entered, release, done = threading.Event(), threading.Event(), threading.Event()
-    real = app_module.decode_frame
+    real = connection_module.decode_frame
 
     def held_decode(data, max_pixels):
         if data == jpegs[0] and not entered.is_set():
@@ -777,7 +777,7 @@ def test_a_slow_webcam_decode_blocks_neither_the_server_nor_the_frame_order(serv
             done.set()
         return real(data, max_pixels)
 
-    monkeypatch.setattr(app_module, "decode_frame", held_decode)
+    monkeypatch.setattr(connection_module, "decode_frame", held_decode)  # the socket's decode
     answered = {}
 
     def probe():

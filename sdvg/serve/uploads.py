@@ -8,6 +8,7 @@ session, a reset) until every socket that claimed it has closed.
 Webcam frames (`image_bytes`, `decode_frame`) are not uploads: they are decoded from the message itself."""
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import re
@@ -25,9 +26,9 @@ DATA_URL = re.compile(r"data:[\w.+/-]{0,100}(?:;[\w.+=-]{1,100}){0,4},")  # `dat
 
 
 class UploadError(ValueError):
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, headers: dict | None = None):
         super().__init__(message)
-        self.status = status
+        self.status, self.headers = status, headers
 
 
 def sniff(head: bytes, kinds: dict) -> str | None:
@@ -203,3 +204,81 @@ class UploadStore:
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+class UploadReceiver:
+    """POST /upload_video and /upload_start_frame: at most `max_concurrent_uploads` bodies received at once (each is
+    held in memory while read; one more is refused 503), each capped in size and read at a least rate, its file
+    checked by its bytes (and an image decoded, a video's frame size read from its header) before it is stored.
+    Every refusal is an UploadError (status, message, headers), counted as
+    `sdvg_serve_refused_messages_total{reason="upload"}`."""
+
+    def __init__(self, store: UploadStore, cfg, metrics):
+        self.store, self.cfg, self.metrics = store, cfg, metrics
+        self.receiving = 0  # uploads being received on this event loop
+        metrics.uploads_receiving.set_function(lambda: self.receiving)  # read at each scrape
+
+    async def receive(self, request, image: bool) -> dict:
+        """The upload's reply: its id (`path`, Krea's name for what its page sends back, and `id`), file name, size
+        and kind."""
+        cfg = self.cfg
+        kinds, limit = (IMAGE_KINDS, cfg.max_image_bytes) if image else (VIDEO_KINDS, cfg.max_upload_bytes)
+        if self.receiving >= cfg.max_concurrent_uploads:
+            self.metrics.refused.labels("upload").inc()
+            raise UploadError(503, f"busy: {self.receiving} uploads are being received (at most "
+                              f"{cfg.max_concurrent_uploads} at once); retry in a moment", {"Retry-After": "1"})
+        self.receiving += 1
+        try:
+            data, kind, filename = await self._read(request, kinds, limit)
+            if image:
+                await asyncio.to_thread(check_image, data, cfg.max_image_pixels)
+            upload_id = await asyncio.to_thread(self.store.add, data, kind)  # 507 past max_upload_store_bytes
+            if not image:  # its frame size from the container's header (ffmpeg -i, nothing decoded)
+                await asyncio.to_thread(check_video_upload, self.store, upload_id, cfg.max_input_video_pixels)
+        except UploadError:
+            self.metrics.refused.labels("upload").inc()
+            raise
+        finally:
+            self.receiving -= 1
+        # `path`: Krea's name for what its page sends back as start_frame / input_video; here the same opaque id
+        return {"path": upload_id, "id": upload_id, "filename": Path(filename or "").name[:128], "bytes": len(data),
+                "type": kind}
+
+    async def _read(self, request, kinds: dict, limit: int):
+        cfg = self.cfg
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit + 65536):
+            raise UploadError(413, f"upload larger than {limit} bytes")
+        body = bytearray()
+        stream, t0 = request.stream().__aiter__(), time.monotonic()
+        while True:
+            # the next chunk must come before the body's average rate falls under the floor (after a 10 s grace)
+            # and before the deadline
+            due = t0 + min(cfg.upload_deadline_s, max(cfg.upload_grace_s, (len(body) + 1) / cfg.upload_min_bytes_per_s))
+            try:
+                chunk = await asyncio.wait_for(stream.__anext__(), max(0.0, due - time.monotonic()))
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise UploadError(408, f"upload too slow: {len(body)} bytes in {time.monotonic() - t0:.0f} s (at least "
+                                  f"{cfg.upload_min_bytes_per_s} bytes/s after {cfg.upload_grace_s:g} s, "
+                                  f"--upload-min-rate; all within {cfg.upload_deadline_s:g} s, --upload-deadline)"
+                                  ) from None
+            body += chunk
+            if len(body) > limit + 65536:
+                raise UploadError(413, f"upload larger than {limit} bytes")
+        request._body = bytes(body)  # the form parser reads the capped body
+        try:
+            form = await request.form(max_files=1, max_fields=4)
+        except Exception as exc:
+            raise UploadError(400, f"a multipart form with one `file` field is expected ({exc})") from None
+        file = form.get("file")
+        if file is None or isinstance(file, str):
+            raise UploadError(400, "the form has no `file` field")
+        data = await file.read(limit + 1)
+        if len(data) > limit:
+            raise UploadError(413, f"file larger than {limit} bytes")
+        kind = sniff(data[:16], kinds)
+        if kind is None:
+            raise UploadError(415, f"not one of {', '.join(kinds)} (judged by the file's bytes, not its name)")
+        return data, kind, file.filename
