@@ -43,7 +43,7 @@ def _burn(stop) -> None:  # one core kept busy until told to stop
 
 def _cli_seconds(blocks: int, seed: int, preset: str, env: dict) -> float:
     """`sdvg generate` over a prompts file of the prompt twice: the second video's wall time (its stats
-    record's `wall_s`), so a fresh process's one-time costs (loading, first-call allocations) stay out,
+    record's `result.wall_s`, read by `sdvg.read_stats`), so a fresh process's one-time costs (loading, first-call allocations) stay out,
     as the warm-up keeps them out of the in-process variants."""
     with tempfile.TemporaryDirectory() as tmp:
         prompts, stats = Path(tmp) / "p.txt", Path(tmp) / "v.jsonl"
@@ -52,7 +52,9 @@ def _cli_seconds(blocks: int, seed: int, preset: str, env: dict) -> float:
                         str(prompts), "--num-blocks", str(blocks), "--seed", str(seed), "--out",
                         str(Path(tmp) / "v.mp4"), "--stats", str(stats), "--quiet"], check=True, cwd=ROOT,
                        env={**os.environ, "HF_HUB_OFFLINE": "1", **env}, capture_output=True)
-        return float(json.loads(stats.read_text().splitlines()[1])["wall_s"])
+        from sdvg import read_stats
+
+        return float(read_stats(json.loads(stats.read_text().splitlines()[1]))["result"]["wall_s"])
 
 
 def _round(pipe, blocks: int, seed: int, preset: str, cli: bool, policy: str = "sdvg") -> dict[str, float]:

@@ -53,7 +53,7 @@ def once(pipe, **options) -> tuple[float, float, dict]:
     out = pipe(PROMPT, output_type="latent", **options)
     wall = time.perf_counter() - t0
     stats = out.stats.as_dict()
-    target_s = stats["stage_totals"]["target"] + sum(b["times"]["target_commit"] for b in stats["blocks"])
+    target_s = stats["result"]["stage_totals"]["target"] + sum(b["times"]["target_commit"] for b in stats["blocks"])
     return wall, target_s, stats
 
 
@@ -69,12 +69,13 @@ def run_interleaved(pipe, plan: dict, repeats: int) -> dict:
     runs = {}
     for name, got in samples.items():
         stats = got[-1][2]
+        res = stats["result"]
         runs[name] = {"wall_s": statistics.median(w for w, _, _ in got),
                       "target_stage_s": statistics.median(t for _, t, _ in got),
                       "walls": [w for w, _, _ in got], "target_stages": [t for _, t, _ in got],
-                      "mean_steps": stats["mean_steps"], "max_steps": stats["max_steps"],
-                      "acceptance_rate": stats["acceptance_rate"], "target_forwards": stats["target_forwards"],
-                      "exit_roles": stats["exit_roles"], "decisions": [b["decision"] for b in stats["blocks"]]}
+                      "mean_steps": res["mean_steps"], "max_steps": res["max_steps"],
+                      "acceptance_rate": res["acceptance_rate"], "target_forwards": res["target_forwards"],
+                      "exit_roles": res["exit_roles"], "decisions": [b["decision"] for b in stats["blocks"]]}
         print(f"{name}: {runs[name]['wall_s']:.3f} s (target stages {runs[name]['target_stage_s']:.3f} s, "
               f"k_bar {runs[name]['mean_steps']})", flush=True)
     return runs

@@ -281,7 +281,7 @@ def main(argv=None) -> int:
         prompt = "a red fox running through fresh snow at dawn, cinematic"
         t = time.perf_counter()
         result = pipe(prompt, **kw, **options)
-        out = {"wall_s": time.perf_counter() - t, "blocks": 2, "compile": result.stats["compile"]}
+        out = {"wall_s": time.perf_counter() - t, "blocks": 2, "compile": result.stats["result"]["compile"]}
         (work / f"{name}.json").write_text(json.dumps(out, indent=2))
         if "latents" not in reference:
             reference["latents"] = pipe(prompt, **kw).latents.float()

@@ -103,10 +103,10 @@ def profile_video(pipe, mode: str, num_blocks: int, variant: tuple, warmup: bool
         wall = time.perf_counter() - t0
     c = classify(kernels_of(prof, cuda))
     device_s = sum(c["by_class_s"].values())
-    return {"mode": mode, "stage_timing": stage_timing, "wall_s": wall, "video_wall_s": stats["wall_s"], "busy_fraction": c["busy_s"] / wall,
+    return {"mode": mode, "stage_timing": stage_timing, "wall_s": wall, "video_wall_s": stats["result"]["wall_s"], "busy_fraction": c["busy_s"] / wall,
             "device_s": device_s, "launches": c["launches"], "by_class_s": c["by_class_s"],
             "share": {k: v / device_s for k, v in c["by_class_s"].items()} if device_s else {},
-            "forwards": {"target": stats["target_forwards"], "drafter": stats["drafter_forwards"]},
+            "forwards": {"target": stats["result"]["target_forwards"], "drafter": stats["result"]["drafter_forwards"]},
             "top": c["top"], "kernels": "cuda" if cuda else "cpu aten operators"}
 
 

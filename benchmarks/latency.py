@@ -87,24 +87,25 @@ def run_once(pipe, mode, num_blocks, pattern=None, variant=MAIN_VARIANT):
     for d in {pipe.components.drafter_device, pipe.components.target_device}:
         if d.type == "cuda":
             torch.cuda.synchronize(d)
-    stats["wall_s"] = time.perf_counter() - t0
+    stats["result"]["wall_s"] = time.perf_counter() - t0  # the call's wall time, the devices synchronised
     return stats
 
 
 def summarise(mode, rate, runs, variant=MAIN_VARIANT):
     backend, scheduler, run_ahead, options = variant
-    walls = [r["wall_s"] for r in runs]
+    walls = [r["result"]["wall_s"] for r in runs]
     med = runs[walls.index(sorted(walls)[len(walls) // 2])]
+    res, opts = med["result"], med["options"]
     stages = {k: sum(b["times"].get(k, 0.0) for b in med["blocks"]) for k in STAGES}
-    stages["overhead"] = med["wall_s"] - sum(stages.values())
+    stages["overhead"] = res["wall_s"] - sum(stages.values())
     return {
         "mode": mode, "backend": backend, "scheduler": scheduler, "run_ahead": run_ahead, "options": dict(options),
-        "acceptance": rate, "compile": med.get("compile"),
-        "target_context": med.get("target_context"), "drafter_context": med.get("drafter_context"),
+        "acceptance": rate, "compile": res["compile"],
+        "target_context": opts["target_context"], "drafter_context": opts["drafter_context"],
         "wall_s": statistics.median(walls), "wall_all_s": walls, "stages": stages,
         "decisions": [b["decision"] for b in med["blocks"]],
-        "target_forwards": med["target_forwards"], "drafter_forwards": med["drafter_forwards"],
-        "skipped_target_commits": med["skipped_target_commits"],
+        "target_forwards": res["target_forwards"], "drafter_forwards": res["drafter_forwards"],
+        "skipped_target_commits": res["skipped_target_commits"],
         "timeline": [{"index": b["index"], "decision": b["decision"], "times": b["times"]} for b in med["blocks"]],
         "trace": med.get("trace", []),  # every stage call: block, stage, thread, start_s, end_s
     }
@@ -373,7 +374,7 @@ def main(argv=None, pipe=None):
         repeats = []  # the stats of each repeat
         for _ in range(args.repeats):
             repeats.append(run_once(pipe, mode, n, pattern, v))
-            longest = max(longest, repeats[-1]["wall_s"])
+            longest = max(longest, repeats[-1]["result"]["wall_s"])
         run = summarise(mode, rate, repeats, v)
         if mode == "sdvg":
             if run["decisions"][1:] != ["accepted" if p else "rejected" for p in pattern[1:]]:
@@ -412,8 +413,8 @@ def main(argv=None, pipe=None):
             warm_stats = run_once(pipe, "sdvg", warm_n, acceptance_pattern(warm_n, 0.5, seed=0), v)
             warm.add(v)
             meta["warmup_s"][variant_name(*v)] = time.perf_counter() - t_w
-            if warm_stats.get("compile") is not None:  # what compiling cost (cold, or from the persistent cache)
-                meta.setdefault("warmup_compile", {})[variant_name(*v)] = warm_stats["compile"]
+            if warm_stats["result"]["compile"] is not None:  # what compiling cost (cold, or from the persistent cache)
+                meta.setdefault("warmup_compile", {})[variant_name(*v)] = warm_stats["result"]["compile"]
             if v == main_variant:  # a compiling variant's warm-up says nothing about its runs
                 longest = max(longest, time.perf_counter() - t_w)
                 for d in devices:

@@ -262,7 +262,7 @@ def run_config(pipe, name: str, args) -> dict:
     return {"config": name, "options": spec, "update_every": update_every, "horizon": horizon,
             "blocks_asked": args.blocks, "blocks_run": len(rows),
             "stopped_at_horizon": horizon is not None and args.blocks > horizon,
-            "updates": len(stats["updates"]), "prompt_encodes": stats["prompt_encodes"],
+            "updates": len(stats["live"]["updates"]), "prompt_encodes": stats["live"]["prompt_encodes"],
             "decisions": {d: sum(r["decision"] == d for r in rows) for d in sorted({r["decision"] for r in rows})},
             "wall_s": time.perf_counter() - t0, "summary": summary, "blocks": rows}
 

@@ -80,7 +80,7 @@ def main(argv=None) -> int:
                 malloc_trim()
             rows.append({"video": i, **variant, "rss_mib": rss_mib(), "rss_before_trim_mib": before_trim,
                          "open_fds": open_fds(),
-                         "frames": stats["frames"], "wall_s": stats["wall_s"]})
+                         "frames": stats.frames, "wall_s": stats.wall_s})
             print(f"{i:3d} {rows[-1]['rss_mib']:8.1f} MiB {rows[-1]['open_fds']:3d} fds", file=sys.stderr)
     base, last = rows[args.warm - 1]["rss_mib"], rows[-1]["rss_mib"]
     growth = (last - base) / base

@@ -31,6 +31,7 @@ _LAZY = {
     "ConfigError": "sdvg.config",
     "BlockRecord": "sdvg.generation.types",
     "RunStats": "sdvg.generation.types",
+    "read_stats": "sdvg.generation.types",
 }
 
 __all__ = sorted(_LAZY)

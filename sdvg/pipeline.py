@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import inspect
 import os
+import time
 import warnings
 from typing import Callable, Iterator
 
@@ -155,6 +156,7 @@ class SpeculativeVideoPipeline:
         self._progress_bar_config: dict = {}  # tqdm keywords of __call__'s block progress bar
         self._start_memo: tuple | None = None  # (key, latents): the last start frame encoded (`start_latents`)
         self._warn_cpu_build()
+        self.load_s: float | None = None  # seconds from_preset / from_pretrained took (None: built otherwise)
 
     def __repr__(self) -> str:
         c, v = self.components, self.preset.video
@@ -201,7 +203,7 @@ class SpeculativeVideoPipeline:
                                         self.default_backend, self.engines, self.sources, self.memory_budget_gib,
                                         self.compile_settings)
         view.default_quantization, view.build_flags = self.default_quantization, list(self.build_flags)
-        view.engine_executor = self.engine_executor
+        view.engine_executor, view.load_s = self.engine_executor, self.load_s
         return view
 
     def runners(self, backend: str | None = None):
@@ -248,6 +250,7 @@ class SpeculativeVideoPipeline:
         from sdvg.models.memory import check_budget_gib
 
         check_budget_gib(memory_budget_gib)  # before any weights are built
+        t0 = time.perf_counter()
         compiling = CompileSettings(compile_mode, cache_dir=compile_cache)  # refused before any weights are built
         preset = get_preset(name) if isinstance(name, str) else name
         if torch_dtype is not None:
@@ -263,6 +266,7 @@ class SpeculativeVideoPipeline:
         load_in_place(pipe.components, fp8)
         pipe.default_quantization = quantization or "none"
         return pipe
+        pipe.load_s = time.perf_counter() - t0
 
     @classmethod
     def from_pretrained(cls, preset: str | Preset = "wan2.1", *, drafter=None, target=None, vae=None, reward=None,
@@ -291,6 +295,7 @@ class SpeculativeVideoPipeline:
         from sdvg.models.memory import check_budget_gib
 
         check_budget_gib(memory_budget_gib)  # before any weights are read
+        t0 = time.perf_counter()
         compiling = CompileSettings(compile_mode, cache_dir=compile_cache)  # refused before any weights are read
         hub = HubAccess(cache_dir=cache_dir, token=token, local_files_only=local_files_only)  # likewise
         repo_specs = {}
@@ -321,6 +326,7 @@ class SpeculativeVideoPipeline:
         load_in_place(pipe.components, fp8)
         pipe.default_quantization = quantization or "none"
         return pipe
+        pipe.load_s = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ components, placement, dtype
     @property
@@ -429,8 +435,9 @@ class SpeculativeVideoPipeline:
         return self
 
     def provenance(self, options: GenerationOptions | None = None) -> dict:
-        """What produced a video: versions, devices, the preset's and checkpoints' fingerprints; with resolved
-        `options`, the FP8 implementation of each role they run in FP8 (`fp8_impl`)."""
+        """What produced a video: versions, devices, the preset's and checkpoints' fingerprints, the seconds
+        the pipeline took to load (`load_s`); with resolved `options`, the FP8 implementation of each role they
+        run in FP8 (`fp8_impl`). The statistics' `run` group holds them."""
         import sdvg
 
         c = self.components
@@ -438,7 +445,7 @@ class SpeculativeVideoPipeline:
                "devices": {"drafter": device_name(c.drafter_device), "target": device_name(c.target_device),
                            "vae": device_name(c.vae.device)},
                "precision": self.preset.precision, "preset_fingerprint": config_hash(self.preset),
-               "checkpoints": dict(self.sources)}
+               "checkpoints": dict(self.sources), "load_s": self.load_s}
         if options is not None:
             from sdvg.models.fp8 import role_impls
 

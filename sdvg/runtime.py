@@ -1,4 +1,4 @@
-"""The process's CPU threading, as sdvg sets it and as each run records it (`stats["host"]`).
+"""The process's CPU threading, as sdvg sets it and as each run records it (`stats["run"]["host"]`).
 
 OpenMP (torch's CPU thread pool) spins by default: a thread waiting at the end of a parallel region
 keeps its core busy for a while. On a machine where other processes want the cores, those spinning

@@ -17,7 +17,7 @@ def test_prompt_list_gives_each_prompt_its_own_video(tiny_pipe):
     for i, (p, frames, latents, stats) in enumerate(zip(prompts, out.frames, out.latents, out.stats)):
         alone = tiny_pipe(p, output_type="uint8", **{**KW, "seed": KW["seed"] + i})  # video i has seed + i
         assert torch.equal(frames, alone.frames[0]) and torch.equal(latents, alone.latents[0])
-        assert stats["prompt"] == p and stats["seed"] == KW["seed"] + i
+        assert stats["video"]["prompt"] == p and stats["options"]["seed"] == KW["seed"] + i
         assert [b.index for b in out.blocks[i]] == [0, 1]
     assert not torch.equal(out.frames[0], out.frames[1])
 
@@ -26,8 +26,8 @@ def test_prompt_list_gives_each_prompt_its_own_video(tiny_pipe):
 def test_videos_per_prompt_are_distinct_and_prompt_major(tiny_pipe):
     out = tiny_pipe(["a cat", "a dog"], num_videos_per_prompt=2, output_type="latent", num_blocks=1, seed=7)
     assert out.frames.shape[0] == 4 and out.frames is out.latents
-    assert [s["prompt"] for s in out.stats] == ["a cat", "a cat", "a dog", "a dog"]  # as diffusers repeats them
-    assert [s["seed"] for s in out.stats] == [7, 8, 9, 10]
+    assert [s["video"]["prompt"] for s in out.stats] == ["a cat", "a cat", "a dog", "a dog"]  # as diffusers repeats
+    assert [s["options"]["seed"] for s in out.stats] == [7, 8, 9, 10]
     assert not torch.equal(out.latents[0], out.latents[1])  # the same prompt, distinct seeds
     assert torch.equal(out.latents[3], tiny_pipe("a dog", num_blocks=1, seed=10, output_type="latent").latents[0])
 
@@ -54,30 +54,32 @@ def test_output_types_agree(tiny_pipe):
 
 def test_one_prompt_extras_read_as_before_and_batches_name_the_index(tiny_pipe):
     one = tiny_pipe(PROMPT, output_type="latent", **KW)
-    assert one.stats["seed"] == one.stats[0]["seed"] == KW["seed"] and one.stats.to_json() == one.stats[0].to_json()
+    assert one.stats["options"]["seed"] == one.stats[0]["options"]["seed"] == KW["seed"]
+    assert one.stats.to_json() == one.stats[0].to_json()
     two = tiny_pipe(PROMPT, num_videos_per_prompt=2, output_type="latent", num_blocks=1)
-    with pytest.raises(TypeError, match=r"one entry per video \(a batch of 2\).*out\.stats\[i\]\['seed'\]"):
-        two.stats["seed"]
+    with pytest.raises(TypeError, match=r"one entry per video \(a batch of 2\).*out\.stats\[i\]\['options'\]"):
+        two.stats["options"]["seed"]
 
 
 @pytest.mark.slow
 def test_generator_draws_the_seed(tiny_pipe):
     a = tiny_pipe(PROMPT, generator=torch.Generator().manual_seed(42), num_blocks=2)
     b = tiny_pipe(PROMPT, generator=torch.Generator().manual_seed(42), num_blocks=2)
-    seed = a.stats[0]["seed"]
-    assert np.array_equal(a.frames, b.frames) and b.stats[0]["seed"] == seed
+    seed = a.stats[0]["options"]["seed"]
+    assert np.array_equal(a.frames, b.frames) and b.stats[0]["options"]["seed"] == seed
     c = tiny_pipe(PROMPT, seed=seed, num_blocks=2)
     assert np.array_equal(a.frames, c.frames)  # the recorded seed reproduces the video
     g = torch.Generator().manual_seed(42)
     first, second = tiny_pipe(PROMPT, generator=g, num_blocks=1), tiny_pipe(PROMPT, generator=g, num_blocks=1)
-    assert first.stats[0]["seed"] != second.stats[0]["seed"]  # the generator's state moves on, as in diffusers
+    # the generator's state moves on, as in diffusers
+    assert first.stats[0]["options"]["seed"] != second.stats[0]["options"]["seed"]
 
 
 def test_a_list_of_generators_gives_each_video_its_own(tiny_pipe):
     gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
     out = tiny_pipe(PROMPT, num_videos_per_prompt=2, generator=gens, num_blocks=1, output_type="latent")
     expected = [int(torch.randint(0, 2**63 - 1, (), generator=torch.Generator().manual_seed(s))) for s in (1, 2)]
-    assert [s["seed"] for s in out.stats] == expected
+    assert [s["options"]["seed"] for s in out.stats] == expected
 
 
 def test_callback_sees_every_block_in_order(tiny_pipe):
@@ -172,7 +174,7 @@ def test_to_dtype_casts_as_torch_dtype_builds_and_components_are_attributes():
     built = SpeculativeVideoPipeline.from_preset("tiny", torch_dtype=torch.bfloat16)
     assert _dtypes(pipe) == _dtypes(built)
     out = pipe(PROMPT, num_blocks=1, output_type="latent")
-    assert out.stats["precision"] == "bf16" and torch.isfinite(out.latents).all()
+    assert out.stats["run"]["precision"] == "bf16" and torch.isfinite(out.latents).all()
     pipe.to("cpu", torch.float32)
     assert _dtypes(pipe) == _dtypes(SpeculativeVideoPipeline.from_preset("tiny"))
     with pytest.raises(ValueError, match="torch_dtype"):

@@ -31,7 +31,7 @@ def test_json_config_and_generate(tmp_path):
     assert cli.main(["generate", "--config", str(path), "--prompt", "a cat", "--quiet",
                      "--out", str(tmp_path / "v.mp4"), "--fps", "8", "--crf", "0"]) == 0
     stats = json.loads((tmp_path / "v.json").read_text())
-    assert stats["num_blocks"] == 1 and stats["tau"] == 0.0
+    assert stats["options"]["num_blocks"] == 1 and stats["options"]["tau"] == 0.0
 
 
 @pytest.mark.parametrize("text,match", [

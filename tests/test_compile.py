@@ -84,13 +84,13 @@ def test_compile_backend_video_through_the_eager_loop(tiny_pipe):
     assert torch.equal(first.latents, eager.latents) and torch.equal(second.latents, eager.latents)
     # frames are 8-bit levels: a decode within FAST_VAE_TOLERANCE moves a pixel by at most one level
     assert FAST_VAE_TOLERANCE[torch.float32] < 1 / 255 and abs(first.frames - eager.frames).max() <= 1 / 255 + 1e-6
-    c1, c2 = first.stats["compile"], second.stats["compile"]
+    c1, c2 = first.stats["result"]["compile"], second.stats["result"]["compile"]
     assert c1["graphs"] >= 4 and c1["compile_s"] > 0 and c1["compiler"] == "aot_eager", c1
     # by part: both regions (each once per DiT), the VAE's steady frame, the reward model per frame count
     assert {"dit.before_attention", "dit.after_attention", "vae", "reward"} <= set(c1["by_part"]), c1["by_part"]
     assert c1["by_part"]["dit.before_attention"]["graphs"] == 2 and c1["by_part"]["vae"]["seconds"] > 0
     assert c2["graphs"] == 0 and c2["compile_s"] == 0 and c2["by_part"] == {}, c2
-    assert eager.stats["compile"] is None and first.stats["backend"] == "compile"
+    assert eager.stats["result"]["compile"] is None and first.stats["options"]["backend"] == "compile"
     import numpy as np
 
     image = (np.random.default_rng(0).random((32, 48, 3)) * 255).astype(np.uint8)

@@ -158,17 +158,17 @@ def test_nothing_exiting_reproduces_the_plain_loop_bitwise(tiny_pipe, scheduler,
     plain = _latents(tiny_pipe, **kw)
     exit_ = _latents(tiny_pipe, early_exit="both", **never, **kw)
     assert torch.equal(plain.latents, exit_.latents)
-    assert exit_.stats["mean_steps"] == 4.0 and exit_.stats["max_steps"] == 4
+    assert exit_.stats["result"]["mean_steps"] == 4.0 and exit_.stats["result"]["max_steps"] == 4
 
 
 def test_oracle_with_a_large_eps_exits_every_token_at_step_one(tiny_pipe):
     out = _latents(tiny_pipe, mode="target", num_blocks=2, seed=1, early_exit="target", exit_verifier="oracle",
                    exit_eps=100.0)  # the bound (sdvg.options.MAX_EXIT_EPS); tiny exits everything from ~3
-    assert out.stats["mean_steps"] == 1.0 and out.stats["max_steps"] == 1
+    assert out.stats["result"]["mean_steps"] == 1.0 and out.stats["result"]["max_steps"] == 1
     for b in out.stats["blocks"]:
         rec = b["exit"]["target"]
         assert rec["exit_fractions"] == [1.0, 0.0, 0.0, 0.0] and rec["forwards"] == 1 and rec["oracle_forwards"] == 4
-    assert out.stats["exit_roles"]["target"]["forwards"] == 2
+    assert out.stats["result"]["exit_roles"]["target"]["forwards"] == 2
 
 
 class _Spy:
@@ -228,8 +228,8 @@ def test_reference_and_native_agree_bitwise(tiny_pipe, context):
         nat = _latents(tiny_pipe, scheduler="cpp", run_ahead=run_ahead, **kw)
         assert torch.equal(ref.latents, nat.latents), run_ahead
         assert [b["exit"] for b in ref.stats["blocks"]] == [b["exit"] for b in nat.stats["blocks"]]
-    assert 1.0 < ref.stats["mean_steps"] < (4.0 if context == "full" else 5.0)
-    assert ref.stats["max_steps"] == (4 if context == "full" else 5)
+    assert 1.0 < ref.stats["result"]["mean_steps"] < (4.0 if context == "full" else 5.0)
+    assert ref.stats["result"]["max_steps"] == (4 if context == "full" else 5)
 
 
 @pytest.mark.slow
@@ -253,7 +253,7 @@ def test_sdvg_at_tau_inf_equals_target_only_with_early_exit(tiny_pipe):
     target = _latents(tiny_pipe, mode="target", **{**kw, "early_exit": "target"})
     assert torch.equal(sdvg.latents, target.latents)
     assert [b["decision"] for b in sdvg.stats["blocks"]] == ["forced", "rejected"]
-    assert sdvg.stats["mean_steps"] == target.stats["mean_steps"]
+    assert sdvg.stats["result"]["mean_steps"] == target.stats["result"]["mean_steps"]
 
 
 @pytest.mark.slow
@@ -302,7 +302,7 @@ def test_a_head_of_the_right_width_runs(tiny_pipe, tmp_path):
     assert ExitHead.read_extra(path) == {"note": "test"}
     out = _latents(tiny_pipe, mode="target", num_blocks=2, seed=1, early_exit="target", exit_verifier="head",
                    exit_head=str(path))
-    assert out.stats["mean_steps"] == 1.0
+    assert out.stats["result"]["mean_steps"] == 1.0
 
 
 def test_head_parameter_count_at_the_papers_width():
@@ -323,7 +323,7 @@ def test_cli_writes_the_exit_map_and_the_stats(tmp_path):
                      str(tmp_path / "v.mp4"), "--stats", str(stats), "--exit-map", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads(stats.read_text())
-    assert data["early_exit"] == "target" and abs(data["mean_steps"] - 2.0) < 0.2
+    assert data["options"]["early_exit"] == "target" and abs(data["result"]["mean_steps"] - 2.0) < 0.2
     with pytest.raises(SystemExit) as bad:  # argparse: exit status 2 with the option's message
         cli.main(["generate", "--prompt", PROMPT, "--num-blocks", "1", "--early-exit", "target",
                   "--exit-thresholds", "0.5,-1", "--quiet", "--out", str(tmp_path / "w.mp4")])
@@ -376,7 +376,7 @@ def test_the_pattern_mean_cannot_exceed_the_schedule(tiny_pipe):
                   exit_pattern_steps=4.5)
     out = _latents(tiny_pipe, mode="target", num_blocks=1, early_exit="target", exit_verifier="pattern",
                    exit_pattern_steps=4.5, target_context="recompute")  # five calls under recompute
-    assert 4.0 < out.stats["mean_steps"] <= 5.0
+    assert 4.0 < out.stats["result"]["mean_steps"] <= 5.0
 
 
 def test_a_head_file_without_the_head_verifier_is_refused(tiny_pipe):

@@ -215,7 +215,7 @@ def test_trained_head_loads_and_runs_in_generate(trained, tiny_pipe, tmp_path, c
     stats = tiny_pipe.generate("a red bird", tiny_pipe.resolve(ec.role_options(
         _opts(num_blocks=2, scheduler="reference"), "target", 7, exit_verifier="head", exit_head=str(path),
         exit_eps=1.5))).stats
-    assert 1.0 <= stats.get("mean_steps") <= 4.0
+    assert 1.0 <= stats["result"]["mean_steps"] <= 4.0
     assert stats.blocks[0]["exit"]["target"]["verifier"] == "head"
     assert head.num_parameters > 0
     # a head for another width (the drafter's) is refused before anything is generated

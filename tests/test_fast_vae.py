@@ -68,7 +68,7 @@ def test_fast_vae_video_within_tolerance(tiny_pipe):
     kw = dict(mode="target", num_blocks=3, seed=2, target_context="full")
     plain = tiny_pipe(PROMPT, **kw)
     fast = tiny_pipe(PROMPT, fast_vae=True, **kw)
-    assert fast.stats["fast_vae"] is True
+    assert fast.stats["options"]["fast_vae"] is True
     assert torch.equal(plain.latents, fast.latents)
     assert np.abs(plain.frames - fast.frames).max() <= 1 / 255 + 1e-7
     again = tiny_pipe(PROMPT, **kw)  # the plain decode afterwards is the plain decode

@@ -339,8 +339,9 @@ def test_fp8_videos_through_every_entry_point(impl):
     pipe.set_progress_bar_config(disable=True)
     plain = pipe(PROMPT, num_blocks=3, seed=1)
     out = pipe(PROMPT, num_blocks=3, seed=1, quantization="fp8")
-    assert out.stats["quantization"] == "fp8" and out.stats["fp8_impl"] == {"drafter": impl, "target": impl}
-    assert plain.stats["quantization"] == "none" and plain.stats["fp8_impl"] == {}
+    assert out.stats["options"]["quantization"] == "fp8"
+    assert out.stats["run"]["fp8_impl"] == {"drafter": impl, "target": impl}
+    assert plain.stats["options"]["quantization"] == "none" and plain.stats["run"]["fp8_impl"] == {}
     err = fp8.relative_error(out.latents, plain.latents)
     assert 0 < err <= fp8.FP8_TOLERANCE["forward"], err
     ref = pipe(PROMPT, num_blocks=3, seed=1, quantization="fp8", scheduler="reference")
@@ -349,7 +350,7 @@ def test_fp8_videos_through_every_entry_point(impl):
     assert torch.equal(torch.cat([b.latents for b in blocks], dim=2), out.latents)
     session = pipe.session(PROMPT, num_blocks=3, seed=1, quantization="fp8-target", scheduler="reference")
     lat = torch.cat([b.latents for b in session], dim=2)
-    assert session.stats["fp8_impl"] == {"target": impl}
+    assert session.stats["run"]["fp8_impl"] == {"target": impl}
     assert torch.equal(lat, pipe(PROMPT, num_blocks=3, seed=1, quantization="fp8-target").latents)
     copies = [fp8.kept_copy(pipe.drafter), fp8.kept_copy(pipe.target)]
     assert all(c is not None for c in copies)  # quantized once, kept for the later calls

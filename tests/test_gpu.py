@@ -182,9 +182,9 @@ def test_stage_timing_events_equal_sync_on_cuda(gpu_pipe):
     for scheduler, run_ahead in (("cpp", False), ("cpp", True), ("reference", False)):
         out = gpu_pipe(PROMPT, scheduler=scheduler, run_ahead=run_ahead, stage_timing="events", **kw)
         assert torch.equal(synced.latents, out.latents) and np.array_equal(synced.frames, out.frames), scheduler
-        device_s = out.stats["stage_device_s"]
+        device_s = out.stats["result"]["stage_device_s"]
         assert {"draft", "decode", "target"} <= set(device_s) and all(v > 0 for v in device_s.values())
-    assert synced.stats["stage_device_s"] is None
+    assert synced.stats["result"]["stage_device_s"] is None
 
 
 def test_stage_events_on_cuda_measure_device_time():
@@ -230,6 +230,7 @@ def test_compile_backend_on_cuda_within_tolerance():
     compiled = pipe(PROMPT, backend="compile", **kw)
     scale = eager.latents.float().abs().max()
     assert (compiled.latents.float() - eager.latents.float()).abs().max() <= COMPILE_TOLERANCE[torch.bfloat16] * scale
-    assert compiled.stats["compile"]["graphs"] > 0 and compiled.stats["compile"]["compiler"] == "inductor"
+    assert compiled.stats["result"]["compile"]["graphs"] > 0
+    assert compiled.stats["result"]["compile"]["compiler"] == "inductor"
     again = pipe(PROMPT, backend="compile", **kw)
-    assert again.stats["compile"]["graphs"] == 0 and torch.equal(again.latents, compiled.latents)
+    assert again.stats["result"]["compile"]["graphs"] == 0 and torch.equal(again.latents, compiled.latents)

@@ -210,10 +210,12 @@ def test_stats_keeping_the_last_blocks_fold_the_rest_into_exact_totals(early_exi
                             times, exits=_Exits(b % 4 + 1) if early_exit != "none" else None)
         every.add(block), last3.add(block)
     a, k = every.as_dict(), last3.as_dict()
-    assert [b["index"] for b in k["blocks"]] == [9, 10, 11] and k["blocks_dropped"] == 9 and a["blocks_dropped"] == 0
-    for key in ("frames", "acceptance_rate", "accepted_blocks", "blocks_done", "mean_steps", "max_steps",
-                "exit_roles", "stage_totals"):
-        assert k[key] == a[key], key  # quarters: every sum exact in any order
+    assert [b["index"] for b in k["blocks"]] == [9, 10, 11]
+    assert k["video"]["blocks_dropped"] == 9 and a["video"]["blocks_dropped"] == 0
+    for group, key in (("video", "frames"), ("result", "acceptance_rate"), ("result", "accepted_blocks"),
+                       ("video", "blocks_done"), ("result", "mean_steps"), ("result", "max_steps"),
+                       ("result", "exit_roles"), ("result", "stage_totals")):
+        assert k[group][key] == a[group][key], key  # quarters: every sum exact in any order
     with pytest.raises(OptionError, match="record_blocks 0 must be a positive integer"):
         from sdvg.live import LiveSession
 

@@ -180,13 +180,13 @@ def test_an_unbounded_session_keeps_its_last_blocks_and_exact_totals(tiny_pipe, 
         assert len(session._calls.times) <= 3 + 1
     stats = session.close().as_dict()
     later = [s for s in seen if s[0] > 0]
-    assert stats["blocks_done"] == len(seen) == 9 and stats["blocks_dropped"] == 6
+    assert stats["video"]["blocks_done"] == len(seen) == 9 and stats["video"]["blocks_dropped"] == 6
     assert [(b["index"], b["live"]["segment"]) for b in stats["blocks"]] == [(s[0], s[3]) for s in seen[-3:]]
-    assert stats["frames"] == sum(s[2] for s in seen)
-    assert stats["accepted_blocks"] == sum(s[1] == "accepted" for s in later)
-    assert stats["acceptance_rate"] == stats["accepted_blocks"] / len(later)
-    assert stats["segments"] == 2 and stats["interrupted"] is False
-    assert stats["target_forwards"] > 0 and stats["drafter_forwards"] > 0  # every segment's counters, the last too
+    assert stats["video"]["frames"] == sum(s[2] for s in seen)
+    assert stats["result"]["accepted_blocks"] == sum(s[1] == "accepted" for s in later)
+    assert stats["result"]["acceptance_rate"] == stats["result"]["accepted_blocks"] / len(later)
+    assert stats["live"]["segments"] == 2 and stats["video"]["interrupted"] is False
+    assert stats["result"]["target_forwards"] > 0 and stats["result"]["drafter_forwards"] > 0  # every segment's counters, the last too
     assert stats["trace"] and {s["block"] for s in stats["trace"]} <= {b["index"] for b in stats["blocks"]}
 
 

@@ -25,8 +25,8 @@ def test_a_session_without_updates_equals_pipe_bitwise(tiny_pipe, run):
     assert torch.equal(latents, out.latents) and torch.equal(frames, out.frames[0])  # one prompt: a batch of one
     assert [b.decision for b in blocks] == [b.decision for b in out.blocks[0]]
     stats = session.stats.as_dict()
-    assert stats["updates"] == [] and stats["segments"] == 1 and stats["prompt_encodes"] == 1
-    assert [b["live"]["block"] for b in stats["blocks"]] == [0, 1, 2] and not stats["interrupted"]
+    assert stats["live"]["updates"] == [] and stats["live"]["segments"] == 1 and stats["live"]["prompt_encodes"] == 1
+    assert [b["live"]["block"] for b in stats["blocks"]] == [0, 1, 2] and not stats["video"]["interrupted"]
 
 
 def test_updates_from_another_thread_replay_bitwise_from_the_recorded_schedule(tiny_pipe):
@@ -60,7 +60,7 @@ def test_updates_from_another_thread_replay_bitwise_from_the_recorded_schedule(t
     assert not errors
     assert [a.block for a in acks] == [1, 3, 4, 4]
     stats = session.stats.as_dict()
-    assert stats["updates"] == [{"block": 1, "prompt": "an owl at night"}, {"block": 3, "prompt": "a cat", "seed": 11},
+    assert stats["live"]["updates"] == [{"block": 1, "prompt": "an owl at night"}, {"block": 3, "prompt": "a cat", "seed": 11},
                                 {"block": 4, "tau": float("-inf")}, {"block": 4, "prompt": "a red fox", "interp_blocks": 1}]
     live = [b.live for b in blocks]
     assert [x["blend_weight"] for x in live] == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
@@ -68,14 +68,14 @@ def test_updates_from_another_thread_replay_bitwise_from_the_recorded_schedule(t
     assert [x["segment"] for x in live] == [0, 0, 0, 1, 1, 1] and [b.index for b in blocks] == [0, 1, 2, 0, 1, 2]
     assert [b.decision for b in blocks][2:4] == ["forced", "forced"] and live[2]["forced_by_update"]
     assert live[4]["forced_by_update"] and blocks[5].decision == "accepted"  # tau = -inf from block 4 on
-    assert stats["prompt_encodes"] == 3 and stats["segments"] == 2
+    assert stats["live"]["prompt_encodes"] == 3 and stats["live"]["segments"] == 2
 
-    replay = tiny_pipe(prompt_schedule=[(0, "a red fox")] + stats["updates"], num_blocks=6, interp_blocks=2,
+    replay = tiny_pipe(prompt_schedule=[(0, "a red fox")] + stats["live"]["updates"], num_blocks=6, interp_blocks=2,
                        output_type="uint8", **KW)
     latents, frames = _video(blocks)
     assert torch.equal(latents, replay.latents) and torch.equal(frames, replay.frames[0])
     assert [b.live for b in replay.blocks[0]] == live
-    assert replay.stats.as_dict()["updates"] == stats["updates"]
+    assert replay.stats.as_dict()["live"]["updates"] == stats["live"]["updates"]
 
 
 def test_a_bad_update_mid_session_loses_no_block(tiny_pipe):
@@ -88,7 +88,7 @@ def test_a_bad_update_mid_session_loses_no_block(tiny_pipe):
     blocks += list(session)
     latents, frames = _video(blocks)
     assert torch.equal(latents, out.latents) and torch.equal(frames, out.frames[0])
-    assert session.stats.as_dict()["updates"] == []
+    assert session.stats.as_dict()["live"]["updates"] == []
 
 
 def test_close_from_another_thread_ends_after_the_block_in_progress(tiny_pipe):
@@ -102,7 +102,7 @@ def test_close_from_another_thread_ends_after_the_block_in_progress(tiny_pipe):
             closer.join(60)  # closed from another thread, between two blocks
             assert not closer.is_alive()
     assert len(blocks) == 2 and session.finished
-    assert session.stats.as_dict()["blocks_started"] == 2
+    assert session.stats.as_dict()["live"]["blocks_started"] == 2
     with pytest.raises(RuntimeError, match="closed"):
         session.update(prompt="an owl")
 
@@ -149,8 +149,8 @@ def test_cli_prompt_schedule_file(tmp_path):
                      "--scheduler", "reference", "--quiet", "--out", str(tmp_path / "v.mp4"),
                      "--stats", str(tmp_path / "s.json")]) == 0
     stats = json.loads((tmp_path / "s.json").read_text())
-    assert stats["updates"] == [{"block": 1, "prompt": "an owl", "interp_blocks": 1}]
-    assert [b["live"]["prompt_index"] for b in stats["blocks"]] == [0, 1] and stats["prompt"] == "a red fox"
+    assert stats["live"]["updates"] == [{"block": 1, "prompt": "an owl", "interp_blocks": 1}]
+    assert [b["live"]["prompt_index"] for b in stats["blocks"]] == [0, 1] and stats["video"]["prompt"] == "a red fox"
     assert cli.main(["generate", "--prompt-schedule", str(tmp_path / "s.yaml"), "--prompt", "x", "--quiet",
                      "--out", str(tmp_path / "w.mp4")]) == 2
 

@@ -91,12 +91,14 @@ def test_load_progress_logs_each_component_and_counts_it(caplog, monkeypatch):
 def test_an_interrupted_summary_says_so(capsys, tmp_path):
     from sdvg.cli.generate_outputs import summary
 
-    stats = {"video": str(tmp_path / "v.mp4"), "frames": 21, "acceptance_rate": None, "wall_s": 1.5,
-             "interrupted": True, "interrupted_by": "SIGINT", "blocks_done": 2, "num_blocks": 5}
+    stats = {"video": {"frames": 21, "interrupted": True, "blocks_done": 2}, "options": {"num_blocks": 5},
+             "result": {"acceptance_rate": None, "wall_s": 1.5},
+             "cli": {"video_path": str(tmp_path / "v.mp4"), "interrupted_by": "SIGINT"}}  # a record's groups (schema 9)
     summary(stats, tmp_path / "v.json")
     line = capsys.readouterr().err
     assert line.startswith("interrupted (SIGINT) after 2 of 5 blocks: ") and "21 frames" in line
-    summary({**stats, "interrupted": False, "video": None, "frames": 0}, tmp_path / "v.json")
+    summary({**stats, "video": {"frames": 0, "interrupted": False, "blocks_done": 0}, "cli": {"video_path": None}},
+            tmp_path / "v.json")
     assert capsys.readouterr().err.startswith("no video (no block was emitted): 0 frames")
 
 

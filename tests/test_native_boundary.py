@@ -300,7 +300,7 @@ def test_redrafts_per_block_in_the_stats(tiny_pipe):
     out = tiny_pipe("a red fox", num_blocks=4, router="pattern", pattern="0100", drafter_context="committed",
                     run_ahead=True)
     blocks = out.stats["blocks"]
-    assert sum(b["redrafts"] for b in blocks) == out.stats["redrafts"] > 0
+    assert sum(b["redrafts"] for b in blocks) == out.stats["result"]["redrafts"] > 0
 
 
 # ------------------------------------------------------------------ stream order (recorded, any device)

@@ -53,12 +53,12 @@ def test_moving_a_pipeline_to_cuda_with_a_cpu_only_core_warns(tiny_pipe, monkeyp
 
 def test_the_statistics_record_the_build(tiny_pipe):
     stats = tiny_pipe("a red fox", num_blocks=1).stats
-    build = stats["build"]
+    build = stats["run"]["build"]
     assert build == native.build_record() and set(build) == {"native_cuda", "native_cuda_runtime", "native_torch",
                                                              "torch_cuda"}
     assert build["native_cuda"] is native._C.build_info()["cuda"] and build["torch_cuda"] == torch.version.cuda
-    assert build["native_torch"] == torch.__version__.split("+")[0] and stats["preset"] == "tiny"
-    assert json.loads(stats.to_json())["build"] == build
+    assert build["native_torch"] == torch.__version__.split("+")[0] and stats["run"]["preset"] == "tiny"
+    assert json.loads(stats.to_json())["run"]["build"] == build
 
 
 def test_the_cuda_runtime_version_reads_as_major_minor(monkeypatch):

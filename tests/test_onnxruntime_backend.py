@@ -69,7 +69,7 @@ def test_engine_folder_holds_every_stage(engines):
 def test_video_through_onnxruntime_equals_eager(tiny_pipe, ort_pipe, mode):
     eager = tiny_pipe("a red fox", mode=mode, **KW)
     ort = ort_pipe("a red fox", mode=mode, **KW)
-    assert ort.stats["backend"] == "onnxruntime"
+    assert ort.stats["options"]["backend"] == "onnxruntime"
     _close(eager, ort, ORT_TOLERANCE[tiny_pipe.preset.precision])
 
 
@@ -78,7 +78,7 @@ def test_recompute_context_through_onnxruntime(tiny_pipe, ort_pipe):
     frames in a 6-frame cache): the video equals eager."""
     eager = tiny_pipe("a red fox", mode="target", target_context="recompute", **KW)
     ort = ort_pipe("a red fox", mode="target", target_context="recompute", **KW)
-    assert ort.stats["target_forwards"] == eager.stats["target_forwards"] == 5 * 3 + 2  # 2 context forwards
+    assert ort.stats["result"]["target_forwards"] == eager.stats["result"]["target_forwards"] == 5 * 3 + 2  # 2 context forwards
     _close(eager, ort, ORT_TOLERANCE["fp32"])
 
 
@@ -156,7 +156,7 @@ def test_cli_generate_with_onnxruntime(engines, tmp_path):
     out = tmp_path / "v.mp4"
     assert cli.main(["generate", "--prompt", "a red fox", "--quiet", "--num-blocks", "1", "--backend", "onnxruntime",
                      "--engines", str(engines), "--out", str(out)]) == 0
-    assert out.is_file() and json.loads(out.with_suffix(".json").read_text())["num_blocks"] == 1
+    assert out.is_file() and json.loads(out.with_suffix(".json").read_text())["options"]["num_blocks"] == 1
 
 
 # ------------------------------------------------------------------ checkpoints

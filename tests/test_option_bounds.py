@@ -131,7 +131,7 @@ def test_a_live_session_refuses_a_hostile_pattern_and_goes_on(tiny_pipe):
             with pytest.raises(UpdateError):
                 session.update(pattern=bad)
         assert session.update(pattern="11").block == 0  # the session took nothing of the refused ones
-        assert session.stats["updates"] == [{"block": 0, "pattern": "11"}]
+        assert session.stats["live"]["updates"] == [{"block": 0, "pattern": "11"}]
     finally:
         session.close()
 

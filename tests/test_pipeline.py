@@ -24,7 +24,7 @@ def test_tau_plus_inf_is_exactly_target_only(tiny_pipe):
     assert [b["decision"] for b in sd.stats["blocks"]] == ["forced"] + ["rejected"] * (NB - 1)
     assert torch.equal(sd.latents, tgt.latents)
     assert np.array_equal(sd.frames, tgt.frames)
-    assert sd.stats["acceptance_rate"] == 0.0
+    assert sd.stats["result"]["acceptance_rate"] == 0.0
 
 
 @pytest.mark.slow
@@ -35,10 +35,10 @@ def test_tau_minus_inf_gives_target_block0_then_drafts(tiny_pipe):
     assert torch.equal(sd.blocks[0][0].latents, tgt.blocks[0][0].latents)
     for blk in sd.blocks[0][1:]:
         assert torch.equal(blk.latents, blk.draft_latents)
-    assert sd.stats["acceptance_rate"] == 1.0
+    assert sd.stats["result"]["acceptance_rate"] == 1.0
     # Accepted blocks cost the target one commit forward at most; the trailing run costs nothing.
-    assert sd.stats["target_forwards"] == 4 + 1
-    assert sd.stats["skipped_target_commits"] == NB - 1
+    assert sd.stats["result"]["target_forwards"] == 4 + 1
+    assert sd.stats["result"]["skipped_target_commits"] == NB - 1
 
 
 @pytest.mark.slow
@@ -88,7 +88,7 @@ def test_drafter_cache_holds_what_the_policy_says(tiny_pipe, policy):
 def test_frames_total_and_emitted_equal_streaming_decode(tiny_pipe):
     out = tiny_pipe(PROMPT, tau=0.0, num_blocks=NB, seed=2, output_type="uint8")
     assert out.frames.shape == (1, 9 + 12 * (NB - 1), 64, 64, 3)  # a batch of one
-    assert out.stats["frames"] == out.frames.shape[1]
+    assert out.stats["video"]["frames"] == out.frames.shape[1]
     from sdvg.models.vae import to_uint8_frames
 
     dec = tiny_pipe.components.vae
@@ -99,16 +99,16 @@ def test_frames_total_and_emitted_equal_streaming_decode(tiny_pipe):
 def test_stats_schema(tiny_pipe):
     out = tiny_pipe(PROMPT, tau=-0.12, num_blocks=NB, seed=2, drafter_context="committed")
     s = out.stats
-    for key in ("blocks", "acceptance_rate", "target_forwards", "drafter_forwards", "wall_s", "frames"):
-        assert key in s
+    assert "blocks" in s and {"acceptance_rate", "target_forwards", "drafter_forwards", "wall_s"} <= set(s["result"])
+    assert "frames" in s["video"]
     for b in s["blocks"]:
         assert set(b) >= {"index", "decision", "score", "frame_scores", "times"}
         assert set(b["times"]) >= {"draft", "decode", "score", "target", "commit"}
     assert s["blocks"][0]["decision"] == "forced" and s["blocks"][0]["frame_scores"] == []  # draft skipped
-    assert s["skipped_drafter_forwards"] == 4
+    assert s["result"]["skipped_drafter_forwards"] == 4
     assert all(len(b["frame_scores"]) == 12 for b in s["blocks"][1:])
     later = s["blocks"][1:]
-    assert s["acceptance_rate"] == sum(b["decision"] == "accepted" for b in later) / (NB - 1)
+    assert s["result"]["acceptance_rate"] == sum(b["decision"] == "accepted" for b in later) / (NB - 1)
     json.dumps(s.as_dict(), allow_nan=False)
 
 
@@ -120,7 +120,7 @@ def test_random_router_hits_requested_rate(tiny_pipe):
     rate = sum(r.accept(b, None, seed=11) for b in range(n)) / n
     assert abs(rate - 0.7) < 4 * math.sqrt(0.7 * 0.3 / n)
     out = tiny_pipe(PROMPT, router="random", accept_prob=1.0, num_blocks=3, seed=1)
-    assert out.stats["acceptance_rate"] == 1.0
+    assert out.stats["result"]["acceptance_rate"] == 1.0
 
 
 def test_acceptance_pattern_exact():
@@ -140,8 +140,8 @@ def test_same_seed_same_video_different_seed_differs(tiny_pipe):
 
 def test_draft_mode_uses_only_the_drafter(tiny_pipe):
     out = tiny_pipe(PROMPT, mode="draft", num_blocks=2, seed=1)
-    assert out.stats["target_forwards"] == 0 and out.stats["drafter_forwards"] == 4 + 1 + 4
-    assert out.stats["acceptance_rate"] is None
+    assert out.stats["result"]["target_forwards"] == 0 and out.stats["result"]["drafter_forwards"] == 4 + 1 + 4
+    assert out.stats["result"]["acceptance_rate"] is None
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -215,11 +215,11 @@ def test_cli_generate_writes_mp4_and_stats(tmp_path):
              "--timeline", str(tmp_path / "t.png"))
     assert r.returncode == 0, r.stderr
     stats = json.loads((tmp_path / "s.json").read_text())
-    assert stats["frames"] == 21 and len(stats["blocks"]) == 2
+    assert stats["video"]["frames"] == 21 and len(stats["blocks"]) == 2
     # the default drafter context `own` drafts block 0 too (the paper's rule), then the target makes it
     assert [(s["block"], s["stage"]) for s in stats["trace"]][:4] == [(0, "draft"), (0, "decode"), (0, "score"),
                                                                        (0, "target")]
-    assert stats["drafter_context"] == "own" and stats["target_context"] == "full"
+    assert stats["options"]["drafter_context"] == "own" and stats["options"]["target_context"] == "full"
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert read_mp4_frames(tmp_path / "v.mp4").shape[0] == 21
 
@@ -232,12 +232,12 @@ def test_cli_prompts_file_resume_and_bad_files(tmp_path, capsys):
             str(tmp_path / "v.mp4"), "--stats", str(tmp_path / "s.jsonl"), "--quiet"]
     assert _cli(*args).returncode == 0  # the real command; the rest through its main() in this process
     recs = [json.loads(x) for x in (tmp_path / "s.jsonl").read_text().splitlines()]
-    assert [r["prompt_index"] for r in recs] == [0, 1]
+    assert [r["cli"]["prompt_index"] for r in recs] == [0, 1]
     assert (tmp_path / "v_0000.mp4").is_file() and (tmp_path / "v_0001.mp4").is_file()
     pf.write_text("a cat\na dog\na bird\n")
     assert _in_process(capsys, *args, "--resume").returncode == 0
     recs = [json.loads(x) for x in (tmp_path / "s.jsonl").read_text().splitlines()]
-    assert [r["prompt_index"] for r in recs] == [0, 1, 2]  # only the new prompt ran
+    assert [r["cli"]["prompt_index"] for r in recs] == [0, 1, 2]  # only the new prompt ran
     pf.write_text("a cat\n\na dog\n")
     r = _in_process(capsys, *args)
     assert r.returncode != 0 and "blank lines at [2]" in r.stderr
@@ -259,7 +259,7 @@ def test_one_line_prompts_file_follows_the_prompts_file_rule(tmp_path, capsys):
     assert _cli(*args).returncode == 0  # the real command; the rest through its main() in this process
     assert (tmp_path / "v_0000.mp4").is_file() and not (tmp_path / "v.mp4").exists()
     recs = [json.loads(x) for x in (tmp_path / "v.jsonl").read_text().splitlines()]  # JSON Lines, named .jsonl
-    assert [r["prompt_index"] for r in recs] == [0]
+    assert [r["cli"]["prompt_index"] for r in recs] == [0]
     r = _in_process(capsys, *args)
     assert r.returncode == 0 and "nothing to resume" in r.stderr  # resumed: nothing left to do (said before loading)
     r = _in_process(capsys, "generate", "--preset", "tiny", "--prompt", "x", "--prompts-file", str(pf))
@@ -291,7 +291,7 @@ def test_interrupt_leaves_playable_mp4_and_marked_stats(tmp_path, tiny_pipe, mon
 
     monkeypatch.setattr(tiny_pipe, "run", interrupted_run)
     stats = cli.run_one(tiny_pipe, PROMPT, opts, tmp_path / "i.mp4", progress=False)
-    assert stats["interrupted"] is True and len(stats["blocks"]) == 2 and stats["frames"] == 9 + 12
+    assert stats["video"]["interrupted"] is True and len(stats["blocks"]) == 2 and stats["video"]["frames"] == 9 + 12
     assert set(stats) == set(complete)  # an interrupted run's stats have the same fields
     assert read_mp4_frames(tmp_path / "i.mp4").shape[0] == 9 + 12
 

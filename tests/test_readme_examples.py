@@ -41,7 +41,8 @@ def command_lines() -> list[tuple[str, list[str]]]:
 
 def test_the_docs_have_examples_to_check():
     assert [w for w, _, _ in blocks("python")] == ["README.md", "README.md", "docs/engines.md", "docs/live.md",
-                                                   "docs/live.md"]  # the API, live sessions, FP8, video-to-video
+                                                   "docs/live.md", "docs/stats.md"]
+    # the API, live sessions, FP8, video-to-video, reading the statistics
     commands = command_lines()
     assert len(commands) >= 15 and any(argv[:1] == ["sweep"] for _, argv in commands)
 
@@ -66,17 +67,20 @@ def test_python_blocks_run_on_tiny(where, line, code, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # files the example writes land here
     namespace = {"__name__": "__readme__"}
     exec(compile(code, f"{where}:{line}", "exec"), namespace)
+    if "record" in namespace:  # the statistics: grouped, read back by read_stats as they are
+        assert namespace["record"] == namespace["stats"] and namespace["stats"]["schema_version"] == 9
+        return
     if "v2v" in namespace:  # video-to-video: a clip, and the same frames pushed live
         assert namespace["v2v"].frames.shape == (1, 33, 64, 64, 3) and len(namespace["blocks"]) == 2
-        assert namespace["live"].stats["input_video"]["source"] == "live"
+        assert namespace["live"].stats["video"]["input_video"]["source"] == "live"
         return
     if 'quantization="fp8"' in code:  # the FP8 example: both DiTs' block linears in FP8
         stats = namespace["out"].stats
-        assert stats["quantization"] == "fp8" and set(stats["fp8_impl"]) == {"drafter", "target"}
+        assert stats["options"]["quantization"] == "fp8" and set(stats["run"]["fp8_impl"]) == {"drafter", "target"}
         return
     if "session" in namespace:  # the live-session examples: the replayed schedule is the session's video
         session, replay = namespace["session"], namespace["replay"]
-        assert session.stats["updates"] and replay.stats["updates"] == session.stats["updates"]
+        assert session.stats["live"]["updates"] and replay.stats["live"]["updates"] == session.stats["live"]["updates"]
         return
     assert (tmp_path / "fox.mp4").stat().st_size > 0
     out, stream = namespace["out"], namespace["stream"]

@@ -402,7 +402,8 @@ def test_infinite_tau_round_trips_through_resume_and_the_protocol_is_recorded(tm
             "--num-blocks", "1", "--quiet", "--protocol", "paper"]
     assert _main(*base, "--tau", "inf") == 0
     rec = json.loads(stats.read_text())
-    assert rec["tau"] is None and rec["infinite_options"] == {"tau": "inf"} and rec["protocol"] == "paper"
+    assert rec["options"]["tau"] is None
+    assert rec["cli"]["infinite_options"] == {"tau": "inf"} and rec["cli"]["protocol"] == "paper"
     assert _main(*base, "--tau", "inf", "--resume") == 0  # nothing redone
     assert len(stats.read_text().splitlines()) == 1
     assert _main(*base, "--tau=-inf", "--resume") == 2

@@ -174,8 +174,8 @@ def test_resume_repairs_a_torn_record_and_redoes_that_prompt_once(tmp_path, tiny
     assert _main(*base, "--resume", load=lambda args: tiny_pipe) == 0
     assert "cut" in capsys.readouterr().err
     recs = [json.loads(x) for x in stats.read_text().splitlines()]
-    assert [r["prompt_index"] for r in recs] == [0, 1, 2]  # 0 kept, 1 redone once, 2 new
-    assert all(r["prompt_sha256"] == prompt_sha256(r["prompt"]) for r in recs)
+    assert [r["cli"]["prompt_index"] for r in recs] == [0, 1, 2]  # 0 kept, 1 redone once, 2 new
+    assert all(r["cli"]["prompt_sha256"] == prompt_sha256(r["video"]["prompt"]) for r in recs)
 
 
 def test_resume_refuses_an_edited_prompts_file_or_other_options(tmp_path, tiny_pipe, capsys):
@@ -220,8 +220,8 @@ def test_signal_mid_video_closes_the_mp4_and_marks_the_stats(tmp_path, sig, code
     assert proc.returncode == code, err
     assert "Traceback" not in err
     stats = json.loads((tmp_path / "s.json").read_text())
-    assert stats["interrupted"] is True and stats["interrupted_by"] == signal.Signals(sig).name
-    assert read_mp4_frames(tmp_path / "v.mp4").shape[0] == stats["frames"] > 0
+    assert stats["video"]["interrupted"] is True and stats["cli"]["interrupted_by"] == signal.Signals(sig).name
+    assert read_mp4_frames(tmp_path / "v.mp4").shape[0] == stats["video"]["frames"] > 0
     assert not partial_path(tmp_path / "v.mp4").exists()
 
 

@@ -41,7 +41,7 @@ def test_each_run_records_its_threads_and_load():
 
     import torch
 
-    host = RunStats("p", "tiny", GenerationOptions()).as_dict()["host"]
+    host = RunStats("p", "tiny", GenerationOptions()).as_dict()["run"]["host"]
     assert set(host) == set(host_state()) == {"intra_op_threads", "inter_op_threads", "omp_num_threads",
                                                "omp_wait_policy", "cpu_count", "load_average_1m"}
     assert host["intra_op_threads"] == torch.get_num_threads() and host["cpu_count"] == os.cpu_count()

@@ -82,7 +82,7 @@ def test_target_steps_reach_the_target_only_and_the_default_count_is_bitwise(tin
     assert np.array_equal(pipe("a red fox", target_steps=4, **kw).frames, plain)  # tiny's full target: 4 steps
     five = pipe("a red fox", target_steps=5, **kw)
     assert not np.array_equal(five.frames, plain)
-    assert five.stats[0].as_dict()["target_steps"] == 5
+    assert five.stats[0].as_dict()["options"]["target_steps"] == 5
     recompute = dict(kw, target_context="recompute")
     assert np.array_equal(pipe("a red fox", target_steps=5, **recompute).frames, pipe("a red fox", **recompute).frames)
     drafts = dict(kw, mode="draft")  # the drafter keeps its distilled schedule

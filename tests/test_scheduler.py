@@ -130,7 +130,8 @@ def test_pipeline_switch_and_stats(tiny_pipe):
     a = tiny_pipe(PROMPT, tau=-0.1, num_blocks=3, seed=0, scheduler="cpp", run_ahead=True)
     b = tiny_pipe(PROMPT, tau=-0.1, num_blocks=3, seed=0, scheduler="reference")
     assert np.array_equal(a.frames, b.frames)
-    assert a.stats["scheduler"] == "cpp" and a.stats["run_ahead"] is True and a.stats["backend"] == "eager"
+    assert a.stats["options"]["scheduler"] == "cpp"
+    assert a.stats["options"]["run_ahead"] is True and a.stats["options"]["backend"] == "eager"
     assert set(a.stats[0]) >= {"redrafts", "speculative_drafts", "stage_call_s", "main_stage_s"}
     with pytest.raises(ValueError, match="unknown scheduler"):
         tiny_pipe(PROMPT, scheduler="rust")
@@ -151,7 +152,7 @@ def test_trace_is_the_same_timeline_in_both_schedulers(tiny_pipe):
         spans = stats["trace"]
         per_block = {}
         for x in spans:
-            assert 0 <= x["start_s"] <= x["end_s"] <= stats["wall_s"]
+            assert 0 <= x["start_s"] <= x["end_s"] <= stats["result"]["wall_s"]
             per_block.setdefault(x["block"], {}).setdefault(x["stage"], 0.0)
             per_block[x["block"]][x["stage"]] += x["end_s"] - x["start_s"]
         main = sorted((x for x in spans if x["thread"] == "main"), key=lambda x: x["start_s"])

@@ -23,8 +23,8 @@ def test_events_give_the_same_video(tiny_pipe, scheduler, run_ahead):
     evented = tiny_pipe(PROMPT, stage_timing="events", **kw)
     assert torch.equal(synced.latents, evented.latents) and np.array_equal(synced.frames, evented.frames)
     assert [b["decision"] for b in synced.stats["blocks"]] == [b["decision"] for b in evented.stats["blocks"]]
-    assert evented.stats["stage_timing"] == "events" and synced.stats["stage_timing"] == "sync"
-    assert synced.stats["stage_device_s"] is None and evented.stats["stage_device_s"] is None  # no CUDA here
+    assert evented.stats["options"]["stage_timing"] == "events" and synced.stats["options"]["stage_timing"] == "sync"
+    assert synced.stats["result"]["stage_device_s"] is None and evented.stats["result"]["stage_device_s"] is None  # no CUDA here
     assert len(evented.stats["trace"]) == len(synced.stats["trace"])
 
 
@@ -77,8 +77,8 @@ def test_sync_timing_has_no_device_times_on_any_device(tiny_pipe, stages_on_cuda
     """stage_device_s is null under sync whatever the device (CUDA's branch reached through the stand-in, which
     records under events: the control)."""
     kw = dict(KW, num_blocks=2, scheduler=scheduler)
-    evented = tiny_pipe(PROMPT, stage_timing="events", **kw).stats["stage_device_s"]
+    evented = tiny_pipe(PROMPT, stage_timing="events", **kw).stats["result"]["stage_device_s"]
     assert evented and {"draft", "decode", "target"} <= set(evented), evented
-    synced = tiny_pipe(PROMPT, stage_timing="sync", **kw).stats["stage_device_s"]
+    synced = tiny_pipe(PROMPT, stage_timing="sync", **kw).stats["result"]["stage_device_s"]
     assert synced is None, f"{scheduler}: stage_device_s {synced!r} under sync (no event is recorded there)"
 

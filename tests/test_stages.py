@@ -174,7 +174,7 @@ def test_compile_backend_matches_eager(tiny_pipe):
     kw = dict(num_blocks=3, seed=1, router="pattern", pattern=(False, True, False))
     eager = tiny_pipe("a red fox", **kw)
     compiled = tiny_pipe("a red fox", backend="compile", **kw)
-    assert compiled.stats["backend"] == "compile"
+    assert compiled.stats["options"]["backend"] == "compile"
     assert [b["decision"] for b in eager.stats["blocks"]] == [b["decision"] for b in compiled.stats["blocks"]]
     assert (eager.latents - compiled.latents).abs().max() < 1e-4
     assert np.abs(eager.frames - compiled.frames).max() <= 1 / 255 + 1e-7  # uint8 rounding

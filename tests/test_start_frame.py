@@ -221,7 +221,8 @@ def test_cli_generate_with_a_start_frame(tmp_path, capsys):
     argv = ["generate", "--preset", "tiny", "--prompt", PROMPT, "--num-blocks", "1", "--out", str(out), "--quiet"]
     assert cli.main(argv + ["--start-frame", str(tmp_path / "start.png")]) == 0
     stats = json.loads(out.with_suffix(".json").read_text())
-    assert stats["start_frame"]["latent_frames"] == 3 and stats["start_frame"]["source"].endswith("start.png")
+    assert stats["video"]["start_frame"]["latent_frames"] == 3
+    assert stats["video"]["start_frame"]["source"].endswith("start.png")
     capsys.readouterr()
     assert cli.main(argv + ["--start-frame", str(tmp_path / "nope.png")]) == 2  # refused before loading
     assert "--start-frame" in capsys.readouterr().err

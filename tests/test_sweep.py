@@ -159,9 +159,8 @@ class _FakePipe:
         dec = {"sdvg": "accepted", "target": "target", "draft": "draft"}[opts.mode]
         blocks = [{"score": None, "frame_scores": [], "decision": "forced" if opts.mode == "sdvg" else dec},
                   {"score": 0.0, "frame_scores": [0.0], "decision": dec}]
-        d = {"acceptance_rate": 1.0 if opts.mode == "sdvg" else None, "accepted_blocks": 1, "blocks": blocks,
-             "frames": 21, "preset": "tiny"}
-        stats = SimpleNamespace(wall_s=wall, options=opts, as_dict=lambda: d)
+        stats = SimpleNamespace(wall_s=wall, options=opts, acceptance_rate=1.0 if opts.mode == "sdvg" else None,
+                                accepted_blocks=1, blocks=blocks, frames=21, preset="tiny")  # RunStats' attributes
         return SimpleNamespace(stats=stats, frames=torch.zeros(21, 2, 2, 3, dtype=torch.uint8))
 
 

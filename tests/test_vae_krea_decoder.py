@@ -118,7 +118,8 @@ def test_pipeline_option_reaches_the_decoder_and_the_stats(tiny_pipe):
     wan, krea = runs["wan"], runs["krea"]
     assert tiny_pipe.resolve(GenerationOptions()).vae_decoder == "wan"  # the tiny preset's default
     assert torch.equal(wan.latents, krea.latents)  # the decoder changes pixels only
-    assert wan.stats.as_dict()["vae_decoder"] == "wan" and krea.stats.as_dict()["vae_decoder"] == "krea"
+    assert wan.stats.as_dict()["options"]["vae_decoder"] == "wan"
+    assert krea.stats.as_dict()["options"]["vae_decoder"] == "krea"
     first_pixel_of_latent_3 = 1 + 4 * 2
     a, b = torch.as_tensor(wan.frames), torch.as_tensor(krea.frames)  # uint8 [F, H, W, 3]
     assert a.shape == b.shape and a.shape[0] == 1 + 4 * 5

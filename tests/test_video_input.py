@@ -275,7 +275,8 @@ def test_cli_generate_with_an_input_video(tmp_path):
             "--num-blocks", "2", "--out", str(out)]
     assert cli.main(argv + ["--input-video", str(src), "--strength", "0.6"]) == 0
     stats = json.loads(out.with_suffix(".json").read_text())
-    assert stats["strength"] == 0.6 and stats["input_video"]["frames"] == 21 and out.stat().st_size > 0
+    assert stats["options"]["strength"] == 0.6
+    assert stats["video"]["input_video"]["frames"] == 21 and out.stat().st_size > 0
     assert cli.main(argv + ["--strength", "0.6"]) == 2  # strength without an input: refused before loading
     assert cli.main(argv + ["--input-video", str(tmp_path / "missing.mp4")]) == 2
 

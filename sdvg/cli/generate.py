@@ -104,6 +104,7 @@ def run(args, load_pipeline) -> int:
                         on_block=outputs.exit_map_collector(args, maps), input_video=args.input_video,
                         start_frame=args.start_frame)
         stats.extra.update(record_fields(args.protocol, pipe.resolve(opts).as_dict()))
+        stats.argv = getattr(args, "command_line", None)
         write_text_atomic(stats_path, stats.to_json(indent=2))
         outputs.timeline(args, stats, 0, many=False)
         outputs.exit_map(args, stats, maps, 0, many=False)
@@ -167,6 +168,7 @@ def _generate_many(args, load_pipeline, prompts: list[str], first: int, out: Pat
             stats.extra["prompt_index"] = i
             stats.extra.update(record_fields(args.protocol, resolved))
             stats.extra["prompt_sha256"] = prompt_sha256(prompt)
+            stats.argv = getattr(args, "command_line", None)
             append_jsonl(stats_path, stats.to_json())
             outputs.timeline(args, stats, i, many=True)
             outputs.exit_map(args, stats, maps, i, many=True)

@@ -49,7 +49,9 @@ def output_names(args, indices, many: bool) -> tuple[Path, Path]:
 def done_prompts(stats_path: Path, prompts: dict[int, str], options: dict) -> set[int]:
     """Prompts a JSON Lines stats file already holds complete records of. A record counts for prompt i
     only if its text (hash) is line i's and its options are this run's; a file written for another
-    prompts file or other options is refused, naming what differs (nothing is overwritten)."""
+    prompts file or other options is refused, naming what differs (nothing is overwritten). Records of every
+    schema are read (`read_stats`: the grouped schema 9, the flat 1-8), one of a newer schema refused."""
+    from sdvg.generation.types import read_stats
     from sdvg.io.outputs import prompt_sha256, stored_option_matches
 
     done = set()
@@ -61,16 +63,23 @@ def done_prompts(stats_path: Path, prompts: dict[int, str], options: dict) -> se
         except json.JSONDecodeError:
             raise ValueError(f"{stats_path} line {n} is not JSON; the file is damaged: move it away or pass "
                              "another --stats") from None
-        i = rec.get("prompt_index")
-        if i not in prompts or rec.get("interrupted"):
+        try:
+            rec = read_stats(rec)
+        except ValueError as exc:
+            raise ValueError(f"{stats_path} line {n}: {exc}") from None
+        cli, video, stored = rec.get("cli", {}), rec["video"], rec["options"]
+        i = cli.get("prompt_index")
+        if i not in prompts or video.get("interrupted"):
             continue
-        if rec.get("prompt_sha256", prompt_sha256(rec.get("prompt", ""))) != prompt_sha256(prompts[i]):
-            raise ValueError(f"{stats_path} line {n}: prompt {i} was {rec.get('prompt', '?')!r:.60}, the prompts "
+        if cli.get("prompt_sha256", prompt_sha256(video.get("prompt", ""))) != prompt_sha256(prompts[i]):
+            raise ValueError(f"{stats_path} line {n}: prompt {i} was {video.get('prompt', '?')!r:.60}, the prompts "
                              f"file now has {prompts[i]!r:.60} (edited?); pass another --stats or drop --resume")
-        differ = sorted(k for k, v in options.items() if k in rec and not stored_option_matches(rec, k, v))
+        infinite = cli.get("infinite_options")
+        differ = sorted(k for k, v in options.items() if k in stored
+                        and not stored_option_matches(stored, infinite, k, v))
         if differ:
             raise ValueError(f"{stats_path} line {n}: prompt {i} was generated with other options ("
-                             + ", ".join(f"{k}={rec[k]!r} now {options[k]!r}" for k in differ[:6])
+                             + ", ".join(f"{k}={stored[k]!r} now {options[k]!r}" for k in differ[:6])
                              + "); pass another --stats or the same options")
         done.add(i)
     return done
@@ -78,14 +87,16 @@ def done_prompts(stats_path: Path, prompts: dict[int, str], options: dict) -> se
 
 def timeline(args, stats, index: int, many: bool) -> None:
     """--timeline: the PNG of every stage call of the traced run."""
-    if not args.timeline or not stats.get("trace"):
+    if not args.timeline or not stats.trace:
         return  # an interrupted video keeps no trace
     from sdvg.evaluation.timeline import decisions_of, plot_timeline
 
-    acc = stats.get("acceptance_rate")
-    title = (f"{stats['mode']}, {stats.get('scheduler', '')}{' run-ahead' if stats.get('run_ahead') else ''}: "
-             f"{stats['scheduler_wall_s']:.2f} s (the traced run)" + ("" if acc is None else f" at {acc:.0%} acceptance"))
-    plot_timeline([{"title": title, "trace": stats["trace"], "decisions": decisions_of(stats.get("blocks", []))}],
+    rec = stats.as_dict()
+    opts, res = rec["options"], rec["result"]
+    acc = res["acceptance_rate"]
+    title = (f"{opts['mode']}, {opts['scheduler']}{' run-ahead' if opts['run_ahead'] else ''}: "
+             f"{res['scheduler_wall_s']:.2f} s (the traced run)" + ("" if acc is None else f" at {acc:.0%} acceptance"))
+    plot_timeline([{"title": title, "trace": rec["trace"], "decisions": decisions_of(rec["blocks"])}],
                   video_path(Path(args.timeline), index, many))
 
 
@@ -121,27 +132,32 @@ def exit_map(args, stats, maps: list, index: int, many: bool) -> None:
         return
     from sdvg.evaluation.exit_map import plot_exit_map
 
-    ks = [b["exit"][b["exit"]["producer"]]["num_steps"] for b in stats.get("blocks", [])
+    opts = stats.options
+    ks = [b["exit"][b["exit"]["producer"]]["num_steps"] for b in stats.blocks
           if "exit" in b and b["exit"]["producer"] in b["exit"]]
     if not ks:
-        print(f"--exit-map: no emitted block was denoised with early exit (--early-exit {stats['early_exit']}); no "
+        print(f"--exit-map: no emitted block was denoised with early exit (--early-exit {opts.early_exit}); no "
               "map written", file=sys.stderr)
         return
     drawn = [m for m in maps if m["steps"] is not None]
     k_drawn = sum(float(m["steps"].mean()) for m in drawn) / len(drawn)
-    title = (f"{stats['mode']}, early exit {stats['early_exit']} ({stats['exit_verifier']}): {len(drawn)} of {len(maps)} "
-             f"blocks made with early exit, k_bar {k_drawn:.2f} over them ({stats['mean_steps']:.2f} over the video)")
+    title = (f"{opts.mode}, early exit {opts.early_exit} ({opts.exit_verifier}): {len(drawn)} of {len(maps)} "
+             f"blocks made with early exit, k_bar {k_drawn:.2f} over them "
+             f"({stats.exit_summary()['mean_steps']:.2f} over the video)")
     plot_exit_map(maps, max(ks), video_path(Path(args.exit_map), index, many), title)
 
 
 def summary(stats, path: Path) -> None:
-    """The one line a single video ends with; an interrupted run says so, by which signal and where."""
-    acc = stats.get("acceptance_rate")
+    """The one line a single video ends with; an interrupted run says so, by which signal and where. `stats`: a
+    `RunStats` or its record (schema 9)."""
+    rec = stats.as_dict() if hasattr(stats, "as_dict") else stats
+    video, res, cli = rec["video"], rec["result"], rec.get("cli", {})
+    acc = res["acceptance_rate"]
     acc_s = "n/a" if acc is None else f"{acc:.1%}"
-    video = stats["video"] or "no video (no block was emitted)"
-    line = (f"{video}: {stats['frames']} frames, acceptance {acc_s}, wall {stats.get('wall_s', float('nan')):.2f} s; "
-            f"stats in {path}")
-    if stats["interrupted"]:
-        line = (f"interrupted ({stats.get('interrupted_by') or 'stopped'}) after {stats['blocks_done']} of "
-                f"{stats['num_blocks']} blocks: " + line)
+    wall = float("nan") if res["wall_s"] is None else res["wall_s"]
+    line = (f"{cli.get('video_path') or 'no video (no block was emitted)'}: {video['frames']} frames, acceptance {acc_s}, "
+            f"wall {wall:.2f} s; stats in {path}")
+    if video["interrupted"]:
+        line = (f"interrupted ({cli.get('interrupted_by') or 'stopped'}) after {video['blocks_done']} of "
+                f"{rec['options']['num_blocks']} blocks: " + line)
     print(line, file=sys.stderr)

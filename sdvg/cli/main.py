@@ -131,8 +131,10 @@ def main(argv=None, load_pipeline: Loader | None = None) -> int:
     from sdvg.io.outputs import check_output_folders
     from sdvg.io.prompts import with_prompts_file_resolved
 
+    command_line = list(sys.argv) if argv is None else ["sdvg", *argv]  # the statistics' run.argv
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(config_values(argv)).parse_args(argv)
+    args.command_line = command_line
     configure_logging(args.log_level)
     try:
         check_output_folders(args)  # a missing folder without --create-dirs: refused before the lock makes it

@@ -14,9 +14,10 @@ def video_path(out: Path, index: int, many: bool) -> Path:
 
 def run_one(pipe, prompt: str, opts, video: Path, progress: bool = True, fps: float = DEFAULT_FPS,
             crf: int = DEFAULT_CRF, on_block=None, nested: bool = False, input_video=None, start_frame=None):
-    """Generate one video, writing the MP4 as blocks arrive; returns its `RunStats`. On Ctrl-C, SIGTERM or
-    SIGHUP the MP4 of the blocks emitted so far is closed (playable; no file when no block was emitted) and
-    the stats (same fields) are marked interrupted, with `interrupted_by` naming the signal. A failed
+    """Generate one video, writing the MP4 as blocks arrive at `fps` (the stats' video.fps); returns its
+    `RunStats`. On Ctrl-C, SIGTERM or SIGHUP the MP4 of the blocks emitted so far is closed (playable; no file
+    when no block was emitted) and the stats (same fields) are marked interrupted, with `cli.interrupted_by`
+    naming the signal. A failed
     encode raises `VideoWriteError`. `nested`: the block bar sits under an outer bar (a prompts file's)
     and is cleared when the video is done. `input_video`: video-to-video's input file, `start_frame`: the start
     frame's image file (`pipe.run`)."""
@@ -30,6 +31,7 @@ def run_one(pipe, prompt: str, opts, video: Path, progress: bool = True, fps: fl
     counts = {"forced": 0, "accepted": 0, "rejected": 0}
     writer = IncrementalMP4Writer(video, fps=fps, crf=crf)
     stream = pipe.run(prompt, opts, input_video=input_video, start_frame=start_frame)
+    stream.stats.fps = fps
     signum = None
     failed = True
     try:

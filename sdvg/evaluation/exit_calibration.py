@@ -233,12 +233,12 @@ def calibrate(records: Records, eps: float, min_precision: float = 0.95, rule: s
 def measure_mean_steps(pipe, prompts: list[str], seeds: list[int], base, role: str,
                        thresholds: tuple[float, float], progress=None) -> dict:
     """Generate every (prompt, seed) video with the stability verifier at `thresholds` in `role`; the
-    measured k_bar (`mean_steps` of the stats) per video and their mean."""
+    measured k_bar (the stats' `result.mean_steps`) per video and their mean."""
     per_video = []
     jobs = [(p, s) for p in prompts for s in seeds]
     for n, (prompt, seed) in enumerate(jobs):
         opts = role_options(base, role, seed, exit_verifier="stability", exit_thresholds=tuple(thresholds))
-        per_video.append(float(pipe.generate(prompt, opts).stats.get("mean_steps")))
+        per_video.append(float(pipe.generate(prompt, opts).stats.exit_summary()["mean_steps"]))
         if progress is not None:
             progress(n + 1, len(jobs))
     return {"mean_steps": sum(per_video) / len(per_video), "per_video": per_video}

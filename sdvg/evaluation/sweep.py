@@ -291,7 +291,7 @@ def run_sweep(pipe, prompts: list, taus: list[float], out: Path, evaluator, opti
             outs = [pipe.generate(prompt, run_opts) for _ in range(repeats)]
             walls = [o.stats.wall_s for o in outs]
             first = outs[0]
-            stats = first.stats.as_dict()
+            stats = first.stats  # RunStats: its attributes are the grouped record's values
             video = _write_video(out, i, v, first.frames, fps) if ev.needs_video_file else None
             metrics = ev(prompt, first.frames, fps=fps, video_path=video)
             finite_metrics(ev, metrics)
@@ -299,18 +299,18 @@ def run_sweep(pipe, prompts: list, taus: list[float], out: Path, evaluator, opti
             main = primary_metric(ev, metrics)
             rec = {"prompt_index": i, "prompt": prompt, "prompt_sha256": sha256_text(prompt), "tau": v,
                    "mode": run_opts.mode, "options": first.stats.options.as_dict(),
-                   "acceptance_rate": stats["acceptance_rate"], "accepted_blocks": stats["accepted_blocks"],
+                   "acceptance_rate": stats.acceptance_rate, "accepted_blocks": stats.accepted_blocks,
                    "wall_s": statistics.median(walls), "wall_s_min": min(walls),
                    "wall_s_median": statistics.median(walls), "wall_s_runs": walls, "repeats": repeats,
                    "warmup": warmup, "quality": float(metrics[main]), "quality_metric": main,
                    "quality_positive": specs[main].positive, "quality_higher_is_better": specs[main].higher_is_better,
                    "metrics": {k: float(x) for k, x in metrics.items()},
                    "metric_specs": {k: s.as_dict() for k, s in specs.items()}, "evaluator": evaluator_name,
-                   "block_scores": [b["score"] for b in stats["blocks"]],
-                   "frame_scores": [b["frame_scores"] for b in stats["blocks"]],
-                   "decisions": [b["decision"] for b in stats["blocks"]],
-                   "num_blocks": run_opts.num_blocks if run_opts.num_blocks else len(stats["blocks"]),
-                   "frames": stats["frames"], "preset": stats["preset"],
+                   "block_scores": [b["score"] for b in stats.blocks],
+                   "frame_scores": [b["frame_scores"] for b in stats.blocks],
+                   "decisions": [b["decision"] for b in stats.blocks],
+                   "num_blocks": run_opts.num_blocks if run_opts.num_blocks else len(stats.blocks),
+                   "frames": stats.frames, "preset": stats.preset,
                    "preset_fingerprint": prov["preset_fingerprint"], "checkpoints": prov["checkpoints"],
                    "devices": prov["devices"], "sdvg_version": prov["sdvg_version"],
                    "torch_version": prov["torch_version"]}

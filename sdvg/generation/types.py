@@ -1,22 +1,29 @@
 """The run types both schedulers share: stage and counter names (exported once by the native core),
-one block record, and one run-statistics type (the stage calls are `calls.StageCalls`).
+one block record, and one run-statistics type with its record's groups and reader (`FIELDS`,
+`read_stats`; the stage calls are `calls.StageCalls`).
 
 The reference loop (`reference.py`) and the native driver (`native.py`) both import this module and
 neither imports the other; the API, the CLI, the JSON statistics and the benchmarks read the same
-`BlockRecord` and `RunStats`.
+`BlockRecord` and `RunStats`. The statistics record (docs/stats.md) is grouped since schema 9; `read_stats`
+reads a record of any schema (the flat 1-8 converted) as 9.
 """
 from __future__ import annotations
 
+import datetime
+import json
+import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
 from sdvg._native import _C
+from sdvg.io import DEFAULT_FPS
 from sdvg.io.strict_json import nonfinite_paths, strict_json  # noqa: F401 (re-exported)
-from sdvg.options import GenerationOptions
+from sdvg.options import OPTION_NAMES, GenerationOptions
 from sdvg.runtime import host_state
 
 STAGE_NAMES: tuple[str, ...] = tuple(_C.STAGE_NAMES)  # draft, decode, score, target, drafter_commit, target_commit
@@ -29,8 +36,8 @@ TOTAL_KEYS: tuple[str, ...] = ("draft", "decode", "score", "target", "commit")
 
 Counters = _C.Counters  # the native counters struct; the reference loop counts into the same type
 
-# The statistics file's schema (docs/stats.md). Bump on any change of a field's name or meaning.
-SCHEMA_VERSION = 8  # 2: early exit (the exit_* options, mean_steps, max_steps, exit_roles; block exit fields)
+# The statistics file's schema (docs/stats.md). Bump on any change of a field's name, meaning or place.
+SCHEMA_VERSION = 9  # 2: early exit (the exit_* options, mean_steps, max_steps, exit_roles; block exit fields)
 # 3: live sessions and prompt schedules (options interp_blocks, force_reject_after_switch; block `live`;
 #    top level `live`, `updates`, `prompts`, `segments`, `prompt_encodes`, `blocks_started` when live)
 # 4: `host` (thread settings, OpenMP wait policy, load average of the run's machine)
@@ -39,6 +46,97 @@ SCHEMA_VERSION = 8  # 2: early exit (the exit_* options, mean_steps, max_steps, 
 # 6: `blocks_dropped` (the oldest block entries a long live session folded into the totals, `record_blocks`)
 # 7: the option `target_steps` (the target's denoising step count, Krea's num_denoising_steps)
 # 8: `build` (how sdvg._C was built: CUDA or not, its CUDA runtime and torch; the installed torch's CUDA)
+# 9: grouped (`run`, `video`, `options`, `result`, and `live` / `cli` when they apply; FIELDS below); new:
+#    run.started_at, run.argv, run.hostname, run.load_s, video.height, video.width, video.fps. `read_stats`
+#    reads every schema (1-8 are flat: converted by FIELDS).
+
+# Where each field of a record sits: its name in a flat record of schemas 1-8 (the keys of `RunStats.extra`
+# too) -> its group and name in schema 9. The one table the writer (`RunStats.as_dict`) and the reader
+# (`read_stats`) both group by; "" is the record's top level. Schema 9's fields no flat record has are
+# listed under their own name (NEW_IN_9).
+FIELDS: dict[str, tuple[str, str]] = {
+    "schema_version": ("", "schema_version"),
+    **{k: ("run", k) for k in ("started_at", "argv", "hostname", "host", "build", "sdvg_version", "torch_version",
+                                "devices", "precision", "fp8_impl", "preset", "preset_fingerprint", "checkpoints",
+                                "load_s")},
+    **{k: ("video", k) for k in ("prompt", "height", "width", "fps", "frames", "blocks_done", "blocks_dropped",
+                                  "interrupted", "input_video", "start_frame")},
+    **{k: ("options", k) for k in OPTION_NAMES},
+    **{k: ("result", k) for k in ("acceptance_rate", "accepted_blocks", *COUNTER_NAMES, "wall_s", "stage_totals",
+                                   "stage_device_s", "compile", "mean_steps", "max_steps", "exit_roles")},
+    "live": ("live", ""),  # a flat record's `live: true`: schema 9 has the `live` group instead
+    **{k: ("live", k) for k in ("updates", "prompts", "segments", "prompt_encodes", "blocks_started",
+                                 "recache_forwards", "input_ended")},
+    "video": ("cli", "video_path"),  # the MP4 written (renamed: `video` is schema 9's group)
+    **{k: ("cli", k) for k in ("interrupted_by", "protocol", "infinite_options", "prompt_index", "prompt_sha256")},
+    **{k: ("", k) for k in ("blocks", "trace", "nonfinite_fields")},
+}
+GROUPS: tuple[str, ...] = ("run", "video", "options", "result", "live", "cli")  # in the record's order
+ALWAYS: tuple[str, ...] = ("run", "video", "options", "result")  # `live` and `cli` only where they apply
+NEW_IN_9: tuple[str, ...] = ("started_at", "argv", "hostname", "load_s", "height", "width", "fps")  # null when read
+# from a flat record (it could not know them); any other field a flat record lacks stays absent
+assert len({v for v in FIELDS.values() if v[1]}) == len(FIELDS) - 1, "two fields share a place in FIELDS"
+
+
+def group_record(flat: Mapping[str, Any]) -> dict:
+    """A flat record (schemas 1-8, or `RunStats`'s fields before grouping) grouped as schema 9 by FIELDS, in
+    FIELDS' order within each group; `schema_version` and `nonfinite_fields` are the caller's. A field FIELDS
+    does not know is refused (ValueError naming it): every field has its place in the table."""
+    unknown = sorted(set(flat) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"statistics field(s) {', '.join(unknown)} have no group: add them to "
+                         "sdvg.generation.types.FIELDS (and docs/stats.md)")
+    out: dict[str, Any] = {"schema_version": SCHEMA_VERSION, **{g: {} for g in ALWAYS}}
+    for key, (group, name) in FIELDS.items():
+        if group == "live" and not name:
+            if flat.get("live"):
+                out.setdefault("live", {})
+        elif key in flat and group:
+            out.setdefault(group, {})[name] = flat[key]
+    for key in ("blocks", "trace"):
+        if key in flat:
+            out[key] = flat[key]
+    return {k: out[k] for k in ("schema_version", *GROUPS, "blocks", "trace") if k in out}
+
+
+def _grouped_path(path: str) -> str:
+    """A flat record's `nonfinite_fields` path (`tau`, `exit_thresholds[1]`, `blocks[0].score`) in schema 9."""
+    head = path.split(".", 1)[0].split("[", 1)[0]
+    group, name = FIELDS.get(head, ("", head))
+    return f"{group}.{name}{path[len(head):]}" if group else path
+
+
+def read_stats(record: Mapping[str, Any] | str | Path) -> dict:
+    """A statistics record as schema 9 (docs/stats.md): `record` is a parsed record (a dict, a `RunStats`)
+    or the path of a `--stats` file holding one JSON object. A schema-9 record comes back as it is; a flat
+    one of schemas 1-8 is grouped by FIELDS: the fields schema 9 added (NEW_IN_9) are null, any other
+    field the older schema lacked stays absent, and `nonfinite_fields` names the grouped paths. A record
+    without `schema_version`, or of a schema newer than this sdvg reads, is refused (ValueError)."""
+    if isinstance(record, (str, Path)):
+        record = json.loads(Path(record).read_text(encoding="utf-8"))
+    if isinstance(record, RunStats):
+        record = record.as_dict()
+    if not isinstance(record, Mapping):
+        raise ValueError(f"a statistics record is a JSON object, not {type(record).__name__}")
+    version = record.get("schema_version")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise ValueError(f"not an sdvg statistics record: no integer schema_version (got {version!r}); sdvg "
+                         f"reads schemas 1-{SCHEMA_VERSION} (docs/stats.md)")
+    if version > SCHEMA_VERSION:
+        raise ValueError(f"statistics schema {version} is newer than this sdvg reads (1-{SCHEMA_VERSION}): "
+                         "upgrade sdvg (pip install -U sdvg) to read it")
+    if version < 1:
+        raise ValueError(f"statistics schema {version} does not exist; sdvg reads schemas 1-{SCHEMA_VERSION}")
+    if version == SCHEMA_VERSION:
+        return dict(record)
+    out = group_record({k: v for k, v in record.items() if k not in ("schema_version", "nonfinite_fields")})
+    for key in NEW_IN_9:
+        group, name = FIELDS[key]
+        out[group][name] = None
+    for group in ALWAYS:  # the table's order within each group, the fields it added in place
+        out[group] = {name: out[group][name] for k, (g, name) in FIELDS.items() if g == group and name in out[group]}
+    out["nonfinite_fields"] = [_grouped_path(p) for p in record.get("nonfinite_fields", [])]
+    return out
 
 
 def block_times(stage_seconds: Mapping[str, float]) -> dict[str, float]:
@@ -96,9 +194,12 @@ class LoopReport:
 
 @dataclass
 class RunStats(Mapping):
-    """The statistics of one video: what `out.stats` is and what `--stats` writes (`as_dict()`).
+    """The statistics of one video: what `out.stats` is and what `--stats` writes (`as_dict()`, schema 9:
+    grouped, docs/stats.md).
 
-    Read it like a dict (`stats["acceptance_rate"]`); the keys are those of `as_dict()`."""
+    Read it like a dict of the groups (`stats["result"]["acceptance_rate"]`, `stats["options"]["seed"]`); the
+    keys are those of `as_dict()`. The attributes `.acceptance_rate`, `.accepted_blocks`, `.frames`, `.wall_s`,
+    `.blocks`, `.options`, `.interrupted` read the same values directly."""
 
     prompt: str
     preset: str
@@ -116,9 +217,17 @@ class RunStats(Mapping):
     # block entries kept (None: all); past it the oldest is folded into `dropped` (the totals stay exact)
     keep_blocks: int | None = None
     dropped: dict[str, Any] = field(default_factory=lambda: _folded())
+    argv: list[str] | None = None  # the command line of `sdvg generate` (None from the Python API)
+    fps: float = DEFAULT_FPS  # the rate the frames are meant to play at (the CLI's --fps; sdvg.io.DEFAULT_FPS)
+    size: tuple[int, int] | None = None  # (height, width) of the emitted frames (None until a block is emitted)
+    started_at: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="milliseconds").replace("+00:00", "Z"))
+    hostname: str = field(default_factory=socket.gethostname)
     _t0: float = field(default_factory=time.perf_counter, repr=False)
 
     def add(self, block: BlockRecord) -> None:
+        if self.size is None:
+            self.size = (int(block.frames.shape[1]), int(block.frames.shape[2]))
         self.blocks.append(block.stats())
         if self.keep_blocks is not None and len(self.blocks) > self.keep_blocks:
             _fold(self.dropped, self.blocks.pop(0))
@@ -175,29 +284,43 @@ class RunStats(Mapping):
     def stage_totals(self) -> dict[str, float]:
         return {k: self.dropped["times"][k] + sum(b["times"].get(k, 0.0) for b in self.blocks) for k in TOTAL_KEYS}
 
-    def as_dict(self) -> dict:
-        d: dict[str, Any] = {"schema_version": SCHEMA_VERSION, **self.provenance,
-                             "prompt": self.prompt, "preset": self.preset}
+    def flat_fields(self) -> dict:
+        """Every field of the record by its flat name (FIELDS' keys): what `as_dict()` groups."""
+        d: dict[str, Any] = {**self.provenance, "prompt": self.prompt, "preset": self.preset,
+                             "started_at": self.started_at, "argv": self.argv, "hostname": self.hostname,
+                             "host": self.host, "height": self.size[0] if self.size else None,
+                             "width": self.size[1] if self.size else None, "fps": self.fps}
         d.update(self.options.as_dict())
         d.update(blocks=self.blocks, frames=self.frames, interrupted=self.interrupted,
                  acceptance_rate=self.acceptance_rate, accepted_blocks=self.accepted_blocks,
                  blocks_done=self.dropped["blocks"] + len(self.blocks), blocks_dropped=self.dropped["blocks"])
         d.update({k: self.counters.get(k, 0) for k in COUNTER_NAMES})
         d.update(trace=self.trace, wall_s=self.wall_s, stage_totals=self.stage_totals(),
-                 stage_device_s=self.stage_device_s, compile=self.compile, host=self.host)
+                 stage_device_s=self.stage_device_s, compile=self.compile)
         d.update(self.exit_summary())
         d.update(self.extra)
+        return d
+
+    def as_dict(self) -> dict:
+        """The record, schema 9: `schema_version`, the groups `run`, `video`, `options`, `result` (and `live`,
+        `cli` where they apply), `blocks`, `trace`, `nonfinite_fields` (docs/stats.md)."""
+        d = group_record(self.flat_fields())
         d["nonfinite_fields"] = nonfinite_paths(d)
         return d
 
     def to_json(self, indent: int | None = None) -> str:
         """Strict JSON (no NaN / Infinity): a non-finite number is written as null and its path is
-        listed in `nonfinite_fields` (e.g. `tau` for tau = inf)."""
+        listed in `nonfinite_fields` (e.g. `options.tau` for tau = inf)."""
         return strict_json(self.as_dict(), indent=indent)
 
     # Mapping over as_dict()
     def __getitem__(self, key: str):
-        return self.as_dict()[key]
+        d = self.as_dict()
+        if key not in d and key in FIELDS and key not in GROUPS:
+            group, name = FIELDS[key]
+            raise KeyError(f"{key!r}: the statistics are grouped since schema 9; read stats[{group!r}]"
+                           + (f"[{name!r}]" if name else "") + " (docs/stats.md)")
+        return d[key]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.as_dict())

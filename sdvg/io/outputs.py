@@ -228,20 +228,20 @@ def record_fields(protocol: str | None, options: dict) -> dict:
     return {"protocol": protocol, "infinite_options": _infinities(options)}
 
 
-def stored_option_matches(record: dict, key: str, value) -> bool:
-    """Whether a stats record's `key` holds option value `value` as this run would write it: non-finite
-    numbers compared through their null and their sign in `infinite_options` (older records without it
-    match either sign), tuples as lists."""
+def stored_option_matches(options: dict, infinite_options: dict | None, key: str, value) -> bool:
+    """Whether a stats record's option `key` (its `options` group) holds option value `value` as this run would
+    write it: non-finite numbers compared through their null and their sign in the record's
+    `cli.infinite_options` (older records without it, None, match either sign), tuples as lists."""
     from sdvg.io.strict_json import strict_json
     import json as _json
 
-    stored = record.get(key)
+    stored = options.get(key)
     if _json.loads(strict_json(value)) != stored:
         return False
     signs = _infinities(value, key)
-    if not signs or "infinite_options" not in record:
+    if not signs or infinite_options is None:
         return True
-    saved = record["infinite_options"] if isinstance(record["infinite_options"], dict) else {}
+    saved = infinite_options if isinstance(infinite_options, dict) else {}
     return all(saved.get(path) == sign for path, sign in signs.items())
 
 

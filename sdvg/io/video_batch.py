@@ -15,7 +15,7 @@ batch of one. `frames` by `output_type`, as diffusers' `VideoProcessor.postproce
 
 `latents` is a batched float32 tensor `[batch, z, T, h, w]` (what diffusers' `output_type="latent"`
 gives); `stats` a per-video list of `RunStats` (for a batch of one it also reads as that RunStats:
-`out.stats["seed"]`); `blocks` a per-video list of lists of `BlockRecord` (`out.blocks[0][b]`).
+`out.stats["options"]["seed"]`); `blocks` a per-video list of lists of `BlockRecord` (`out.blocks[0][b]`).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ OUTPUT_TYPES = ("np", "pt", "pil", "uint8", "latent")
 
 class PerVideo(list):
     """A list with one entry per video of the batch. For a batch of one it also reads as its only entry
-    (`out.stats["seed"]`, `out.stats.to_json()` are `out.stats[0]`'s), so one-prompt code written before
+    (`out.stats["options"]`, `out.stats.to_json()` are `out.stats[0]`'s), so one-prompt code written before
     outputs were batched keeps working; for a larger batch a string key or an unknown attribute is refused
     naming the fix (`out.stats[i]`)."""
 
@@ -44,7 +44,7 @@ class PerVideo(list):
         return super().__getitem__(index)
 
     def __contains__(self, key) -> bool:
-        if isinstance(key, str):  # `"seed" in out.stats`: a key of the only entry, as `out.stats["seed"]` reads
+        if isinstance(key, str):  # `"live" in out.stats`: a key of the only entry, as `out.stats["live"]` reads
             return key in self._only(repr(key))
         return super().__contains__(key)
 
