@@ -81,10 +81,10 @@ class StageCalls {
   virtual py::object vae_snapshot() = 0;
   virtual void vae_restore(py::object snapshot) = 0;
   virtual void emit(const EmittedBlock& block) = 0;
-  // A live video's block plan (config.live); a video of known length is planned from the config.
+  // Every video's block plan (sdvg/generation/plan.py), asked once per block in order.
   virtual BlockPlan plan(int block) {
-    throw std::logic_error("sdvg scheduler: config.live asks StageCalls.plan(" + std::to_string(block) +
-                           "), but this StageCalls does not override plan");
+    throw std::logic_error("sdvg scheduler: the scheduler asks StageCalls.plan(" + std::to_string(block) +
+                           ") for every block, but this StageCalls does not override plan");
   }
   // A live video's drafter takes block b's conditioning (re-caching under it) ahead of b's commit.
   virtual void drafter_recache(int block) {
@@ -409,11 +409,6 @@ Mode from_py<Mode>(const char* field, py::handle v) {
   return parse_mode(v.cast<std::string>());
 }
 template <>
-RouterKind from_py<RouterKind>(const char* field, py::handle v) {
-  if (!py::isinstance<py::str>(v)) wrong_type(field, "a str (reward, random or pattern)", v);
-  return parse_router(v.cast<std::string>());
-}
-template <>
 int from_py<int>(const char* field, py::handle v) {
   if (PyBool_Check(v.ptr()) || !PyIndex_Check(v.ptr())) wrong_type(field, "an int", v);
   auto i = py::reinterpret_steal<py::object>(PyNumber_Index(v.ptr()));
@@ -435,44 +430,12 @@ bool from_py<bool>(const char* field, py::handle v) {
   if (!PyBool_Check(v.ptr())) wrong_type(field, "a bool", v);
   return v.ptr() == Py_True;
 }
-template <class Item, class Check>
-std::vector<Item> list_from_py(const char* field, py::handle v, const char* want, Check&& ok) {
-  if (!py::isinstance<py::list>(v) && !py::isinstance<py::tuple>(v)) wrong_type(field, want, v);
-  std::vector<Item> out;
-  size_t i = 0;
-  for (py::handle item : v) {
-    if (!ok(item))
-      throw py::type_error(std::string("SchedulerConfig field '") + field + "' must be " + want + ", item " +
-                           std::to_string(i) + " is " + type_name(item) + " " + py::repr(item).cast<std::string>());
-    if constexpr (std::is_same_v<Item, bool>)
-      out.push_back(item.ptr() == Py_True);
-    else
-      out.push_back(py::float_(py::reinterpret_borrow<py::object>(item)).cast<double>());
-    ++i;
-  }
-  return out;
-}
-template <>
-std::vector<double> from_py<std::vector<double>>(const char* field, py::handle v) {
-  return list_from_py<double>(field, v, "a list of numbers", is_number);
-}
-template <>
-std::vector<bool> from_py<std::vector<bool>>(const char* field, py::handle v) {
-  return list_from_py<bool>(field, v, "a list of bools", [](py::handle x) { return PyBool_Check(x.ptr()); });
-}
-
-// Field values as Python reads them back (mode and router as their names).
+// Field values as Python reads them back (mode as its name).
 template <class T>
 py::object to_py(const T& v) {
   return py::cast(v);
 }
 py::object to_py(Mode m) { return py::str(mode_name(m)); }
-py::object to_py(RouterKind r) { return py::str(router_name(r)); }
-py::object to_py(const std::vector<bool>& v) {
-  py::list out;
-  for (bool b : v) out.append(py::bool_(b));
-  return out;
-}
 
 template <size_t N>
 py::tuple names_tuple(const char* const (&names)[N]) {
@@ -543,8 +506,7 @@ BlockPlan plan_from_kwargs(const py::kwargs& kw) {
   } catch (const py::value_error& e) {
     throw py::value_error(as_plan_error(e.what()));
   }
-  if (p.tau != p.tau || p.accept_prob != p.accept_prob || p.uniform != p.uniform)
-    throw py::value_error("BlockPlan: tau, accept_prob and uniform must not be NaN");
+  if (p.tau != p.tau) throw py::value_error("BlockPlan: tau must not be NaN");
   return p;
 }
 
@@ -622,7 +584,7 @@ void register_scheduler(py::module_& m) {
   py::class_<SchedulerConfig> config(m, "SchedulerConfig",
                                      "The native scheduler's configuration: every field is a required keyword");
   config.def(py::init(&config_from_kwargs),
-             "SchedulerConfig(**fields): every name of FIELDS, none other; mode and router by name");
+             "SchedulerConfig(**fields): every name of FIELDS, none other; mode by name");
   config.attr("FIELDS") = names_tuple(kConfigFieldNames);
 #define SDVG_CONFIG_PROPERTY_(type, name, doc) \
   config.def_property_readonly(#name, [](const SchedulerConfig& c) { return to_py(c.name); }, doc);
@@ -647,9 +609,9 @@ void register_scheduler(py::module_& m) {
   });
 
   py::class_<BlockPlan> plan(m, "BlockPlan",
-                             "What the scheduler is told before a live video's block (StageCalls.plan); every "
-                             "field a keyword, zero / False / 'reward' unless given");
-  plan.def(py::init(&plan_from_kwargs), "BlockPlan(**fields): names of FIELDS only; router by name");
+                             "What the scheduler is told before each block (StageCalls.plan); every "
+                             "field a keyword, zero / False unless given");
+  plan.def(py::init(&plan_from_kwargs), "BlockPlan(**fields): names of FIELDS only");
   plan.attr("FIELDS") = names_tuple(kPlanFieldNames);
 #define SDVG_PLAN_PROPERTY_(type, name, doc) \
   plan.def_property_readonly(#name, [](const BlockPlan& p) { return to_py(p.name); }, doc);
@@ -693,7 +655,7 @@ void register_scheduler(py::module_& m) {
       .def("vae_restore", &StageCalls::vae_restore, py::arg("snapshot"))
       .def("emit", &StageCalls::emit, py::arg("block"))
       .def("plan", &StageCalls::plan, py::arg("block"),
-           "config.live: block b's BlockPlan, asked once per block in order (may wait for live input)")
+           "block b's BlockPlan, asked once per block in order (a live session's may wait for input)")
       .def("drafter_recache", &StageCalls::drafter_recache, py::arg("block"),
            "config.live, run-ahead: the drafter takes block b's conditioning (its re-cache) before b's commit");
 

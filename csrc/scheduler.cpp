@@ -30,12 +30,10 @@ E parse_in(const std::string& name, const char* const (&names)[N], const char* w
 }  // namespace
 
 const char* mode_name(Mode m) { return name_in(m, kModeNames); }
-const char* router_name(RouterKind r) { return name_in(r, kRouterNames); }
 const char* decision_name(Decision d) { return name_in(d, kDecisionNames); }
 const char* role_name(Role r) { return name_in(r, kRoleNames); }
 const char* stage_name(Stage s) { return name_in(s, kStageNames); }
 Mode parse_mode(const std::string& name) { return parse_in<Mode>(name, kModeNames, "mode"); }
-RouterKind parse_router(const std::string& name) { return parse_in<RouterKind>(name, kRouterNames, "router"); }
 
 void SchedulerConfig::validate() const {
   std::ostringstream os;
@@ -50,11 +48,6 @@ void SchedulerConfig::validate() const {
   if (run_ahead_blocks < 1) os << "run_ahead_blocks " << run_ahead_blocks << " must be >= 1; ";
   if (run_ahead && drafter_recompute && !own_context && mode == Mode::Sdvg)
     os << "a recompute drafter cannot roll back a speculative commit (run_ahead with the committed context); ";
-  if (!live && router == RouterKind::Random && static_cast<int>(uniforms.size()) < num_blocks)
-    os << "random router needs one uniform draw per block (" << num_blocks << "), got " << uniforms.size() << "; ";
-  if (!live && router == RouterKind::Pattern && pattern.empty()) os << "pattern router needs a pattern; ";
-  if (tau != tau) os << "tau is NaN; ";
-  if (accept_prob != accept_prob) os << "accept_prob is NaN; ";
   std::string msg = os.str();
   if (msg.empty()) return;
   msg.resize(msg.size() - 2);  // the last "; "
@@ -62,8 +55,8 @@ void SchedulerConfig::validate() const {
 }
 
 BlockPlan Executor::plan(int block) {
-  throw std::logic_error("sdvg scheduler: config.live asks the executor for block " + std::to_string(block) +
-                         "'s plan, but this executor plans no blocks");
+  throw std::logic_error("sdvg scheduler: every video asks the executor for its blocks' plans (block " +
+                         std::to_string(block) + "), but this executor plans no blocks");
 }
 
 void Executor::drafter_recache(int block) {
@@ -117,14 +110,9 @@ auto Scheduler::timed(int block, Stage stage, bool main_thread, F&& fn) -> declt
 }
 
 bool Scheduler::route(const BlockPlan& p, const Scored& s) const {
-  switch (p.router) {
-    case RouterKind::Reward:
-      if (!s.valid) throw std::invalid_argument("router 'reward' needs a block score, but no reward model ran");
-      return s.score >= p.tau;
-    case RouterKind::Random: return p.uniform < p.accept_prob;
-    case RouterKind::Pattern: return p.pattern_accept;
-  }
-  return false;
+  if (!p.scored) return p.accept;  // the router decided without the draft (its decision is in the plan)
+  if (!s.valid) throw std::invalid_argument("the block's router reads its score, but no reward model ran");
+  return s.score >= p.tau;
 }
 
 // ------------------------------------------------------------------ per-block state
@@ -153,19 +141,6 @@ void Scheduler::prune() {
   while (!trace_.empty() && trace_.front().block < records_base_) trace_.pop_front();
 }
 
-BlockPlan Scheduler::config_plan(int b) const {
-  BlockPlan p;
-  p.stop = b >= cfg_.num_blocks;
-  p.last = b == cfg_.num_blocks - 1;
-  p.forced = cfg_.forced(b);
-  p.router = cfg_.router;
-  p.tau = cfg_.tau;
-  p.accept_prob = cfg_.accept_prob;
-  if (cfg_.router == RouterKind::Random && !p.stop) p.uniform = cfg_.uniforms[b];
-  if (cfg_.router == RouterKind::Pattern) p.pattern_accept = cfg_.pattern[b % cfg_.pattern.size()];
-  return p;
-}
-
 BlockPlan Scheduler::plan_of(int b) {
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -184,7 +159,10 @@ BlockPlan Scheduler::plan_of(int b) {
                              std::to_string(planned_) + ")");
   }
   check_cancel();
-  BlockPlan p = cfg_.live ? ex_.plan(b) : config_plan(b);
+  BlockPlan p = ex_.plan(b);
+  if (!cfg_.live && !p.stop && b >= cfg_.num_blocks)
+    throw std::logic_error("sdvg scheduler: block " + std::to_string(b) + " planned past the video's " +
+                           std::to_string(cfg_.num_blocks) + " blocks (its plan must stop or say last)");
   std::lock_guard<std::mutex> lk(mu_);
   Slot& s = slot(b);
   s.plan = p;
@@ -246,7 +224,7 @@ void Scheduler::drafter_commit(int b, const Handle& latents) {
 }
 
 bool Scheduler::lane_recaches(const BlockPlan& p) const {
-  return cfg_.run_ahead && cfg_.mode == Mode::Sdvg && p.forced && cfg_.skips_first_draft() && p.recache && !p.last;
+  return cfg_.run_ahead && cfg_.mode == Mode::Sdvg && p.forced && cfg_.skips_first_draft && p.recache && !p.last;
 }
 
 bool Scheduler::wait_decision(int b, Handle* emitted) {
@@ -290,7 +268,7 @@ void Scheduler::drafter_loop() {
     const BlockPlan plan = plan_of(b);
     if (plan.stop) break;
     const bool forced = cfg_.mode == Mode::Sdvg && plan.forced;
-    if (forced && cfg_.skips_first_draft()) {  // no draft: the block's target output is committed
+    if (forced && cfg_.skips_first_draft) {  // no draft: the block's target output is committed
       if (speculative_prev) resolve_speculative_commit(b - 1);
       speculative_prev = false;
       if (lane_recaches(plan)) {  // re-cache now, beside the target's block; main waits for it
@@ -411,7 +389,7 @@ void Scheduler::run_main() {
       const bool forced = plan.forced;
       Handle snap, draft_frames;
       Scored scored;
-      if (forced && cfg_.skips_first_draft()) {
+      if (forced && cfg_.skips_first_draft) {
         std::lock_guard<std::mutex> lk(mu_);
         counters_.skipped_drafter_forwards += cfg_.drafter_steps;
         consumed_ = b + 1;  // the block has no draft to take

@@ -18,10 +18,13 @@
 // A role with a recompute context (Krea) rebuilds its cache inside its denoise stage; committing a
 // block to it only hands the block's latents over (no forward, no pointer move).
 //
-// A live session (config.live) is planned one block at a time: before its first work on block b,
-// whichever thread reaches b first asks the executor for the block's plan (`Executor::plan`: stop
-// here, or produce it, last or not, forced or not, under which router), once; the other thread reads
-// the same plan. The video ends at the first block planned `stop`. A run-ahead drafter under the
+// Every video is planned one block at a time by the executor (sdvg/generation/plan.py: a whole video's
+// fixed plan or a live session): before its first work on block b, whichever thread reaches b first
+// asks for the block's plan (`Executor::plan`: stop here, or produce it, last or not, forced or not,
+// and how its draft is decided), once; the other thread reads the same plan. The video ends at the
+// first block planned `stop`. The routing rule lives in Python (sdvg/generation/routers.py): a plan
+// carries either the decision of a router that decides without looking at the draft (`accept`) or
+// the threshold its block score is held to (`scored`, `tau`); the scheduler keeps no copy of a rule. A run-ahead drafter under the
 // `committed` context never drafts a block whose conditioning changed (its plan's `recache`: the
 // drafter first recomputes its context under the new conditioning) over a speculative commit not
 // yet decided: it waits for the decision, so a rollback never has to undo a re-cache.
@@ -48,7 +51,6 @@ namespace sdvg {
 // tuples of sdvg._C and the bindings are all generated from them, so none can drift from another.
 // X(enumerator, "name")
 #define SDVG_MODES(X) X(Sdvg, "sdvg") X(Target, "target") X(Draft, "draft")
-#define SDVG_ROUTERS(X) X(Reward, "reward") X(Random, "random") X(Pattern, "pattern")
 #define SDVG_DECISIONS(X) \
   X(Forced, "forced") X(Accepted, "accepted") X(Rejected, "rejected") X(Target, "target") X(Draft, "draft")
 #define SDVG_ROLES(X) X(Drafter, "drafter") X(Target, "target")
@@ -58,7 +60,6 @@ namespace sdvg {
 
 #define SDVG_ENUMERATOR_(id, name) id,
 enum class Mode { SDVG_MODES(SDVG_ENUMERATOR_) };
-enum class RouterKind { SDVG_ROUTERS(SDVG_ENUMERATOR_) };
 enum class Decision { SDVG_DECISIONS(SDVG_ENUMERATOR_) };
 enum class Role { SDVG_ROLES(SDVG_ENUMERATOR_) };
 enum class Stage { SDVG_STAGES(SDVG_ENUMERATOR_) Count };
@@ -67,7 +68,6 @@ constexpr int kNumStages = static_cast<int>(Stage::Count);
 
 #define SDVG_NAME_(id, name) name,
 inline constexpr const char* kModeNames[] = {SDVG_MODES(SDVG_NAME_)};
-inline constexpr const char* kRouterNames[] = {SDVG_ROUTERS(SDVG_NAME_)};
 inline constexpr const char* kDecisionNames[] = {SDVG_DECISIONS(SDVG_NAME_)};
 inline constexpr const char* kRoleNames[] = {SDVG_ROLES(SDVG_NAME_)};
 inline constexpr const char* kStageNames[] = {SDVG_STAGES(SDVG_NAME_)};
@@ -75,13 +75,11 @@ inline constexpr const char* kStageNames[] = {SDVG_STAGES(SDVG_NAME_)};
 static_assert(std::size(kStageNames) == static_cast<size_t>(kNumStages));
 
 const char* mode_name(Mode m);
-const char* router_name(RouterKind r);
 const char* decision_name(Decision d);
 const char* role_name(Role r);
 const char* stage_name(Stage s);
 // Parse a name of the lists above; an unknown name is a std::invalid_argument listing the choices.
 Mode parse_mode(const std::string& name);
-RouterKind parse_router(const std::string& name);
 
 // The scheduler's configuration. No field has a generation default here (those live in the Python
 // configuration): every field is zero / false / empty (an enum: its first name) until set, and a
@@ -94,19 +92,13 @@ RouterKind parse_router(const std::string& name);
   X(int, drafter_steps, "drafter model calls per block denoise (>= 1; counted as skipped when not run)")   \
   X(bool, drafter_recompute, "drafter context rebuilt before each block (one more forward); commits record") \
   X(bool, target_recompute, "target context rebuilt before each block (one more forward); commits record")   \
-  X(RouterKind, router, "reward | random | pattern")                                                       \
-  X(double, tau, "reward router: a draft is accepted when its block score >= tau")                         \
-  X(double, accept_prob, "random router: a draft is accepted when its block's uniform draw < accept_prob") \
-  X(std::vector<double>, uniforms, "random router: one U(0,1) draw per block")                             \
-  X(std::vector<bool>, pattern, "pattern router: the decision per block (cycled)")                         \
-  X(bool, force_first_reject, "block 0 always goes to the target")                                         \
   X(bool, own_context, "drafter context: its own drafts (true) or the emitted blocks (false)")             \
-  X(bool, skip_first_draft, "no draft for a forced block 0 when the drafter reads the emitted blocks")     \
+  X(bool, skips_first_draft, "sdvg mode: a forced block is not drafted (GenerationOptions.skips_first_draft)") \
   X(bool, lazy_target_commit, "commit accepted blocks into the target only when it next runs")             \
   X(bool, score_emitted, "also score the target's frames of rejected blocks")                              \
   X(bool, run_ahead, "a drafter thread drafts ahead while the current block is decoded, scored and committed") \
   X(int, run_ahead_blocks, "run-ahead: drafts the drafter may hold beyond the block being decided (>= 1)")   \
-  X(bool, live, "blocks planned one at a time by the executor (stop, last, forced, router); num_blocks: 0")   \
+  X(bool, live, "an unbounded video: its plan alone says where it stops (num_blocks: 0)")                   \
   X(int, max_held_target_commits, "lazy target commits held at most, the oldest committed past it (0: no cap)") \
   X(int, record_blocks, "the records and trace spans of the last N emitted blocks kept, older ones dropped (0: all)")
 
@@ -117,24 +109,17 @@ struct SchedulerConfig {
 
   // Throws std::invalid_argument naming every field out of range.
   void validate() const;
-  bool skips_first_draft() const {
-    return mode == Mode::Sdvg && skip_first_draft && force_first_reject && !own_context;
-  }
-  bool forced(int b) const { return mode == Mode::Sdvg && b == 0 && force_first_reject; }
 };
 
-// What the scheduler is told before block b (a live session's `Executor::plan`, or made from the
-// config for a whole video). X(type, name, doc)
+// What the scheduler is told before block b (`Executor::plan`). X(type, name, doc)
 #define SDVG_PLAN_FIELDS(X)                                                                                     \
   X(bool, stop, "the video ends before this block (nothing of it is made)")                                    \
   X(bool, last, "the video's last block: nothing is committed after it")                                       \
   X(bool, forced, "sdvg mode: the block goes to the target whatever the router says")                          \
   X(bool, recache, "the drafter re-caches its context before this block (its conditioning changed)")          \
-  X(RouterKind, router, "reward | random | pattern: the block's router")                                       \
-  X(double, tau, "reward router: accepted when the block score >= tau")                                        \
-  X(double, accept_prob, "random router: accepted when uniform < accept_prob")                                 \
-  X(double, uniform, "random router: the block's U(0,1) draw")                                                 \
-  X(bool, pattern_accept, "pattern router: the block's decision")
+  X(bool, scored, "the block's router reads its score: the draft is accepted when the score >= tau")        \
+  X(double, tau, "scored: the threshold (a NaN score, a non-finite draft's, is below every tau)")             \
+  X(bool, accept, "not scored: the router's decision, made without looking at the draft")
 
 struct BlockPlan {
 #define SDVG_PLAN_MEMBER_(type, name, doc) type name{};
@@ -261,7 +246,6 @@ class Scheduler {
   void check_cancel() const;
   // The plan of block b: made once (the executor's, or the config's), then read by both threads.
   BlockPlan plan_of(int b);
-  BlockPlan config_plan(int b) const;
 
   // main thread
   void run_main();

@@ -31,6 +31,7 @@ import torch
 
 from sdvg._native import build_record, cpu_build_warning
 from sdvg.config import Preset, config_hash, get_preset, torch_dtype
+from sdvg.generation.run import run_blocks
 from sdvg.generation.types import BlockRecord, LoopReport, RunStats
 from sdvg.io.video_batch import (OUTPUT_TYPES, PipelineOutput, VideoOutput,  # noqa: F401 (re-exported)
                                  batch_output, convert_frames)
@@ -610,18 +611,8 @@ class SpeculativeVideoPipeline:
         video_input = self.video_input(frames, opts)
         runners = self.runners(opts.backend)
         report = LoopReport()
-        if opts.scheduler == "cpp":
-            from sdvg.generation.native import generate_blocks_native
-
-            blocks = generate_blocks_native(self.components, prompt, opts, report, runners=runners,
-                                            threaded=threaded, memory_budget_gib=self.memory_budget_gib,
-                                            video_input=video_input, start_latents=latents)
-        else:
-            from sdvg.generation.reference import generate_blocks
-
-            blocks = generate_blocks(self.components, prompt, opts, report, runners=runners,
-                                     memory_budget_gib=self.memory_budget_gib, video_input=video_input,
-                                     start_latents=latents)
+        blocks = run_blocks(self.components, prompt, opts, report, runners=runners, threaded=threaded,
+                            memory_budget_gib=self.memory_budget_gib, video_input=video_input, start_latents=latents)
         stats = RunStats(prompt, self.preset.name, opts, self.provenance(opts))
         if frames is not None:
             stats.extra["input_video"] = input_summary(input_video, frames)

@@ -170,7 +170,7 @@ def test_session_refusals_before_any_work(tiny_pipe):
 
 
 def test_a_seed_sent_before_the_first_block_seeds_the_first_segment(tiny_pipe, monkeypatch):
-    import sdvg.generation.reference as reference
+    import sdvg.generation.run as run  # where the loop is chosen (the reference loop, by the options)
 
     seeds = []
     def one_block_started(comps, prompt, opts, *args, plan, **kw):
@@ -178,7 +178,7 @@ def test_a_seed_sent_before_the_first_block_seeds_the_first_segment(tiny_pipe, m
         plan.begin(0)
         return iter(())
 
-    monkeypatch.setattr(reference, "generate_blocks", one_block_started)
+    monkeypatch.setattr(run, "generate_blocks", one_block_started)
     s = tiny_pipe.session("a", num_blocks=2, scheduler="reference", seed=1)
     assert s.update(seed=9).block == 0
     assert list(s) == [] and seeds == [9]

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from sdvg._native import _C
+from sdvg.options import GenerationOptions
 
 FIELDS = dict(mode="sdvg", num_blocks=5, frames_per_block=3, prefix_frames=0, drafter_steps=4,
-              drafter_recompute=False, target_recompute=False, router="random", tau=-0.25,
-              accept_prob=0.5, uniforms=[0.125, 0.75, 0.5, 0.25, 1.0], pattern=[False, True, True],
-              force_first_reject=True, own_context=False, skip_first_draft=True, lazy_target_commit=False,
+              drafter_recompute=False, target_recompute=False, own_context=False, skips_first_draft=True,
+              lazy_target_commit=False,
               score_emitted=True, run_ahead=True, run_ahead_blocks=2, live=False, max_held_target_commits=0,
               record_blocks=0)
 
@@ -33,10 +33,6 @@ def test_every_field_round_trips():
         assert got == value and type(got) is type(value), name
     for mode in ("sdvg", "target", "draft"):
         assert _config(mode=mode).mode == mode
-    for router in ("reward", "random", "pattern"):
-        assert _config(router=router).router == router
-    assert _config(tau=-math.inf).tau == -math.inf and _config(tau=math.inf).tau == math.inf
-    assert _config(tau=2).tau == 2.0  # an int is a number
 
 
 def test_fields_are_read_only():
@@ -51,7 +47,7 @@ def test_repr_names_every_field():
     assert r.startswith("SchedulerConfig(mode='sdvg', num_blocks=5,")
     for name in FIELDS:
         assert f"{name}=" in r
-    assert "router='random'" in r and "pattern=[False, True, True]" in r
+    assert "mode='sdvg'" in r and "skips_first_draft=True" in r
 
 
 def test_a_start_frames_prefix_is_a_non_negative_frame_count():
@@ -61,7 +57,7 @@ def test_a_start_frames_prefix_is_a_non_negative_frame_count():
 
 
 def test_a_live_config_has_no_block_count_and_a_non_negative_cap():
-    c = _config(live=True, num_blocks=0, uniforms=[], max_held_target_commits=4)
+    c = _config(live=True, num_blocks=0, max_held_target_commits=4)
     assert c.live and c.num_blocks == 0 and c.max_held_target_commits == 4
     with pytest.raises(ValueError, match="num_blocks 5 must be 0 for a live video"):
         _config(live=True)
@@ -72,28 +68,31 @@ def test_a_live_config_has_no_block_count_and_a_non_negative_cap():
 
 
 def test_block_plan_fields_are_typed_keywords():
-    assert _C.BlockPlan.FIELDS == ("stop", "last", "forced", "recache", "router", "tau", "accept_prob", "uniform",
-                                   "pattern_accept")
+    # no router names, draws or patterns: the plan carries a decision (`accept`) or a threshold (`scored`, `tau`)
+    assert _C.BlockPlan.FIELDS == ("stop", "last", "forced", "recache", "scored", "tau", "accept")
     empty = _C.BlockPlan()
-    assert (empty.stop, empty.last, empty.forced, empty.router, empty.tau) == (False, False, False, "reward", 0.0)
-    p = _C.BlockPlan(last=True, router="random", uniform=0.25, accept_prob=0.5, tau=1)
-    assert p.last and p.router == "random" and p.uniform == 0.25 and p.tau == 1.0
+    assert (empty.stop, empty.last, empty.forced, empty.scored, empty.tau, empty.accept) == (
+        False, False, False, False, 0.0, False)
+    p = _C.BlockPlan(last=True, scored=True, tau=1)
+    assert p.last and p.scored and p.tau == 1.0
+    assert _C.BlockPlan(tau=-math.inf).tau == -math.inf and _C.BlockPlan(accept=True).accept
     with pytest.raises(ValueError, match="unknown field 'block'; the fields are stop, last"):
         _C.BlockPlan(block=3)
+    with pytest.raises(ValueError, match="unknown field 'router'"):
+        _C.BlockPlan(router="random")
     with pytest.raises(TypeError, match="BlockPlan field 'stop' must be a bool, got int 1"):
         _C.BlockPlan(stop=1)
-    with pytest.raises(ValueError, match="unknown router 'best'"):
-        _C.BlockPlan(router="best")
     with pytest.raises(ValueError, match="must not be NaN"):
         _C.BlockPlan(tau=math.nan)
 
 
-def test_a_live_scheduler_asks_the_stage_calls_for_plans():
-    """StageCalls.plan is a virtual with a clear error when not overridden (the scheduler asks it under live)."""
+def test_the_scheduler_asks_the_stage_calls_for_plans():
+    """StageCalls.plan is a virtual with a clear error when not overridden (the scheduler asks it for every block)."""
     class NoPlan(_C.StageCalls):
         pass
 
-    with pytest.raises(RuntimeError, match=r"StageCalls.plan\(0\), but this StageCalls does not override plan"):
+    with pytest.raises(RuntimeError, match=r"StageCalls.plan\(0\) for every block, but this StageCalls does not "
+                                           "override plan"):
         NoPlan().plan(0)
 
 
@@ -106,8 +105,8 @@ def test_unknown_key_is_refused_by_name():
 
 def test_missing_key_is_refused_by_name():
     kw = dict(FIELDS)
-    del kw["tau"]
-    with pytest.raises(ValueError, match=r"missing field 'tau'; every field is required"):
+    del kw["run_ahead"]
+    with pytest.raises(ValueError, match=r"missing field 'run_ahead'; every field is required"):
         _C.SchedulerConfig(**kw)
     with pytest.raises(ValueError, match=r"missing fields 'mode', 'num_blocks'"):
         _C.SchedulerConfig()
@@ -118,22 +117,14 @@ def test_missing_key_is_refused_by_name():
 def test_bad_names_are_refused():
     with pytest.raises(ValueError, match=r"unknown mode 'fast'; choose sdvg, target or draft"):
         _config(mode="fast")
-    with pytest.raises(ValueError, match=r"unknown router 'oracle'; choose reward, random or pattern"):
-        _config(router="oracle")
 
 
 @pytest.mark.parametrize("field,value,want", [
     ("mode", 0, "a str"),
-    ("router", None, "a str"),
     ("num_blocks", 2.0, "an int"),
     ("num_blocks", True, "an int"),
     ("frames_per_block", "3", "an int"),
-    ("tau", "high", "a number"),
-    ("accept_prob", False, "a number"),
-    ("uniforms", "0.5", "a list of numbers"),
-    ("uniforms", [0.5, "x", 0.5, 0.5, 0.5], "a list of numbers"),
-    ("pattern", [1, 0], "a list of bools"),
-    ("force_first_reject", 1, "a bool"),
+    ("skips_first_draft", 1, "a bool"),
     ("run_ahead", None, "a bool"),
 ])
 def test_wrong_types_are_refused_by_field(field, value, want):
@@ -152,12 +143,6 @@ def test_out_of_range_values_are_refused_at_construction():
         _config(drafter_recompute=True, own_context=False, run_ahead=True)
     with pytest.raises(ValueError, match=r"field 'num_blocks' = \d+ is out of range"):
         _config(num_blocks=2**40)
-    with pytest.raises(ValueError, match=r"one uniform draw per block"):
-        _config(uniforms=[0.5])
-    with pytest.raises(ValueError, match=r"pattern router needs a pattern"):
-        _config(router="pattern", pattern=[])
-    with pytest.raises(ValueError, match=r"tau is NaN"):
-        _config(tau=math.nan)
 
 
 def test_names_tuples():
@@ -189,11 +174,13 @@ def test_both_loops_use_the_native_names():
     assert types.BLOCK_TIME_KEYS == (*_C.STAGE_NAMES, "commit") and types.Counters is _C.Counters
 
 
-def _stages(drafter_cache, target_cache):
-    """The shared fake, writing into the given caches as a DiT forward does."""
+def _stages(drafter_cache, target_cache, **options):
+    """The shared fake, writing into the given caches as a DiT forward does, planning the 5-block video of
+    `options` (default: the random router, which decides without a score)."""
     from sdvg.generation.fake_stages import FakeStages
+    from sdvg.options import GenerationOptions
 
-    stages = FakeStages(score=None)
+    stages = FakeStages(score=None, options=GenerationOptions(**{"num_blocks": 5, "router": "random", **options}))
     stages.caches = {"drafter": drafter_cache, "target": target_cache}
     return stages
 
@@ -228,7 +215,7 @@ def test_missing_cache_is_refused_by_role():
     with pytest.raises(TypeError, match=r"drafter_cache must be an sdvg._C.KVCache or None, got dict"):
         _C.Scheduler(_config(), _stages(d, t), {}, t, cpu, cpu)
     for mode, caches in (("target", (None, _cache())), ("draft", (_cache(), None))):
-        stages = _stages(*caches)
+        stages = _stages(*caches, mode=mode)
         _C.Scheduler(_config(mode=mode), stages, *caches, cpu, cpu).run()  # the unused role needs no cache
         assert [r.decision for r in stages.emitted] == [mode] * 5
 
@@ -258,19 +245,18 @@ def test_a_stage_method_left_out_is_named():
 
     cpu = torch.device("cpu")
     d, t = _cache(), _cache()
-    stages = NoScore(score=None)
+    stages = NoScore(score=None, options=GenerationOptions(num_blocks=5, router="pattern", pattern="011"))
     stages.caches = {"drafter": d, "target": t}
     with pytest.raises(RuntimeError, match=r"StageCalls::score"):
-        _C.Scheduler(_config(run_ahead=False, router="pattern"), stages, d, t, cpu, cpu).run()
+        _C.Scheduler(_config(run_ahead=False), stages, d, t, cpu, cpu).run()
 
 
 def test_decode_and_score_are_told_the_producer_and_block():
     cpu = torch.device("cpu")
     d, t = _cache(), _cache()
-    stages = _stages(d, t)
+    stages = _stages(d, t, router="pattern", pattern="010", num_blocks=3)
     stages._score = (1.0, [1.0, 2.0])
-    _C.Scheduler(_config(run_ahead=False, router="pattern", pattern=[False, True, False], num_blocks=3,
-                         uniforms=[]), stages, d, t, cpu, cpu).run()
+    _C.Scheduler(_config(run_ahead=False, num_blocks=3), stages, d, t, cpu, cpu).run()
     assert stages.producers == [("decode", "target", 0), ("score", "target", 0),  # block 0: forced, no draft
                                 ("decode", "drafter", 1), ("score", "drafter", 1),  # accepted
                                 ("decode", "drafter", 2), ("score", "drafter", 2), ("decode", "target", 2),
@@ -282,10 +268,9 @@ def test_every_emitted_field_reaches_python():
     """The scheduler's EmittedBlock: every field read (redrafts included: per block in the stats)."""
     cpu = torch.device("cpu")
     d, t = _cache(), _cache()
-    stages = _stages(d, t)
+    stages = _stages(d, t, router="pattern", pattern="01001", drafter_context="committed")
     stages._score = (1.0, [1.0, 2.0])
-    s = _C.Scheduler(_config(run_ahead=True, router="pattern", pattern=[False, True, False, False, True],
-                             own_context=False, uniforms=[]), stages, d, t, cpu, cpu)
+    s = _C.Scheduler(_config(run_ahead=True, own_context=False), stages, d, t, cpu, cpu)
     s.run()
     fields = {n for n in dir(_C.EmittedBlock) if not n.startswith("_")}
     assert fields == {"index", "decision", "latents", "frames", "draft_latents", "score", "frame_scores",

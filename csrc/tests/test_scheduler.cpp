@@ -42,6 +42,9 @@ struct FakeCache {
   }
 };
 
+// The routers of a test's video (sdvg/generation/routers.py's kinds); the scheduler knows none of them.
+enum class RouterKind { Reward, Random, Pattern };
+
 struct Fake : Executor {
   int F = 3;
   FakeCache drafter, target_cache;
@@ -119,11 +122,55 @@ struct Fake : Executor {
     std::lock_guard<std::mutex> lk(mu);
     emitted.push_back(r);
   }
+  // A whole video's plan, as sdvg/generation/plan.py's FixedPlan makes it from the options (`video`).
+  int num_blocks = 0;
+  bool force_first_reject = false, reward = false;
+  double tau = 0.0, accept_prob = 0.0;
+  std::vector<double> uniforms;  // random router: the block's U(0,1) draw
+  std::vector<bool> pattern;     // pattern router: the decision per block (cycled)
+  RouterKind router = RouterKind::Reward;
+  BlockPlan plan(int b) override {
+    BlockPlan p;
+    p.stop = b >= num_blocks;
+    if (p.stop) return p;
+    p.last = b == num_blocks - 1;
+    p.forced = b == 0 && force_first_reject;
+    p.scored = router == RouterKind::Reward;
+    p.tau = tau;
+    if (router == RouterKind::Random) p.accept = uniforms.at(b) < accept_prob;
+    if (router == RouterKind::Pattern) p.accept = pattern.at(b % pattern.size());
+    return p;
+  }
+  SchedulerConfig video(const struct Cfg& c);
 };
 
+// A test's video: the scheduler's config and the options its fixed plan is made from.
+struct Cfg : SchedulerConfig {
+  RouterKind router = RouterKind::Reward;
+  double tau = 0.0, accept_prob = 0.0;
+  std::vector<double> uniforms;
+  std::vector<bool> pattern;
+  bool force_first_reject = false, skip_first_draft = false;
+};
+
+// The fake plans the video of `c`; the config the scheduler gets (skips_first_draft resolved as
+// GenerationOptions.skips_first_draft resolves it).
+SchedulerConfig Fake::video(const Cfg& c) {
+  num_blocks = c.num_blocks;
+  force_first_reject = c.force_first_reject;
+  router = c.router;
+  tau = c.tau;
+  accept_prob = c.accept_prob;
+  uniforms = c.uniforms;
+  pattern = c.pattern;
+  SchedulerConfig out = c;
+  out.skips_first_draft = c.mode == Mode::Sdvg && c.skip_first_draft && c.force_first_reject && !c.own_context;
+  return out;
+}
+
 // The scheduler has no defaults of its own: every test states the configuration it relies on.
-static SchedulerConfig base_cfg(int n) {
-  SchedulerConfig c;
+static Cfg base_cfg(int n) {
+  Cfg c;
   c.mode = Mode::Sdvg;
   c.num_blocks = n;
   c.frames_per_block = 3;
@@ -142,8 +189,8 @@ static SchedulerConfig base_cfg(int n) {
   return c;
 }
 
-static SchedulerConfig pattern_cfg(std::vector<bool> pattern, bool run_ahead, bool own = false, int n = 6) {
-  SchedulerConfig c = base_cfg(n);
+static Cfg pattern_cfg(std::vector<bool> pattern, bool run_ahead, bool own = false, int n = 6) {
+  Cfg c = base_cfg(n);
   c.router = RouterKind::Pattern;
   c.pattern = std::move(pattern);
   c.run_ahead = run_ahead;
@@ -159,7 +206,7 @@ static std::vector<uint64_t> latents(const Fake& f) {
 
 static void test_sequential_call_order() {
   Fake f;
-  Scheduler s(pattern_cfg({false, true, false}, false, false, 3), f);
+  Scheduler s(f.video(pattern_cfg({false, true, false}, false, false, 3)), f);
   s.run();
   const std::vector<std::string> want = {
       "target 0",                       // block 0: draft skipped (committed context), forced
@@ -187,7 +234,7 @@ static void test_sequential_call_order() {
 
 static void test_trailing_accepts_cost_the_target_nothing() {
   Fake f;
-  Scheduler s(pattern_cfg({false, true, true, true, true}, false, false, 5), f);  // 0 forced, then all accepted
+  Scheduler s(f.video(pattern_cfg({false, true, true, true, true}, false, false, 5)), f);  // 0 forced, then all accepted
   s.run();
   int tcommits = 0;
   for (auto& l : f.log) tcommits += l.rfind("tcommit", 0) == 0;
@@ -201,9 +248,9 @@ static void test_run_ahead_equals_sequential(bool own) {
       {false, true, false, true, true, false}, {false}, {true}, {false, false, true}};
   for (auto& p : patterns) {
     Fake a, b;
-    Scheduler sa(pattern_cfg(p, false, own), a);
+    Scheduler sa(a.video(pattern_cfg(p, false, own)), a);
     sa.run();
-    Scheduler sb(pattern_cfg(p, true, own), b);
+    Scheduler sb(b.video(pattern_cfg(p, true, own)), b);
     sb.run();
     CHECK(latents(a) == latents(b));
     CHECK(a.drafter.committed == b.drafter.committed);
@@ -221,7 +268,7 @@ static void test_run_ahead_equals_sequential(bool own) {
 
 static void test_run_ahead_rolls_back_on_rejection() {
   Fake f;
-  Scheduler s(pattern_cfg({false, true, false, true}, true, false, 4), f);
+  Scheduler s(f.video(pattern_cfg({false, true, false, true}, true, false, 4)), f);
   s.run();
   // Block 2 is rejected: the speculative commit of draft 2 is rolled back to frame 6, the
   // target's block 2 is committed instead, and draft 3 is made again.
@@ -232,7 +279,7 @@ static void test_run_ahead_rolls_back_on_rejection() {
   CHECK(f.emitted[3].redrafts == 1);
   CHECK(s.counters().speculative_drafts >= 2);
   Fake g;
-  Scheduler q(pattern_cfg({false, true, false, true}, false, false, 4), g);
+  Scheduler q(g.video(pattern_cfg({false, true, false, true}, false, false, 4)), g);
   q.run();
   CHECK(latents(f) == latents(g));
   CHECK(f.drafter.committed == g.drafter.committed);
@@ -240,9 +287,9 @@ static void test_run_ahead_rolls_back_on_rejection() {
 
 static void test_run_ahead_rolls_back_past_a_start_frames_prefix() {
   Fake f;
-  SchedulerConfig c = pattern_cfg({false, true, false, true}, true, false, 4);
+  Cfg c = pattern_cfg({false, true, false, true}, true, false, 4);
   c.prefix_frames = 3;  // a start frame's 3 latent frames before block 0: block 2 starts at frame 3 + 2 * 3
-  Scheduler s(c, f);
+  Scheduler s(f.video(c), f);
   s.run();
   bool rolled = false, unshifted = false;
   for (auto& l : f.log) {
@@ -254,9 +301,9 @@ static void test_run_ahead_rolls_back_past_a_start_frames_prefix() {
 
 static void test_reward_router_and_records() {
   Fake f;
-  SchedulerConfig c = base_cfg(4);
+  Cfg c = base_cfg(4);
   c.tau = 0.5;
-  Scheduler s(c, f);
+  Scheduler s(f.video(c), f);
   s.run();
   for (int b = 1; b < 4; ++b) {
     const auto& r = f.emitted[b];
@@ -273,7 +320,7 @@ static void test_stage_error_propagates_from_drafter_thread() {
       return Fake::draft(b);
     }
   } f;
-  Scheduler s(pattern_cfg({false, true}, true, false, 5), f);
+  Scheduler s(f.video(pattern_cfg({false, true}, true, false, 5)), f);
   bool threw = false;
   try {
     s.run();
@@ -295,7 +342,7 @@ static void test_trace_spans() {
   };
   for (bool run_ahead : {false, true}) {
     Slow f;
-    Scheduler s(pattern_cfg({false, true, true, false, true, true}, run_ahead), f);
+    Scheduler s(f.video(pattern_cfg({false, true, true, false, true, true}, run_ahead)), f);
     s.run();
     const auto& tr = s.trace();
     size_t logged = 0, unlogged = 0;  // stage calls the fake logs (rollbacks are pointer moves, not stages)
@@ -343,8 +390,7 @@ static bool contains(const std::string& s, const std::string& part) { return s.f
 static void test_zero_config_is_invalid() {
   const SchedulerConfig zero;
   CHECK(zero.num_blocks == 0 && zero.frames_per_block == 0 && zero.drafter_steps == 0);
-  CHECK(zero.tau == 0.0 && zero.accept_prob == 0.0 && zero.uniforms.empty() && zero.pattern.empty());
-  CHECK(!zero.force_first_reject && !zero.own_context && !zero.skip_first_draft && !zero.lazy_target_commit);
+  CHECK(!zero.own_context && !zero.skips_first_draft && !zero.lazy_target_commit);
   CHECK(!zero.score_emitted && !zero.run_ahead);
   const std::string why = config_error(zero);
   CHECK(contains(why, "num_blocks 0 must be >= 1"));
@@ -363,21 +409,46 @@ static void test_zero_config_is_invalid() {
 }
 
 static void test_bad_config() {
-  SchedulerConfig c = base_cfg(3);
+  Cfg c = base_cfg(3);
   c.num_blocks = 0;
   CHECK(contains(config_error(c), "num_blocks 0"));
   c = base_cfg(3);
+  c.live = true;
+  CHECK(contains(config_error(c), "must be 0 for a live video"));
+}
+
+// A whole video's plan must end it: a block planned past num_blocks is an error, not a longer video.
+static void test_plan_past_the_video_is_refused() {
+  struct Endless : Fake {
+    BlockPlan plan(int b) override {
+      BlockPlan p = Fake::plan(0);  // never stops, never last
+      p.forced = b == 0;
+      return p;
+    }
+  } f;
+  Scheduler s(f.video(pattern_cfg({false}, false, false, 2)), f);
+  std::string why;
+  try {
+    s.run();
+  } catch (const std::logic_error& e) {
+    why = e.what();
+  }
+  CHECK(contains(why, "block 2 planned past the video's 2 blocks"));
+}
+
+// The random router's decision comes in the plan (the draw under the probability), as any router's
+// that does not look at the draft; the scheduler holds no draws of its own.
+static void test_random_router_decides_in_the_plan() {
+  Fake f;
+  Cfg c = base_cfg(4);
   c.router = RouterKind::Random;
-  c.uniforms = {0.1, 0.2};
-  CHECK(contains(config_error(c), "one uniform draw per block"));
-  c.uniforms.push_back(0.3);
-  CHECK(config_error(c).empty());
-  c = base_cfg(3);
-  c.router = RouterKind::Pattern;
-  CHECK(contains(config_error(c), "pattern router needs a pattern"));
-  c = base_cfg(3);
-  c.tau = std::nan("");
-  CHECK(contains(config_error(c), "tau is NaN"));
+  c.accept_prob = 0.5;
+  c.uniforms = {0.9, 0.3, 0.7, 0.1};
+  Scheduler s(f.video(c), f);
+  s.run();
+  CHECK(f.emitted.size() == 4);
+  CHECK(f.emitted[1].decision == Decision::Accepted && f.emitted[2].decision == Decision::Rejected);
+  CHECK(f.emitted[3].decision == Decision::Accepted);
 }
 
 // The name lists follow the enums; parsing refuses an unknown name and lists the choices.
@@ -387,9 +458,7 @@ static void test_names() {
   CHECK(std::string(stage_name(Stage::TargetCommit)) == "target_commit");
   CHECK(std::string(decision_name(Decision::Rejected)) == "rejected");
   CHECK(std::string(mode_name(Mode::Draft)) == "draft");
-  CHECK(std::string(router_name(RouterKind::Pattern)) == "pattern");
   for (const char* m : kModeNames) CHECK(std::string(mode_name(parse_mode(m))) == m);
-  for (const char* r : kRouterNames) CHECK(std::string(router_name(parse_router(r))) == r);
   std::string why;
   try {
     parse_mode("fast");
@@ -397,16 +466,9 @@ static void test_names() {
     why = e.what();
   }
   CHECK(why == "unknown mode 'fast'; choose sdvg, target or draft");
-  why.clear();
-  try {
-    parse_router("oracle");
-  } catch (const std::invalid_argument& e) {
-    why = e.what();
-  }
-  CHECK(why == "unknown router 'oracle'; choose reward, random or pattern");
   CHECK(std::size(kCounterNames) == 10 && std::string(kCounterNames[7]) == "scheduler_wall_s");
-  CHECK(std::size(kConfigFieldNames) == 22 && std::string(kConfigFieldNames[0]) == "mode");
-  CHECK(std::size(kPlanFieldNames) == 9 && std::string(kPlanFieldNames[0]) == "stop");
+  CHECK(std::size(kConfigFieldNames) == 16 && std::string(kConfigFieldNames[0]) == "mode");
+  CHECK(std::size(kPlanFieldNames) == 7 && std::string(kPlanFieldNames[0]) == "stop");
 }
 
 // A recompute target: each target denoise past block 0 adds one context forward; committing a block
@@ -415,9 +477,9 @@ static void test_recompute_target_counts() {
   Fake f;
   f.steps = 5;
   f.target_recompute = true;
-  SchedulerConfig c = pattern_cfg({false, true, false}, false, true, 3);
+  Cfg c = pattern_cfg({false, true, false}, false, true, 3);
   c.target_recompute = true;
-  Scheduler s(c, f);
+  Scheduler s(f.video(c), f);
   s.run();
   CHECK(f.target_forwards == 5 + (5 + 1));  // block 0 (no context yet), block 2 (rejected)
   CHECK(f.target_cache.committed.empty());              // no pointer move
@@ -434,9 +496,9 @@ static void test_run_ahead_queue_is_bounded() {
     f.target_sleep_ms = 30;
     f.decode_sleep_ms = 30;  // the main thread takes a draft, then decodes it before scoring it
     f.log_scores = true;
-    SchedulerConfig c = pattern_cfg({false}, true, true, 8);  // every block rejected: the target always runs
+    Cfg c = pattern_cfg({false}, true, true, 8);  // every block rejected: the target always runs
     c.run_ahead_blocks = ahead;
-    Scheduler s(c, f);
+    Scheduler s(f.video(c), f);
     s.run();
     int scored = 0, lead = 0;
     for (auto& l : f.log) {
@@ -468,8 +530,8 @@ struct Planned : Fake {
   }
 };
 
-static SchedulerConfig live_cfg(bool run_ahead, bool own) {
-  SchedulerConfig c = pattern_cfg({true}, run_ahead, own, 1);
+static Cfg live_cfg(bool run_ahead, bool own) {
+  Cfg c = pattern_cfg({true}, run_ahead, own, 1);
   c.live = true;
   c.num_blocks = 0;
   return c;
@@ -477,8 +539,7 @@ static SchedulerConfig live_cfg(bool run_ahead, bool own) {
 
 static BlockPlan pattern_plan(bool accept, bool last = false) {
   BlockPlan p;
-  p.router = RouterKind::Pattern;
-  p.pattern_accept = accept;
+  p.accept = accept;
   p.last = last;
   return p;
 }
@@ -496,14 +557,14 @@ static void test_live_plans_equal_the_config_plan() {
   for (bool own : {false, true}) {
     for (bool run_ahead : {false, true}) {
       Fake a;
-      Scheduler sa(pattern_cfg(p, run_ahead, own), a);
+      Scheduler sa(a.video(pattern_cfg(p, run_ahead, own)), a);
       sa.run();
       Planned b;
       for (size_t i = 0; i < p.size(); ++i) {
         b.plans.push_back(pattern_plan(p[i], i + 1 == p.size()));
         b.plans.back().forced = i == 0;
       }
-      Scheduler sb(live_cfg(run_ahead, own), b);
+      Scheduler sb(b.video(live_cfg(run_ahead, own)), b);
       sb.run();
       CHECK(latents(a) == latents(b));
       CHECK(a.drafter.committed == b.drafter.committed && a.target_cache.committed == b.target_cache.committed);
@@ -518,14 +579,13 @@ static void test_live_plans_equal_the_config_plan() {
 static void test_live_per_block_plan_and_stop() {
   auto plans = [] {
     std::vector<BlockPlan> v(8);
-    v[0].forced = true;                     // block 0 (reward router, tau 0: accepted unless forced)
-    v[1].tau = 0.0;                         // reward: every score >= 0 is accepted
+    for (int b : {0, 1, 2, 3}) v[b].scored = true;  // the reward router: score >= tau
+    v[0].forced = true;                     // block 0 (tau 0: accepted unless forced)
+    v[1].tau = 0.0;                         // every score >= 0 is accepted
     v[2].tau = 2.0;                         // nothing reaches 2: rejected
     v[3].forced = true;                     // a forced block mid-video (a prompt switch)
-    v[4] = pattern_plan(false);
-    v[5].router = RouterKind::Random;       // 0.3 < 0.5: accepted
-    v[5].uniform = 0.3;
-    v[5].accept_prob = 0.5;
+    v[4] = pattern_plan(false);             // routers that decide without the draft: their decision
+    v[5] = pattern_plan(true);              // (a random router's draw under its probability, say)
     v[6] = pattern_plan(true);
     v[7].stop = true;
     return v;
@@ -537,7 +597,7 @@ static void test_live_per_block_plan_and_stop() {
     for (bool run_ahead : {false, true}) {
       Planned f;
       f.plans = plans();
-      Scheduler s(live_cfg(run_ahead, own), f);
+      Scheduler s(f.video(live_cfg(run_ahead, own)), f);
       s.run();
       CHECK(f.emitted.size() == want.size());
       for (size_t i = 0; i < f.emitted.size() && i < want.size(); ++i) CHECK(f.emitted[i].decision == want[i]);
@@ -564,7 +624,7 @@ static void test_live_run_ahead_waits_before_a_recache() {
   f.plans = {pattern_plan(false), pattern_plan(true), pattern_plan(false), pattern_plan(true), pattern_plan(true)};
   f.plans[0].forced = true;
   f.plans[3].recache = true;  // block 2 is rejected, block 3 re-caches
-  Scheduler s(live_cfg(true, false), f);
+  Scheduler s(f.video(live_cfg(true, false)), f);
   s.run();
   const auto at = [&](const std::string& line) {
     return std::find(f.log.begin(), f.log.end(), line) - f.log.begin();
@@ -574,7 +634,7 @@ static void test_live_run_ahead_waits_before_a_recache() {
   CHECK(f.emitted.size() == 5 && f.emitted[3].redrafts == 0);
   Planned g;  // sequential: the same video
   g.plans = f.plans;
-  Scheduler q(live_cfg(false, false), g);
+  Scheduler q(g.video(live_cfg(false, false)), g);
   q.run();
   CHECK(latents(f) == latents(g) && f.drafter.committed == g.drafter.committed);
 }
@@ -605,7 +665,7 @@ static void test_live_run_ahead_recaches_an_undrafted_block_before_its_emission(
   Recaching f;
   f.plans = plans();
   f.recache_sleep_ms = 100;  // slower than the target's block and its decode
-  Scheduler s(live_cfg(true, false), f);
+  Scheduler s(f.video(live_cfg(true, false)), f);
   s.run();
   const auto at = [&](const std::string& line) {
     return std::find(f.log.begin(), f.log.end(), line) - f.log.begin();
@@ -616,7 +676,7 @@ static void test_live_run_ahead_recaches_an_undrafted_block_before_its_emission(
   CHECK(at("draft 2") == static_cast<long>(f.log.size()));
   Recaching g;  // sequential: the drafter's commit re-caches, on the main thread; the same video
   g.plans = plans();
-  Scheduler q(live_cfg(false, false), g);
+  Scheduler q(g.video(live_cfg(false, false)), g);
   q.run();
   CHECK(latents(f) == latents(g) && f.drafter.committed == g.drafter.committed);
   CHECK(std::count(g.log.begin(), g.log.end(), std::string("drecache 2")) == 0);
@@ -630,11 +690,11 @@ static void test_held_target_commits_are_capped() {
   p[10] = false;  // the target runs again at block 10
   for (bool run_ahead : {false, true}) {
     Fake a, b;
-    Scheduler sa(pattern_cfg(p, run_ahead, false, 12), a);
+    Scheduler sa(a.video(pattern_cfg(p, run_ahead, false, 12)), a);
     sa.run();
-    SchedulerConfig c = pattern_cfg(p, run_ahead, false, 12);
+    Cfg c = pattern_cfg(p, run_ahead, false, 12);
     c.max_held_target_commits = 2;
-    Scheduler sb(c, b);
+    Scheduler sb(b.video(c), b);
     sb.run();
     CHECK(latents(a) == latents(b) && a.target_cache.committed == b.target_cache.committed);
     // capped: block 1's commit is made when block 3 is held (3 held > 2), before block 4 is drafted
@@ -667,7 +727,7 @@ static void test_long_live_video_holds_bounded_state() {
         f.plans.back().forced = b == 0;
       }
       const int before = Int::alive.load();
-      Scheduler s(live_cfg(run_ahead, own), f);
+      Scheduler s(f.video(live_cfg(run_ahead, own)), f);
       s.run();
       CHECK(f.emitted.size() == 200);
       CHECK(f.most_alive - before < 16);  // not one per block
@@ -690,11 +750,11 @@ static void test_record_blocks_bounds_records_and_trace() {
       };
       Planned all, kept;
       all.plans = kept.plans = plans();
-      Scheduler sa(live_cfg(run_ahead, own), all);
+      Scheduler sa(all.video(live_cfg(run_ahead, own)), all);
       sa.run();
-      SchedulerConfig c = live_cfg(run_ahead, own);
+      Cfg c = live_cfg(run_ahead, own);
       c.record_blocks = 8;
-      Scheduler sk(c, kept);
+      Scheduler sk(kept.video(c), kept);
       sk.run();
       CHECK(latents(all) == latents(kept));
       CHECK(sa.first_record() == 0 && sa.records().size() == 200);
@@ -714,7 +774,7 @@ static void test_record_blocks_bounds_records_and_trace() {
 }
 
 static void test_live_config() {
-  SchedulerConfig c = live_cfg(false, false);
+  Cfg c = live_cfg(false, false);
   CHECK(config_error(c).empty());
   c.num_blocks = 4;
   CHECK(contains(config_error(c), "must be 0 for a live video"));
@@ -724,8 +784,10 @@ static void test_live_config() {
   c = base_cfg(3);
   c.record_blocks = -1;
   CHECK(contains(config_error(c), "record_blocks -1 must be >= 0"));
-  Fake f;  // an executor without plans, asked for one: a clear error
-  Scheduler s(live_cfg(false, false), f);
+  struct Unplanned : Fake {  // an executor without plans, asked for one: a clear error
+    BlockPlan plan(int b) override { return Executor::plan(b); }
+  } f;
+  Scheduler s(f.video(base_cfg(2)), f);
   std::string why;
   try {
     s.run();
@@ -757,6 +819,8 @@ int main() {
   test_trace_spans();
   test_zero_config_is_invalid();
   test_bad_config();
+  test_plan_past_the_video_is_refused();
+  test_random_router_decides_in_the_plan();
   test_names();
   return check_report("scheduler");
 }

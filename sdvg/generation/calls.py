@@ -29,6 +29,7 @@ import torch
 from sdvg._native import _C
 from sdvg.generation.early_exit.record import block_exits
 from sdvg.generation.noise import block_noise, copy_ahead
+from sdvg.generation.plan import BlockStep, FixedPlan, Plan, native_plan
 from sdvg.generation.stage_timing import StageEvents
 from sdvg.generation.transfer import LatentTransfer
 from sdvg.generation.types import STAGE_NAMES, BlockRecord, block_times
@@ -45,7 +46,7 @@ class StageCalls(_C.StageCalls):
     scheduler's hand-over) puts each finished `BlockRecord`."""
 
     def __init__(self, comps: Components, prompt: str, opts: GenerationOptions, setup, record_trace: bool = False,
-                 sink: queue.Queue | None = None, video_input=None):
+                 sink: queue.Queue | None = None, video_input=None, block_plan: Plan | None = None):
         _C.StageCalls.__init__(self)
         self.comps, self.prompt, self.opts, self.setup, self.sink = comps, prompt, opts, setup, sink
         self.guard, self.frames_per_block = setup.guard, setup.frames_per_block
@@ -68,9 +69,9 @@ class StageCalls(_C.StageCalls):
         # video-to-video (sdvg/generation/video_input.py): each block's encoded input frames, noised to the
         # role's first sigma, replace its pure noise; None: text-to-video
         self.video_input = video_input
-        # live sessions: the block plan (`LiveSession`: begin(b) -> BlockStep), read by the reference loop itself
-        # and by the native scheduler through `plan`; re-cache forwards by the block whose conditioning they serve
-        self.block_plan = None
+        # the video's block plan (sdvg/generation/plan.py: FixedPlan, or a live session), asked by both loops through
+        # `step` (the native scheduler through `plan`); re-cache forwards by the block whose conditioning they serve
+        self.block_plan: Plan = block_plan if block_plan is not None else FixedPlan(opts)
         self._recaches: dict[int, int] = {}
         self._recache_lock = threading.Lock()
 
@@ -104,20 +105,19 @@ class StageCalls(_C.StageCalls):
             return False
         return self.conditioning.key(block) != self.conditioning.key(block - 1)
 
-    def plan(self, block: int) -> _C.BlockPlan:
-        """The native scheduler's question before a live session's block (config.live): the session's
-        `begin(block)` (updates applied, conditioning frozen, input frames taken) as a `_C.BlockPlan`."""
+    def step(self, block: int) -> BlockStep:
+        """Block `block`'s step from the video's plan (sdvg/generation/plan.py), asked once per block by either
+        loop; the guard is told how the block is routed, so a non-finite draft is judged as the loop routes it."""
         step = self.block_plan.begin(block)
-        if step.stop:
-            return _C.BlockPlan(stop=True)
-        opts, router = self.opts, step.router
-        forced = (block == 0 and opts.force_first_reject) or step.forced
-        self.guard.route(block, router, forced)  # a non-finite draft is judged as the scheduler routes the block
-        return _C.BlockPlan(
-            last=step.last, forced=forced,
-            recache=self.drafter_recaches(block), router=router.kind, tau=router.tau, accept_prob=router.accept_prob,
-            uniform=router.uniform(block, opts.seed) if router.kind == "random" else 0.0,
-            pattern_accept=router.kind == "pattern" and router.accept(block, None, opts.seed))
+        if not step.stop:
+            self.guard.route(block, step.router, step.forced)
+        return step
+
+    def plan(self, block: int) -> _C.BlockPlan:
+        """The native scheduler's question before every block: `step(block)` as a `_C.BlockPlan`, with the
+        decision of a router that does not look at the draft, or the threshold a scored one is held to."""
+        step = self.step(block)
+        return native_plan(step, block, self.opts.seed, recache=not step.stop and self.drafter_recaches(block))
 
     def drafter_recache(self, block: int) -> None:
         """The native scheduler's run-ahead lane, before the commit of a forced block it did not draft: the

@@ -18,6 +18,7 @@ import torch
 
 from sdvg._native import _C
 from sdvg.generation.native import scheduler_config
+from sdvg.generation.plan import FixedPlan, native_plan
 from sdvg.generation.types import STAGE_NAMES
 from sdvg.options import GenerationOptions
 
@@ -29,11 +30,13 @@ class FakeStages(_C.StageCalls):
     """costs: seconds per stage name (a number for all, or a mapping; missing stages cost 0).
     spin_cycles: instead of sleeping, keep the GPU busy for that many cycles per call on the current
     stream and wait for that stream (records which stream each role ran on in `streams`).
-    fail_at: the block whose draft raises. score: the (aggregated, per-frame) score every draft gets."""
+    fail_at: the block whose draft raises. score: the (aggregated, per-frame) score every draft gets.
+    options: the video whose fixed plan (sdvg/generation/plan.py) the scheduler is told, block by block
+    (`fake_scheduler` sets it from its options)."""
 
     def __init__(self, costs: float | Mapping[str, float] = 0.0, fail_at: int | None = None,
                  score: tuple[float, list[float]] | None = (1.0, [1.0, 2.0]), spin_cycles: int | None = None,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", options: GenerationOptions | None = None):
         _C.StageCalls.__init__(self)
         unknown = set(costs) - set(STAGE_NAMES) if isinstance(costs, Mapping) else set()
         if unknown:
@@ -46,6 +49,8 @@ class FakeStages(_C.StageCalls):
         self.emitted: list = []  # the _C.EmittedBlock of each block
         self.streams: dict[str, int] = {}  # role -> CUDA stream handle (spin mode)
         self.caches: dict[str, object] = {}  # role -> native KV cache (set by fake_scheduler)
+        self.options = options
+        self.planned: list[int] = []  # the blocks the scheduler asked the plan for, in order
 
     def _forward(self, role: str) -> None:
         """What a DiT forward does to its cache: write the block's pending slot (pointer unchanged)."""
@@ -102,6 +107,14 @@ class FakeStages(_C.StageCalls):
     def emit(self, block) -> None:
         self.emitted.append(block)
 
+    def plan(self, block: int):
+        if self.options is None:
+            raise RuntimeError("FakeStages has no video to plan: give it options (fake_scheduler does)")
+        if block == 0:
+            self._fixed = FixedPlan(self.options)
+        self.planned.append(block)
+        return native_plan(self._fixed.begin(block), block, self.options.seed)
+
 
 def fake_caches(num_blocks: int):
     """Tiny native KV caches (1 layer, 1 head, 1 token per frame): the scheduler's pointer moves on
@@ -121,6 +134,7 @@ def fake_scheduler(stages: FakeStages, options: GenerationOptions, device: str |
         raise ValueError("fake_scheduler needs options with num_blocks set")
     drafter_cache, target_cache = fake_caches(options.num_blocks)
     stages.caches = {"drafter": drafter_cache, "target": target_cache}
+    stages.options = options
     dev = torch.device(device)
     return _C.Scheduler(scheduler_config(options, FRAMES_PER_BLOCK, NUM_STEPS), stages, drafter_cache,
                         target_cache, dev, dev, log_streams=log_streams)

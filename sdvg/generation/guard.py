@@ -68,11 +68,10 @@ class StageGuard:
     its block until its score stage rejects it (a redraft of the block replaces the finding)."""
 
     def __init__(self, opts: GenerationOptions):
-        self.mode, self.router, self.seed = opts.mode, Router.from_options(opts), opts.seed
-        self.force_first_reject, self.own_context = opts.force_first_reject, opts.drafter_context == "own"
+        self.mode, self.seed, self.own_context = opts.mode, opts.seed, opts.drafter_context == "own"
         self._problems: dict[int, str] = {}  # block -> what is wrong with its current draft
-        # block -> (router, forced) as the loop's plan decided it (a live session's router and forced blocks change
-        # between blocks); a block the plan did not announce routes by the video's options
+        # block -> (router, forced) as the loop's plan decided it (sdvg/generation/plan.py: both loops ask the plan
+        # before any work on a block, so every draft's block is here)
         self._routes: dict[int, tuple[Router, bool]] = {}
         self._lock = threading.Lock()  # the drafter thread (run-ahead) checks drafts while the main one reads
         self.rejected: list[int] = []  # blocks whose draft was rejected for NaN/inf, in order
@@ -94,7 +93,10 @@ class StageGuard:
     def _route(self, block: int) -> tuple[Router, bool]:
         with self._lock:
             planned = self._routes.get(block)
-        return planned if planned is not None else (self.router, block == 0 and self.force_first_reject)
+        if planned is None:
+            raise RuntimeError(f"sdvg: block {block}'s draft was judged before the block was planned (both loops "
+                               "ask the plan, StageCalls.step, before any work on a block)")
+        return planned
 
     def _problem(self, producer: str, block: int) -> str | None:
         if producer != "drafter":
@@ -168,7 +170,7 @@ class StageGuard:
     def reject(self, block: int, problem: str) -> None:
         """Reject the non-finite draft of `block` with a warning, or raise when the run cannot reject it."""
         router, forced = self._route(block)
-        if not forced and router.kind != "reward" and router.accept(block, None, self.seed):
+        if not forced and not router.scored and router.accept(block, None, self.seed):
             raise NonFiniteError(f"{problem}; router {router.kind!r} accepts block {block} by a decision fixed "
                                  "in advance and cannot reject it (router 'reward' rejects a non-finite draft; "
                                  f"{_HINT})", "draft", block)

@@ -7,9 +7,10 @@ the reference loop calls, so the outputs are identical. Blocks come back through
 the scheduler emits them. The scheduler rejects a non-finite draft on its NaN score, and a
 non-finite target or emitted output raises from the stage call (`StageGuard`).
 
-A live session (`plan`, sdvg/live/session.py) runs with `config.live`: the scheduler asks
-`StageCalls.plan(b)` before each block (the session's `begin`, once per block, from the thread that
-reaches it first) and the video ends at the first block planned `stop`. Its blocks wait in a short
+The scheduler asks `StageCalls.plan(b)` before each block (the video's plan, sdvg/generation/plan.py:
+a whole video's `FixedPlan` or a live session's `begin`, once per block, from the thread that reaches
+it first) and the video ends at the first block planned `stop`. A live session runs with `config.live`
+(no block count). Its blocks wait in a short
 queue for the consumer (`LIVE_QUEUED_BLOCKS`), so a session that is not read does not run on.
 """
 from __future__ import annotations
@@ -23,7 +24,6 @@ import torch
 from sdvg._native import _C
 from sdvg.generation.calls import StageCalls
 from sdvg.generation.prepare import prepare
-from sdvg.generation.routers import Router
 from sdvg.generation.types import BlockRecord, Counters, LoopReport
 from sdvg.models.components import Components
 from sdvg.options import GenerationOptions
@@ -38,22 +38,17 @@ def scheduler_config(opts: GenerationOptions, frames_per_block: int, drafter_ste
     """The native scheduler's config: every field by name (the C++ side has no defaults and refuses an
     unknown or missing field). `drafter_steps`: the drafter's model calls per denoise (counted as skipped
     when block 0's draft is not made); `*_recompute`: the role's context is rebuilt before each block
-    (its commits only record latents, no pointer moves); `live`: each block planned by `StageCalls.plan`
-    (no block count, no per-video router draws); `max_held_target_commits`: lazy target commits held at most
+    (its commits only record latents, no pointer moves); `live`: an unbounded video, stopped by its plan
+    alone (no block count; every video is planned block by block through `StageCalls.plan`); `max_held_target_commits`: lazy target commits held at most
     (0: no cap); `record_blocks`: the scheduler keeps the records and trace spans of the last N emitted blocks
     (a live session's `record_blocks`; 0: all); `prefix_frames`: a start frame's latent frames before block 0 (a
     rollback to block b goes to frame prefix_frames + b * frames_per_block)."""
-    router = Router.from_options(opts)
-    uniforms = [router.uniform(b, opts.seed) for b in range(opts.num_blocks)] \
-        if opts.router == "random" and not live else []
     return _C.SchedulerConfig(
         mode=opts.mode, num_blocks=0 if live else opts.num_blocks, frames_per_block=frames_per_block,
         drafter_steps=drafter_steps, live=live, max_held_target_commits=max_held_target_commits,
         record_blocks=record_blocks, prefix_frames=prefix_frames,
         drafter_recompute=drafter_recompute, target_recompute=target_recompute,
-        router=opts.router, tau=opts.tau, accept_prob=opts.accept_prob, uniforms=uniforms,
-        pattern=list(opts.pattern), force_first_reject=opts.force_first_reject,
-        own_context=opts.drafter_context == "own", skip_first_draft=opts.skip_first_draft,
+        own_context=opts.drafter_context == "own", skips_first_draft=opts.skips_first_draft,
         lazy_target_commit=opts.lazy_target_commit, score_emitted=opts.score_emitted, run_ahead=opts.run_ahead,
         run_ahead_blocks=opts.run_ahead_blocks)
 
@@ -83,10 +78,9 @@ def generate_blocks_native(comps: Components, prompt: str, opts: GenerationOptio
     setup = prepare(comps, prompt, opts, forwards, slack_frames=setup_slack(comps, opts.run_ahead), runners=runners,
                     memory_budget_gib=memory_budget_gib, start_latents=start_latents)
     sink: queue.Queue = queue.Queue(maxsize=0 if plan is None else LIVE_QUEUED_BLOCKS)
-    stages = StageCalls(comps, prompt, opts, setup, sink=sink, video_input=video_input)
+    stages = StageCalls(comps, prompt, opts, setup, sink=sink, video_input=video_input, block_plan=plan)
     if plan is not None:
         plan.attach(stages, setup)
-        stages.block_plan = plan
     held = getattr(plan, "max_held_commits", None) or 0
     kept = getattr(plan, "record_blocks", None) or 0
     sched = _C.Scheduler(

@@ -26,7 +26,6 @@ import torch
 
 from sdvg.generation.calls import StageCalls
 from sdvg.generation.prepare import prepare
-from sdvg.generation.routers import Router
 from sdvg.generation.types import BlockRecord, Counters, LoopReport
 from sdvg.models.components import Components
 from sdvg.options import GenerationOptions
@@ -38,16 +37,16 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
                     start_latents=None) -> Iterator[BlockRecord]:
     """Yields each block as soon as its frames are final; `report` is filled at the end.
     `opts` are resolved options (num_blocks set); `memory_budget_gib`, `exit_verifiers`: see `prepare`.
-    `plan` (a live session, sdvg/live/session.py): `plan.attach(calls, setup)` gives the stage calls each
-    block's conditioning, and `plan.begin(b)` says before each block whether it is the last, forced, its
-    tau, or that the video stops here (then num_blocks only sizes the caches). `video_input`: video-to-video's
+    `plan`: the video's block plan (sdvg/generation/plan.py; None: the `FixedPlan` of `opts`), asked before
+    each block whether it is the last, forced, its router, or that the video stops here. A live session
+    (sdvg/live/session.py) is such a plan; its `attach(calls, setup)` gives the stage calls each block's
+    conditioning (num_blocks then only sizes the caches). `video_input`: video-to-video's
     input (`sdvg.generation.video_input.VideoInput`), None for text-to-video. `start_latents`: a start frame's
     clean latents before block 0 (`prepare`), None for none."""
     counters = Counters()  # the models count their forwards here; this loop counts what it skips
-    router = Router.from_options(opts)
     setup = prepare(comps, prompt, opts, counters, runners=runners, memory_budget_gib=memory_budget_gib,
                     exit_verifiers=exit_verifiers, start_latents=start_latents)
-    calls = StageCalls(comps, prompt, opts, setup, record_trace=True, video_input=video_input)
+    calls = StageCalls(comps, prompt, opts, setup, record_trace=True, video_input=video_input, block_plan=plan)
     drafter, target = setup.drafter, setup.target
     pending: list[tuple[int, torch.Tensor]] = []  # target commits not made yet (lazy_target_commit)
     if plan is not None:
@@ -67,13 +66,12 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
         return calls.target(b)
 
     def produce() -> Iterator[BlockRecord]:
-        for b in (range(opts.num_blocks) if plan is None else itertools.count()):
-            step = None if plan is None else plan.begin(b)
-            if step is not None and step.stop:
+        for b in itertools.count():
+            step = calls.step(b)  # the plan's step (the guard told how the block is routed)
+            if step.stop:
                 break
             calls.begin_block(b)
-            last = b == opts.num_blocks - 1 if step is None else step.last
-            block_router = router if step is None or step.router is None else step.router
+            last = step.last
             draft, score, frame_scores, emitted_scores = None, None, [], None
             accepted = False
 
@@ -86,9 +84,7 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
                 pixels = calls.decode(x_b, "drafter", b)
                 decision, accepted = "draft", True
             else:
-                forced = (b == 0 and opts.force_first_reject) or (step is not None and step.forced)
-                if step is not None:  # a live plan: the block's router and forcing judge a non-finite draft too
-                    setup.guard.route(b, block_router, forced)
+                forced = step.forced
                 if forced and opts.skips_first_draft:
                     counters.skipped_drafter_forwards += drafter.schedule.num_steps
                 else:
@@ -98,7 +94,7 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
                     scored = calls.score(pixels_hat, "drafter", b)
                     if scored is not None:
                         score, frame_scores = scored.score, list(scored.frame_scores)
-                accepted = not forced and block_router.accept(b, score, opts.seed)  # 3. route
+                accepted = not forced and step.router.accept(b, score, opts.seed)  # 3. route
                 if accepted:
                     decision, x_b, pixels = "accepted", draft, pixels_hat
                     emitted_scores = frame_scores

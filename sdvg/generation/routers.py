@@ -31,6 +31,11 @@ class Router:
         """The random router's U(0, 1) draw for a block (the native scheduler is handed the same draws)."""
         return torch.rand((), generator=generator(seed, block, 0, "router")).item()
 
+    @property
+    def scored(self) -> bool:
+        """Whether the router looks at the draft (its block score); the others decide each block in advance."""
+        return self.kind == "reward"
+
     def accept(self, block: int, score: float | None, seed: int) -> bool:
         if self.kind == "reward":
             if score is None:

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from dataclasses import dataclass
 
+from sdvg.generation.plan import STOP, BlockStep, forced_block
 from sdvg.generation.routers import Router
+from sdvg.generation.run import run_blocks
 from sdvg.generation.video_input import InputEnded
 from sdvg.generation.types import LoopReport, RunStats, block_times
 from sdvg.live.conditioning import ConditioningTable, PromptBank
@@ -25,17 +26,6 @@ from sdvg.live.updates import Update, UpdateAck, UpdateError, check_prompt
 from sdvg.options import GenerationOptions, OptionError
 
 
-@dataclass(frozen=True)
-class BlockStep:
-    """What the loop is told before a block: stop here, or produce it (last? forced? under which router)."""
-
-    stop: bool
-    last: bool = False
-    forced: bool = False
-    router: Router | None = None
-
-
-_STOP = BlockStep(stop=True)
 # lazy target commits a session holds back at most (bitwise the same video): without a cap an unbounded session's
 # would pile up while every block is accepted, and a held block's conditioning must still be in the table
 MAX_HELD_COMMITS = 4
@@ -291,22 +281,21 @@ class LiveSession:
         with self._lock:
             g = self._started
             if self._stops(b, g):
-                return _STOP
+                return STOP
         if self._video is not None:
             try:
                 self._video.fetch(b)
             except InputEnded as exc:
                 if not self._closed:
                     self.input_ended = str(exc)
-                return _STOP
+                return STOP
         with self._lock:
             if self._stops(b, g):  # close() or a restart came while the frames were awaited
                 if self._video is not None:
                     self._video.unread()
-                return _STOP
+                return STOP
             due = [a for a in self._pending if a.block == g]
             restart = b == 0 and g > 0
-            forced_by_update = False
             for a in due:
                 self._pending.remove(a)
                 u = a.update
@@ -315,13 +304,13 @@ class LiveSession:
                 if u.prompt is not None:
                     self.table.switch(g, u.prompt, 1 if restart else (u.interp_blocks or self.opts.interp_blocks))
             cond = self.table.freeze(g)
-            if cond.first_new and self.opts.force_reject_after_switch and b > 0 and self.opts.mode == "sdvg":
-                forced_by_update = True
+            forced = forced_block(self.opts, b, after_switch=cond.first_new)
+            forced_by_update = forced and not forced_block(self.opts, b)
             self._started += 1
             self._records_live[b] = {"block": g, "segment": self._segments, "prompt_index": cond.prompt_index,
                                      "blend_weight": cond.weight, "forced_by_update": forced_by_update}
             last = self.limit is not None and g == self.limit - 1
-            return BlockStep(False, last, forced_by_update, self._router)
+            return BlockStep(False, last, forced, self._router)
 
     def _fold_segment(self) -> None:
         """The finished segment's report into the session's totals: counters summed, device seconds summed,
@@ -359,9 +348,6 @@ class LiveSession:
 
     # ------------------------------------------------------------------- blocks
     def _run(self):
-        from sdvg.generation.native import generate_blocks_native
-        from sdvg.generation.reference import generate_blocks
-
         while True:
             with self._lock:
                 restart = [a for a in self._pending if a.block == self._started and a.update.restarts]
@@ -383,10 +369,9 @@ class LiveSession:
 
                 self._video = VideoInput(self._source, StreamingVAEEncoder(self.pipe.components.vae.vae),
                                          self.pipe.preset.video.frames_per_block, self.input_timeout_s)
-            loop = generate_blocks_native if opts.scheduler == "cpp" else generate_blocks
-            for record in loop(self.pipe.components, prompt, opts, report, runners=self.runners,
-                               memory_budget_gib=self.pipe.memory_budget_gib, plan=self, video_input=self._video,
-                               start_latents=self._start_latents):
+            for record in run_blocks(self.pipe.components, prompt, opts, report, runners=self.runners,
+                                     memory_budget_gib=self.pipe.memory_budget_gib, plan=self,
+                                     video_input=self._video, start_latents=self._start_latents):
                 record.live = self._records_live.pop(record.index)
                 record.live["recache_forwards"] = self._calls.take_recaches(record.index)
                 self._recache_forwards += record.live["recache_forwards"]

@@ -1,0 +1,31 @@
+"""One video's blocks on the loop its options name: the one place the scheduler is chosen.
+
+`run_blocks` is what `pipe()`, `pipe.stream()`, `pipe.run()` and a live session's segments call
+(sdvg/pipeline.py, sdvg/live/session.py): `scheduler="cpp"` runs the native scheduler
+(sdvg/generation/native.py), `"reference"` the plain Python loop (sdvg/generation/reference.py).
+Both take the same arguments and give the same blocks, bitwise (docs/invariants.md)."""
+from __future__ import annotations
+
+from typing import Iterator
+
+from sdvg.generation.native import generate_blocks_native
+from sdvg.generation.plan import Plan
+from sdvg.generation.reference import generate_blocks
+from sdvg.generation.types import BlockRecord, LoopReport
+from sdvg.models.components import Components
+from sdvg.options import GenerationOptions
+
+
+def run_blocks(comps: Components, prompt: str, opts: GenerationOptions, report: LoopReport | None = None, *,
+               runners=None, memory_budget_gib: float | None = None, plan: Plan | None = None, video_input=None,
+               start_latents=None, threaded: bool = True) -> Iterator[BlockRecord]:
+    """The blocks of one video (resolved `opts`; `plan`: the video's block plan, None for the `FixedPlan` of
+    `opts`; `video_input`, `start_latents`: see `reference.generate_blocks`). `threaded`: the native scheduler
+    runs on its own thread and yields each block as it is emitted (False: on the calling thread, the blocks at
+    the end; a live plan always runs threaded). The reference loop runs on the calling thread either way."""
+    if opts.scheduler == "cpp":
+        return generate_blocks_native(comps, prompt, opts, report, runners=runners, threaded=threaded,
+                                      memory_budget_gib=memory_budget_gib, video_input=video_input, plan=plan,
+                                      start_latents=start_latents)
+    return generate_blocks(comps, prompt, opts, report, runners=runners, memory_budget_gib=memory_budget_gib,
+                           plan=plan, video_input=video_input, start_latents=start_latents)
