@@ -238,3 +238,15 @@ def test_idle_socket_is_closed(tiny_pipe, tmp_path):
         plain_said, plain_code = asyncio.run(go(""))
     assert len(said) == 1 and said[0]["status"] == "error" and "no parameters" in said[0]["error"] and code == 1000
     assert plain_said == [] and plain_code == 1000  # a plain client: the close alone (Krea has no such message)
+
+
+def test_a_blend_and_a_seed_take_the_options_bounds():
+    """interp_steps and seed are bounded by the options' own limits (sdvg/options.py), not a copy of them."""
+    from sdvg.options import MAX_INTERP_BLOCKS, SEED_MAX
+
+    assert parse_update({"prompt": "a", "interp_steps": MAX_INTERP_BLOCKS}).interp_steps == MAX_INTERP_BLOCKS
+    assert parse_update({"seed": SEED_MAX}).seed == SEED_MAX
+    for field, value in (("interp_steps", MAX_INTERP_BLOCKS + 1), ("interpolation_steps", 0), ("seed", SEED_MAX + 1)):
+        with pytest.raises(ProtocolError) as err:
+            parse_update({"prompt": "a", field: value})
+        assert err.value.field == field

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from sdvg.live.updates import ROUTER_FIELDS
-from sdvg.options import FIELDS, OPTION_NAMES
+from sdvg.options import FIELDS, MAX_INTERP_BLOCKS, OPTION_NAMES, SEED_MAX
 
 UPLOAD_ID = re.compile(r"^up_[0-9a-f]{32}$")  # what POST /upload_* returns; nothing else names a file
 
@@ -92,7 +92,7 @@ class KreaParams(BaseModel):
     prompt: str = Field(min_length=1)
     width: int | None = None  # Krea: 832; sdvg: the preset's (another size is refused)
     height: int | None = None  # Krea: 480; sdvg: the preset's
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)  # None: random in [0, 2**24) as Krea
+    seed: int | None = Field(default=None, ge=0, le=SEED_MAX)  # None: random in [0, 2**24) as Krea
     resume_latents: bytes | None = None
     strength: float = 1.0
     request_id: str | None = Field(default=None, max_length=128)
@@ -124,9 +124,10 @@ class Update(BaseModel):
     model_config = _STRICT
     action: Literal["reset", "pause", "resume", "ping"] | None = None
     prompt: str | None = Field(default=None, min_length=1)
-    interp_steps: int | None = Field(default=None, ge=1, le=64)
-    interpolation_steps: int | None = Field(default=None, ge=1, le=64)
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    # the bound is the option's (interp_blocks, sdvg/options.py): a client's blend is what the API allows
+    interp_steps: int | None = Field(default=None, ge=1, le=MAX_INTERP_BLOCKS)
+    interpolation_steps: int | None = Field(default=None, ge=1, le=MAX_INTERP_BLOCKS)
+    seed: int | None = Field(default=None, ge=0, le=SEED_MAX)
     image: bytes | str | None = None  # the bytes, base64 or a base64 data URL (uploads.image_bytes)
     strength: float | None = Field(default=None, ge=0.0, le=1.0)
     request_id: str | None = Field(default=None, max_length=128)
