@@ -156,8 +156,8 @@ class SpeculativeVideoPipeline:
         self._interrupt = False  # set (pipe.interrupt = True) by a callback: the call stops after this block
         self._progress_bar_config: dict = {}  # tqdm keywords of __call__'s block progress bar
         self._start_memo: tuple | None = None  # (key, latents): the last start frame encoded (`start_latents`)
-        self._warn_cpu_build()
         self.load_s: float | None = None  # seconds from_preset / from_pretrained took (None: built otherwise)
+        self._warn_cpu_build()
 
     def __repr__(self) -> str:
         c, v = self.components, self.preset.video
@@ -250,8 +250,8 @@ class SpeculativeVideoPipeline:
         from sdvg.models.fp8 import check_load, load_in_place
         from sdvg.models.memory import check_budget_gib
 
-        check_budget_gib(memory_budget_gib)  # before any weights are built
         t0 = time.perf_counter()
+        check_budget_gib(memory_budget_gib)  # before any weights are built
         compiling = CompileSettings(compile_mode, cache_dir=compile_cache)  # refused before any weights are built
         preset = get_preset(name) if isinstance(name, str) else name
         if torch_dtype is not None:
@@ -266,8 +266,8 @@ class SpeculativeVideoPipeline:
         pipe.build_flags = ["--weights-seed", str(seed)] if seed else []
         load_in_place(pipe.components, fp8)
         pipe.default_quantization = quantization or "none"
-        return pipe
         pipe.load_s = time.perf_counter() - t0
+        return pipe
 
     @classmethod
     def from_pretrained(cls, preset: str | Preset = "wan2.1", *, drafter=None, target=None, vae=None, reward=None,
@@ -295,8 +295,8 @@ class SpeculativeVideoPipeline:
         from sdvg.models.fp8 import check_load, load_in_place
         from sdvg.models.memory import check_budget_gib
 
-        check_budget_gib(memory_budget_gib)  # before any weights are read
         t0 = time.perf_counter()
+        check_budget_gib(memory_budget_gib)  # before any weights are read
         compiling = CompileSettings(compile_mode, cache_dir=compile_cache)  # refused before any weights are read
         hub = HubAccess(cache_dir=cache_dir, token=token, local_files_only=local_files_only)  # likewise
         repo_specs = {}
@@ -326,8 +326,8 @@ class SpeculativeVideoPipeline:
                             for a in (f"--{role.replace('_', '-')}", str(path))]
         load_in_place(pipe.components, fp8)
         pipe.default_quantization = quantization or "none"
-        return pipe
         pipe.load_s = time.perf_counter() - t0
+        return pipe
 
     # ------------------------------------------------------------------ components, placement, dtype
     @property

@@ -132,7 +132,7 @@ def test_pipeline_switch_and_stats(tiny_pipe):
     assert np.array_equal(a.frames, b.frames)
     assert a.stats["options"]["scheduler"] == "cpp"
     assert a.stats["options"]["run_ahead"] is True and a.stats["options"]["backend"] == "eager"
-    assert set(a.stats[0]) >= {"redrafts", "speculative_drafts", "stage_call_s", "main_stage_s"}
+    assert set(a.stats[0]["result"]) >= {"redrafts", "speculative_drafts", "stage_call_s", "main_stage_s"}
     with pytest.raises(ValueError, match="unknown scheduler"):
         tiny_pipe(PROMPT, scheduler="rust")
     with pytest.raises(ValueError, match="unknown backend"):
@@ -168,7 +168,7 @@ def test_trace_is_the_same_timeline_in_both_schedulers(tiny_pipe):
     assert {x["thread"] for x in ahead["trace"]} == {"main", "drafter"}
     assert {x["stage"] for x in ahead["trace"] if x["thread"] == "drafter"} == {"draft", "drafter_commit"}
     # the speculative commit of rejected block 2 and the redraft of block 3 are on the timeline too
-    assert sum((x["block"], x["stage"]) == (3, "draft") for x in ahead["trace"]) == 1 + ahead["redrafts"]
+    assert sum((x["block"], x["stage"]) == (3, "draft") for x in ahead["trace"]) == 1 + ahead["result"]["redrafts"]
 
 
 @pytest.mark.slow
