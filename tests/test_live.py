@@ -89,12 +89,12 @@ def test_text_kv_is_rebuilt_only_when_the_conditioning_changes():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(prompt=""), "prompt is empty"), (dict(prompt=3), "prompt must be a string"),
-    (dict(prompt="x", interp_blocks=0), "interp_blocks 0 must lie in"),
-    (dict(prompt="x", interp_blocks=10**6), "interp_blocks 1000000 must lie in"),
+    (dict(prompt="x", interp_blocks=0), "interp_blocks 0 must be an integer in"),
+    (dict(prompt="x", interp_blocks=10**6), "interp_blocks 1000000 must be an integer in"),
     (dict(prompt="x", interp_blocks=True), "interp_blocks must be an integer"),
     (dict(interp_blocks=2), "without a prompt"), (dict(), "changes nothing"),
-    (dict(seed=-1), "seed -1"), (dict(tau=float("nan")), "tau must be a number"), (dict(reset=1), "reset must be"),
-    (dict(router="greedy"), "router 'greedy' is not one of reward, random, pattern"),
+    (dict(seed=-1), "seed -1"), (dict(tau=float("nan")), "tau is NaN"), (dict(reset=1), "reset must be"),
+    (dict(router="greedy"), "unknown router 'greedy'; choose one of reward, random, pattern"),
     (dict(accept_prob=2.0), "accept_prob 2.0 must lie in"), (dict(pattern="012"), "only 0 and 1"),
 ])
 def test_bad_updates_are_refused_by_name(kwargs, match):

@@ -19,8 +19,6 @@ import queue
 import threading
 from typing import Iterator
 
-import torch
-
 from sdvg._native import _C
 from sdvg.generation.calls import StageCalls
 from sdvg.generation.prepare import prepare

@@ -8,7 +8,7 @@ first (under run-ahead, the drafter's lane). `begin(b)`, under the session's loc
 due at that block, freezes the block's conditioning (`ConditioningTable`) and counts the block as started.
 `update()` (any thread) acknowledges an update at the first block not yet started, so every update
 takes effect exactly at a block boundary and a live run replays offline from its recorded schedule
-(`stats["updates"]`, the `prompt_schedule` format). A restart (`seed=` / `reset=True`) ends the
+(`stats["live"]["updates"]`, the `prompt_schedule` format). A restart (`seed=` / `reset=True`) ends the
 current segment and runs a fresh one (new caches, block 0 forced) on the same session; block indices
 of the session go on counting (`BlockRecord.live["block"]`), `BlockRecord.index` restarts at 0."""
 from __future__ import annotations

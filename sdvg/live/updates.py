@@ -3,6 +3,7 @@ naming the value and the fix), `UpdateAck` (the session block at which it takes 
 prompt schedule of a batch run (`parse_schedule`), which is the list of updates in one format."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,14 @@ def check_prompt(prompt, where: str = "prompt") -> str:
     if not prompt.strip():
         raise UpdateError(f"{where} is empty; give a non-empty text prompt")
     return prompt
+
+
+def _check_int(name: str, value, low: int, high: int, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise UpdateError(f"{name} must be an integer, got {quote(value)}; {fix}")
+    if not low <= int(value) <= high:
+        raise UpdateError(f"{name} {quote(int(value))} must lie in [{low}, {high}]; {fix}")
+    return int(value)
 
 
 def _as_option(name: str, value):
@@ -112,7 +121,7 @@ def parse_schedule(schedule) -> list[tuple[int, Update | str]]:
 
     `schedule` is a list of `(block, prompt)` pairs or of mappings with the keys `block` and any of
     `prompt`, `interp_blocks`, `seed`, `reset`, `tau`, `router`, `accept_prob`, `pattern` (a live
-    session's `stats["updates"]`), or a path
+    session's `stats["live"]["updates"]`), or a path
     to a JSON/YAML file holding such a list. The first entry must be at block 0 with a prompt."""
     if isinstance(schedule, (str, Path)):
         schedule = _read_schedule_file(Path(schedule))
