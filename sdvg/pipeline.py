@@ -40,7 +40,7 @@ from sdvg.models.fingerprint import file_fingerprint, random_fingerprint
 from sdvg.models.hub import HubAccess, preset_for, resolve_components
 from sdvg.options import DEFAULTS as D
 from sdvg.options import OPTION_NAMES, SEED_MAX, GenerationOptions, OptionError
-from sdvg.runtime import waiters_spin
+from sdvg.runtime import hold_spare_team
 
 
 COMPONENT_ROLES = ("drafter", "target", "vae", "reward", "text_encoder")
@@ -158,6 +158,7 @@ class SpeculativeVideoPipeline:
         self._start_memo: tuple | None = None  # (key, latents): the last start frame encoded (`start_latents`)
         self.load_s: float | None = None  # seconds from_preset / from_pretrained took (None: built otherwise)
         self._warn_cpu_build()
+        hold_spare_team()  # torch imported first with OpenMP's spinning default: waiters spin short (sdvg/runtime.py)
 
     def __repr__(self) -> str:
         c, v = self.components, self.preset.video
@@ -775,9 +776,8 @@ class SpeculativeVideoPipeline:
                prompt_schedule=None, input_video=None, start_frame=None) -> tuple[list[BlockRecord], RunStats]:
         """The blocks of one video on this thread (`prompt_schedule`, `input_video`, `start_frame`: see `run`); stops after a
         block when `interrupt` was set."""
-        # the calling thread unless OpenMP's waiters spin (then the scheduler's thread, as stream(): runtime.waiters_spin)
-        stream = self.run(prompt, options, threaded=waiters_spin(), prompt_schedule=prompt_schedule,
-                          input_video=input_video, start_frame=start_frame)
+        stream = self.run(prompt, options, threaded=False, prompt_schedule=prompt_schedule, input_video=input_video,
+                          start_frame=start_frame)
         blocks = []
         for block in stream:
             blocks.append(block)

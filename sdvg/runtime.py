@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 WAIT_POLICY = "OMP_WAIT_POLICY"
 # Set by `claim_wait_policy()` (sdvg/__init__.py): whether the policy was in place before torch loaded OpenMP.
 _policy_before_torch: bool | None = None
+_spare_team = None  # the parked thread of `hold_spare_team`
+_spare_lock = threading.Lock()
 
 
 def claim_wait_policy() -> None:
@@ -29,21 +32,38 @@ def claim_wait_policy() -> None:
     _policy_before_torch = not torch_loaded or WAIT_POLICY in os.environ
 
 
-def waiters_spin() -> bool:
-    """Whether OpenMP's waiting threads spin in this process: its default (torch imported before sdvg with
-    OMP_WAIT_POLICY unset) or OMP_WAIT_POLICY=ACTIVE; False under PASSIVE.
+def hold_spare_team() -> bool:
+    """When torch was imported before sdvg with OMP_WAIT_POLICY unset (OpenMP's default policy: waiters
+    spin), park one thread that holds an OpenMP team of its own, once per process; True when it is held.
 
-    Why it decides where a whole-video call runs (sdvg/pipeline.py): libgomp (torch's OpenMP on Linux) spins
-    a waiter for about 300,000 iterations while the process's OpenMP threads fit the cores, but only about
-    1,000 once they outnumber the cores. A video on the main thread alone keeps one team (fits the cores):
-    its waiters spin, and beside other processes they take turns on the cores with the work they wait for
-    (a 3-block `tiny` video 2.5x slower than `stream()`, benchmarks/busy_machine.py). `stream()`'s scheduler
-    thread brings a second team, so its waiters throttle. The policy cannot be changed once torch has
-    loaded OpenMP (libgomp reads it once and exports no setter), so a whole-video call runs on the same kind
-    of scheduler thread as `stream()` whenever waiters spin, and on the calling thread when they sleep."""
-    if _policy_before_torch is False:  # torch first, the variable unset then: OpenMP's default
-        return True
-    return os.environ.get(WAIT_POLICY, "").upper() != "PASSIVE"
+    Why: libgomp (torch's OpenMP on Linux) spins a waiter for about 300,000 iterations while the process's
+    OpenMP threads fit the cores, and only about 1,000 once they outnumber them. A video on the calling
+    thread alone keeps one team, which fits: its waiters spin, and beside other processes they take turns
+    on the cores with the work they wait for (a 3-block `tiny` whole-video call 2.5x slower than `stream()`
+    under load, benchmarks/busy_machine.py; `stream()`'s scheduler thread brought a second team). The
+    policy cannot change once torch has loaded OpenMP (libgomp reads it once and exports no setter), so a
+    second team, asleep on a parked daemon thread, makes the process's OpenMP threads outnumber the cores
+    and every waiter's spin short, wherever the video runs: on the calling thread, where thread-local state
+    (grad mode, dispatch modes, profilers) applies as the caller set it. Cost: the parked thread and its
+    team's workers, asleep. An explicit OMP_WAIT_POLICY (ACTIVE included) is the user's, and is kept."""
+    global _spare_team
+    if _policy_before_torch is not False:  # sdvg came first (PASSIVE), or the user set the policy
+        return False
+    with _spare_lock:
+        if _spare_team is None:
+            import torch
+
+            ready = threading.Event()
+
+            def hold() -> None:
+                torch.ones(1 << 20).sum()  # one parallel region: this thread's team is made and kept
+                ready.set()
+                threading.Event().wait()  # parked for the life of the process
+
+            _spare_team = threading.Thread(target=hold, name="sdvg-openmp-team", daemon=True)
+            _spare_team.start()
+            ready.wait()
+    return True
 
 
 def thread_settings() -> dict:

@@ -68,8 +68,8 @@ def generate_blocks_native(comps: Components, prompt: str, opts: GenerationOptio
     latents, as there), run by the native scheduler.
 
     threaded=True runs the scheduler on a worker thread and yields each block as it is emitted;
-    threaded=False runs it on the calling thread and yields the blocks at the end (whole-video calls, unless
-    OpenMP's waiters spin: sdvg.runtime.waiters_spin). A live session runs threaded."""
+    threaded=False runs it on the calling thread and yields the blocks at the end (whole-video calls). A
+    live session runs threaded."""
     if plan is not None and not threaded:
         raise ValueError("a live session's native scheduler runs on its own thread (threaded=True)")
     forwards = Counters()  # the models count their forwards here; the scheduler counts the rest
