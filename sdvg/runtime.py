@@ -4,10 +4,13 @@ OpenMP (torch's CPU thread pool) spins by default: a thread waiting at the end o
 keeps its core busy for a while. On a machine where other processes want the cores, those spinning
 waiters and the work they wait for take turns on the cores, and a video of many small operators ran
 3-12x slower on the calling thread (benchmarks/busy_machine.py). `OMP_WAIT_POLICY=PASSIVE` makes the
-waiters sleep instead; on a quiet machine it measured the same. OpenMP reads the variable once, when
-torch is first imported, so `import sdvg` sets it (unless it is already set, which is respected) only
-when torch is not imported yet; `sdvg` on the command line always imports it first. Departure: this
-changes a default of the process that imports sdvg; set `OMP_WAIT_POLICY=ACTIVE` to keep OpenMP's."""
+waiters sleep instead. OpenMP reads the variable once, when torch is first imported, so `import sdvg`
+sets it (unless it is already set, which is respected) only when torch is not imported yet; `sdvg` on
+the command line always imports it first. A process that imported torch first gets the same effect from
+`hold_spare_team` (below). Departure: this changes a default of the process that imports sdvg, and it
+costs a quiet CPU-only machine time on videos of many small operators (a 9-block draft-only `cpu-bench`
+video: 4.1-4.7 s against 2.9-3.3 s spinning, 2 cores; benchmarks/README.md, "A busy machine"); set
+`OMP_WAIT_POLICY=ACTIVE` before Python starts to keep OpenMP's spinning."""
 from __future__ import annotations
 
 import os
