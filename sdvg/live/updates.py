@@ -37,8 +37,11 @@ def _check_int(name: str, value, low: int, high: int, fix: str) -> int:
 def _as_option(name: str, value):
     """`value` checked and normalised by the option's own rule (sdvg/options.py), the one place each option's
     bounds live; its refusal, naming the value and the fix, becomes the update's."""
+    # a router is checked by its own rule (its name); whether the pattern router has a pattern is checked against
+    # the session's options, which the update may not repeat (sdvg/live/session.py)
+    companion = {"pattern": "1"} if name == "router" else {}
     try:
-        return getattr(GenerationOptions(**{name: value}), name)
+        return getattr(GenerationOptions(**{name: value, **companion}), name)
     except (OptionError, TypeError, ValueError) as exc:
         raise UpdateError(str(exc)) from None
 
