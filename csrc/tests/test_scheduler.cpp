@@ -386,6 +386,16 @@ static std::string config_error(const SchedulerConfig& c) {
 
 static bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
+// What a run's std::logic_error says ("" when it runs through).
+static std::string run_logic_error(Scheduler& s) {
+  try {
+    s.run();
+  } catch (const std::logic_error& e) {
+    return e.what();
+  }
+  return "";
+}
+
 // A config left as constructed has no blocks, frames or steps: validate() and the scheduler refuse it.
 static void test_zero_config_is_invalid() {
   const SchedulerConfig zero;
@@ -427,13 +437,7 @@ static void test_plan_past_the_video_is_refused() {
     }
   } f;
   Scheduler s(f.video(pattern_cfg({false}, false, false, 2)), f);
-  std::string why;
-  try {
-    s.run();
-  } catch (const std::logic_error& e) {
-    why = e.what();
-  }
-  CHECK(contains(why, "block 2 planned past the video's 2 blocks"));
+  CHECK(contains(run_logic_error(s), "block 2 planned past the video's 2 blocks"));
 }
 
 // The random router's decision comes in the plan (the draw under the probability), as any router's
@@ -788,13 +792,7 @@ static void test_live_config() {
     BlockPlan plan(int b) override { return Executor::plan(b); }
   } f;
   Scheduler s(f.video(base_cfg(2)), f);
-  std::string why;
-  try {
-    s.run();
-  } catch (const std::logic_error& e) {
-    why = e.what();
-  }
-  CHECK(contains(why, "this executor plans no blocks"));
+  CHECK(contains(run_logic_error(s), "this executor plans no blocks"));
 }
 
 int main() {

@@ -110,10 +110,8 @@ class FakeStages(_C.StageCalls):
     def plan(self, block: int):
         if self.options is None:
             raise RuntimeError("FakeStages has no video to plan: give it options (fake_scheduler does)")
-        if block == 0:
-            self._fixed = FixedPlan(self.options)
         self.planned.append(block)
-        return native_plan(self._fixed.begin(block), block, self.options.seed)
+        return native_plan(FixedPlan(self.options).begin(block), block, self.options.seed)
 
 
 def fake_caches(num_blocks: int):
