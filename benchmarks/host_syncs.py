@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from provenance import provenance, provenance_line  # noqa: E402
 from sdvg.config import get_preset  # noqa: E402
-from sdvg.generation import graphs as graphs_mod, prepare  # noqa: E402
+from sdvg.generation import graphs as graphs_mod, role_model  # noqa: E402
 from sdvg.generation.calls import StageCalls  # noqa: E402
 from sdvg.models.components import build_random  # noqa: E402
 from sdvg.pipeline import SpeculativeVideoPipeline  # noqa: E402
@@ -80,9 +80,9 @@ REASONS = {
     ("vae.py", " decode"): "the VAE's latent statistics copied per decode (now kept on the device)",
     ("vae.py", " encode_frame"): "the VAE's latent statistics copied per re-encode (now kept on the device)",
     ("noise.py",): "noise drawn on the host and copied with a blocking .to (now pinned, non-blocking)",
-    ("prepare.py", " denoise"): "the block noise copied with a blocking .to (now pinned, non-blocking)",
-    ("prepare.py", " rebuild_context"): "the recompute context's mask built on the host (now: none for one "
-                                        "group, else kept on the device)",
+    ("role_model.py", " denoise"): "the block noise copied with a blocking .to (now pinned, non-blocking)",
+    ("role_model.py", " rebuild_context"): "the recompute context's mask built on the host (now: none for one "
+                                           "group, else kept on the device)",
     ("dit.py", " forward"): "an attention mask or the active tokens copied per forward",
     ("check_active",): "early exit: the active tokens' bounds read on the host (a data-dependent set)",
     ("early_exit",): "early exit: the verifier's data-dependent decision read on the host",
@@ -302,7 +302,7 @@ def counting(count: Count):
         return wrapped
 
     patch(StageCalls, "_wait", stage_sync)
-    patch(prepare.RoleModel, "_count", forward_count)
+    patch(role_model.RoleModel, "_count", forward_count)
     patch(torch.cuda, "synchronize", stage_sync)
     patch(torch.cuda.Stream, "synchronize", stage_sync)
     patch(torch.cuda.Event, "synchronize", stage_sync)

@@ -62,7 +62,7 @@ MAX_INTERP_BLOCKS = 1024  # a prompt blend longer than this is a mistake (Krea's
 # which a start frame also writes as its latent frames. Every DiT places a frame at one of its RoPE table's
 # positions (DiTConfig.rope_max_seq_len, 1024 on every preset), so no context can hold more; the video's own
 # length (num_blocks * frames_per_block) bounds it further once the preset is known (`resolved`), and the memory
-# budget check counts the cache it makes before anything is allocated (sdvg/generation/prepare.py).
+# budget check counts the cache it makes before anything is allocated (sdvg/generation/video_memory.py).
 MAX_KV_CACHE_FRAMES = 1024
 # The pattern router cycles its decisions over the blocks (pattern[block % len]): a period longer than this is no
 # acceptance pattern anyone runs, and it is what a client could make the server store and copy per update.

@@ -244,7 +244,7 @@ def test_encode_frame_is_the_vae_posterior_mean(tiny_pipe):
 def test_one_group_context_forward_takes_no_mask(dit, text):
     """A recompute context of one group of frames is attended without a mask (no [N, N] host mask per
     context forward; SDPA's unmasked kernels): bitwise the all-true mask's result on the CPU."""
-    from sdvg.generation.prepare import context_mask
+    from sdvg.generation.role_model import context_mask
     from sdvg.models.dit import block_causal_mask
     from sdvg.models.kv_cache import KVCacheSpec
 

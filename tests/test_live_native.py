@@ -59,7 +59,7 @@ def test_a_forced_switch_block_is_emitted_with_the_drafters_recache(tiny_pipe, m
     target's block, and the block waits for that re-cache before it is emitted, so its record counts both
     roles' re-cache forwards as the reference loop's does, however slow the drafter's re-cache (made slow here;
     before, it landed on the next block's record whenever the block was emitted first)."""
-    from sdvg.generation.prepare import RoleModel
+    from sdvg.generation.role_model import RoleModel
 
     recache = RoleModel.recache
 

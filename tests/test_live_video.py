@@ -114,7 +114,7 @@ def test_every_stage_sees_its_blocks_own_conditioning(tiny_pipe, monkeypatch, ru
     """For every drafter and target denoise (every draft of a block under run-ahead, redrafts too), the text K/V
     it used equals the DiT's encoding of Krea's blend for that block, computed here independently from the
     prompts' embeddings: no block is drafted under a conditioning other than its own."""
-    from sdvg.generation.prepare import RoleModel
+    from sdvg.generation.role_model import RoleModel
 
     seen = []
     denoise = RoleModel.denoise

@@ -10,8 +10,9 @@ import torch
 
 from sdvg import SpeculativeVideoPipeline
 from sdvg.config import get_preset
-from sdvg.generation.prepare import prepare, video_memory
+from sdvg.generation.prepare import prepare
 from sdvg.generation.types import Counters
+from sdvg.generation.video_memory import video_memory
 from sdvg.models.kv_cache import KVCacheSpec, MemoryBudgetError
 from sdvg.models.memory import GIB, available_bytes, plan_memory
 from sdvg.options import GenerationOptions
@@ -216,7 +217,7 @@ def test_an_offloaded_text_encoders_visit_is_checked_on_its_device(tiny_pipe):
     import dataclasses
     from types import SimpleNamespace
 
-    from sdvg.generation.prepare import check_memory
+    from sdvg.generation.video_memory import check_memory
 
     te = tiny_pipe.components.text_encoder
     fake = SimpleNamespace(model=te.model, execution_device=torch.device("cuda:0"), offload_device=torch.device("cpu"),

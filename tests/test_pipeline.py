@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from sdvg.generation.prepare import RoleModel, allocate_cache
+from sdvg.generation.prepare import allocate_cache
 from sdvg.generation.reference import generate_blocks
+from sdvg.generation.role_model import RoleModel
 from sdvg.generation.types import LoopReport
 from sdvg.options import GenerationOptions
 from sdvg.generation.routers import acceptance_pattern

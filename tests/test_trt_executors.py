@@ -33,8 +33,9 @@ def _sigs(preset):
 # --------------------------------------------------------------------------- argument checks
 def test_executor_options(tiny_preset):
     static, cached, vae = _sigs(tiny_preset)
-    with pytest.raises(ValueError, match="unknown TensorRT runtime 'cupy'"):
+    with pytest.raises(ValueError) as e:
         ExecutorOptions(runtime="cupy")
+    assert all(s in str(e.value) for s in ("'cupy'", "runtime")), e.value
     with pytest.raises(ValueError, match="cuda_graph needs runtime='cuda-python'"):
         ExecutorOptions(cuda_graph=True)
     opts = ExecutorOptions(runtime="cuda-python", cuda_graph=True)
@@ -46,18 +47,24 @@ def test_executors_refuse_cpu_devices_dynamic_graphs_and_other_stages(tiny_prese
     """Refused before any optional library is imported: these hold on a machine without them."""
     static, cached, vae = _sigs(tiny_preset)
     plan = tmp_path / "engine.plan"
-    with pytest.raises(ValueError, match="cuda-python TensorRT executor runs on CUDA devices, not cpu"):
+    with pytest.raises(ValueError) as e:
         trt_cuda.TRTCudaStage(plan, static, "cpu")
-    with pytest.raises(ValueError, match=r"dynamic dimensions \(visible_tokens, cache_tokens\).*without cuda_graph"):
+    assert all(s in str(e.value) for s in ("cuda-python", "not cpu")), e.value
+    with pytest.raises(ValueError) as e:
         trt_cuda.TRTCudaStage(plan, cached, "cuda:0", cuda_graph=True)
-    with pytest.raises(ValueError, match="torch-tensorrt program runs on CUDA devices, not cpu"):
+    assert all(s in str(e.value) for s in ("visible_tokens", "cache_tokens", "cuda_graph")), e.value
+    with pytest.raises(ValueError) as e:
         torch_trt.TorchTRTStage(tmp_path / "program.ep", static, "cpu")
-    with pytest.raises(ValueError, match="builds DiT stages only, not 'vae_decode'"):
+    assert all(s in str(e.value) for s in ("torch-tensorrt", "not cpu")), e.value
+    with pytest.raises(ValueError) as e:
         torch_trt.TorchTRTStage(tmp_path / "program.ep", vae, "cuda:0")
-    with pytest.raises(ValueError, match="unknown engine artifact 'tflite'"):
+    assert "'vae_decode'" in str(e.value)
+    with pytest.raises(ValueError) as e:
         open_executor("tflite", plan, static, "cpu")
-    with pytest.raises(ValueError, match="unknown engine artifact 'tflite'"):
+    assert "'tflite'" in str(e.value)
+    with pytest.raises(ValueError) as e:
         EngineKey("s", "c", "w", (), "fp32", "cpu", "none", "none", artifact="tflite")
+    assert "'tflite'" in str(e.value)
 
 
 def test_unknown_format_refused(capsys):
@@ -100,11 +107,13 @@ def _block(monkeypatch, *names):
 
 def test_install_messages_name_the_extra(monkeypatch):
     _block(monkeypatch, "cuda", "torch_tensorrt")
-    with pytest.raises(RuntimeError, match=r"cuda-python is not installed: .*pip install 'sdvg\[tensorrt\]'"):
+    with pytest.raises(RuntimeError) as e:
         trt_cuda.import_cuda_python()
-    with pytest.raises(RuntimeError, match=r"torch-tensorrt is not installed: .*'sdvg\[torch-tensorrt\]'.*"
-                                           r"replaces the installed torch"):
+    assert all(s in str(e.value) for s in ("cuda-python", "pip install 'sdvg[tensorrt]'")), e.value
+    with pytest.raises(RuntimeError) as e:
         torch_trt.import_torch_tensorrt()
+    assert all(s in str(e.value) for s in ("torch-tensorrt", "'sdvg[torch-tensorrt]'",
+                                           "replaces the installed torch")), e.value
 
 
 def test_torch_tensorrt_backend_and_build_name_their_extra(monkeypatch, tiny_pipe, tmp_path, capsys):
@@ -117,8 +126,9 @@ def test_torch_tensorrt_backend_and_build_name_their_extra(monkeypatch, tiny_pip
     _block(monkeypatch, "torch_tensorrt")
     with pytest.raises(RuntimeError, match=r"'sdvg\[torch-tensorrt\]'"):
         StageRunners(tiny_pipe.components, "torch-tensorrt", tmp_path)
-    with pytest.raises(ValueError, match="needs engines=.*--format torch-tensorrt"):
+    with pytest.raises(ValueError) as e:
         StageRunners(tiny_pipe.components, "torch-tensorrt")
+    assert all(s in str(e.value) for s in ("engines=", "--format torch-tensorrt")), e.value
     assert cli(["--preset", "tiny", "--format", "torch-tensorrt", "--out", str(tmp_path)]) == 2
     assert "'sdvg[torch-tensorrt]'" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
@@ -322,8 +332,9 @@ def test_cuda_python_executor_stream_ordered_memory(fake_trt, tmp_path):
     assert torch.equal(stage(x), 2 * x + 1)
     dest = torch.empty(2, 3)
     assert stage(x + 1, out={"y": dest}) is dest and torch.equal(dest, 2 * x + 3)
-    with pytest.raises(ValueError, match=r"out\['y'\] must be a contiguous torch.float32 tensor \[2, 3\]"):
+    with pytest.raises(ValueError) as e:
         stage(x, out={"y": torch.empty(3, 2)})
+    assert all(s in str(e.value) for s in ("out['y']", "torch.float32", "[2, 3]")), e.value
     names = cudart.names()
     assert names.count("cudaMallocAsync") == 1 and ("cudaMallocAsync", (MEMORY, 11)) in cudart.calls
     # every launch waits for torch's stream and torch's stream waits for it
@@ -347,8 +358,9 @@ def test_cuda_python_executor_graph_replays_static_buffers(fake_trt, tmp_path):
     assert names.index("cudaStreamBeginCapture") < names.index("cudaStreamEndCapture") < \
         names.index("cudaGraphInstantiate")
     assert names.count("cudaGraphLaunch") == 2 and contexts[0].runs == 1 and len(cudart.recorded) == 1
-    with pytest.raises(ValueError, match=r"input 'x' must be \[2, 3\] \(the captured shape\)"):
+    with pytest.raises(ValueError) as e:
         stage(torch.zeros(3, 2))
+    assert all(s in str(e.value) for s in ("input 'x'", "[2, 3]")), e.value
     with pytest.raises(ValueError, match="copy from the returned views"):
         stage(x, out={"y": torch.empty(2, 3)})
     stage.close()
@@ -360,17 +372,20 @@ def test_cuda_python_executor_errors(fake_trt, tmp_path):
     (tmp_path / "engine.plan").write_bytes(b"plan")
     stage = trt_cuda.TRTCudaStage(tmp_path / "engine.plan", SIG, "cuda:0", cuda_graph=True)
     contexts[0].fail_in_capture = True  # the launch inside the capture fails: the capture still ends
-    with pytest.raises(RuntimeError, match="execute_async_v3 failed"):
+    with pytest.raises(RuntimeError) as e:
         stage(torch.zeros(2, 3))
+    assert "execute_async_v3" in str(e.value)
     assert cudart.names().count("cudaStreamEndCapture") == 1 and not cudart.capturing
     contexts[0].fail_in_capture = False
     cudart.fail["cudaGraphInstantiate"] = _Err.cudaErrorStreamCaptureInvalidated
-    with pytest.raises(trt_cuda.CudaError, match="cudaGraphInstantiate failed: cudaErrorStreamCaptureInvalidated"):
+    with pytest.raises(trt_cuda.CudaError) as e:
         stage(torch.zeros(2, 3))
+    assert all(s in str(e.value) for s in ("cudaGraphInstantiate", "cudaErrorStreamCaptureInvalidated")), e.value
     plain = trt_cuda.TRTCudaStage(tmp_path / "engine.plan", SIG, "cuda:0")
     cudart.fail["cudaMallocAsync"] = _Err.cudaErrorMemoryAllocation
-    with pytest.raises(trt_cuda.CudaError, match="cudaMallocAsync failed: cudaErrorMemoryAllocation"):
+    with pytest.raises(trt_cuda.CudaError) as e:
         plain(torch.zeros(2, 3))
+    assert all(s in str(e.value) for s in ("cudaMallocAsync", "cudaErrorMemoryAllocation")), e.value
 
 
 # --------------------------------------------------------------------------- torch-tensorrt route
@@ -399,8 +414,9 @@ def test_torch_tensorrt_export_step(tiny_pipe):
         with torch.no_grad():
             got, want = run(*inputs), spec.module(*inputs)
         assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got, want))
-    with pytest.raises(ValueError, match="DiT stages only"):
+    with pytest.raises(ValueError) as e:
         torch_trt.export_stage(spec.module, vae_signature(comps.preset), spec.inputs)
+    assert "'vae_decode'" in str(e.value)
 
 
 def test_torch_tensorrt_inputs_follow_the_signature(tiny_preset):
@@ -449,8 +465,9 @@ def test_torch_tensorrt_cache_key_holds_versions(tiny_pipe, tmp_path, monkeypatc
     m = json.loads(manifest.read_text())
     m["file"] = "engine.plan"
     manifest.write_text(json.dumps(m))
-    with pytest.raises(CorruptEngineError, match="kind torch-tensorrt may only name program.ep inside itself"):
+    with pytest.raises(CorruptEngineError) as e:
         cache.load(built, CMD)
+    assert all(s in str(e.value) for s in ("torch-tensorrt", "program.ep")), e.value
 
 
 # --------------------------------------------------------------------------- on a GPU with TensorRT
@@ -611,8 +628,9 @@ def test_torch_runtime_profiles_and_shared_scratch(fake_trt, monkeypatch, tmp_pa
     with pytest.raises(ValueError, match="outside every optimisation profile"):
         a(torch.ones(2, 9))
     a.context.need = 0
-    with pytest.raises(RuntimeError, match=r"update_device_memory_size_for_shapes\(\) returned 0"):
+    with pytest.raises(RuntimeError) as e:
         a(x3)
+    assert "update_device_memory_size_for_shapes" in str(e.value)
 
 
 def test_engine_cache_hashes_a_plan_once(tmp_path):
@@ -634,8 +652,9 @@ def test_engine_cache_hashes_a_plan_once(tmp_path):
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 1  # the middle, which the ends do not cover
     path.write_bytes(bytes(data))
-    with pytest.raises(CorruptEngineError, match="does not match its SHA-256"):
+    with pytest.raises(CorruptEngineError) as e:
         cache.load(key, CMD)
+    assert "SHA-256" in str(e.value)
     with pytest.raises(StaleEngineError, match="trt_version: built for '11.1.0', needed '10.9.0'"):
         cache.load(dataclasses.replace(key, trt_version="10.9.0"), CMD)  # refused before the plan is read
 
@@ -656,9 +675,9 @@ def test_released_dit_keeps_what_the_engines_do_not_cover(tiny_preset):
     assert all(torch.equal(a, b) for a, b in zip(before.keys + before.values, after.keys + after.values))
     assert dit.dtype == torch.float32 and dit.device.type == "cpu"
     assert release_replaced_weights(dit, "again") == 0
-    with pytest.raises(ReleasedWeightsError, match="released after its tensorrt engines loaded.*"
-                                                   "release_torch_weights=False"):
+    with pytest.raises(ReleasedWeightsError) as e:
         dit(torch.randn(1, 16, 3, 8, 8), torch.full((1, 3), 500.0), after)
+    assert all(s in str(e.value) for s in ("its tensorrt engines loaded", "release_torch_weights=False")), e.value
 
 
 def test_a_folder_of_another_tensorrt_is_refused_before_any_work(tiny_pipe, tmp_path, monkeypatch):
@@ -671,6 +690,7 @@ def test_a_folder_of_another_tensorrt_is_refused_before_any_work(tiny_pipe, tmp_
     art.write_bytes(b"plan")
     cache.store(dataclasses.replace(stage_key(sig, comps, "tensorrt"), trt_version="10.13.0"), art, CMD)
     monkeypatch.setitem(sys.modules, "tensorrt", types.SimpleNamespace(__version__="11.1.0"))
-    with pytest.raises(StaleEngineError, match=r"built with another TensorRT \(TensorRT 10.13.0: drafter_dit_3f\); "
-                                               r"this is TensorRT 11.1.0 .*rebuild with: python -m build_engines"):
+    with pytest.raises(StaleEngineError) as e:
         StageRunners(comps, "tensorrt", tmp_path)
+    assert all(s in str(e.value) for s in ("TensorRT 10.13.0", "drafter_dit_3f", "TensorRT 11.1.0",
+                                           "rebuild with: python -m build_engines")), e.value

@@ -10,7 +10,7 @@ import torch
 
 from sdvg.config import get_preset
 from sdvg.generation.noise import block_noise
-from sdvg.generation.prepare import RoleModel
+from sdvg.generation.role_model import RoleModel
 from sdvg.generation.schedule import FlowSchedule, strength_steps
 from sdvg.generation.video_input import ClipFrames, InputEnded, LiveFrames
 from sdvg.io.video_input import VideoInputError, check_frames, fit_frames, read_video, resample_indices
