@@ -159,12 +159,12 @@ def test_probe_video_reads_the_header_without_decoding(bomb, tmp_path):
     assert header == VideoHeader(width=4096, height=4096, fps=16.0, duration_s=header.duration_s, frames=2,
                                  codec="h264")
     assert header.duration_s == pytest.approx(2 / 16, abs=0.02)
-    with pytest.raises(VideoInputError, match=r"input video .*bomb4096.mp4 is 4096x4096 = 16777216 pixels, more than "
-                                              r"max_pixels 2073600; give a smaller one \(e.g. 832x480\)"):
+    with pytest.raises(VideoInputError) as e:
         probe_video(bomb, max_pixels=1920 * 1080)
-    with pytest.raises(VideoInputError, match=r"the upload is 4096x4096 .*each side must lie in \[2, 2048\] "
-                                              r"\(max_side\)"):
+    assert all(s in str(e.value) for s in ("bomb4096.mp4", "4096x4096", "max_pixels 2073600", "smaller")), e.value
+    with pytest.raises(VideoInputError) as e:
         probe_video(bomb, max_side=2048, where="the upload")
+    assert all(s in str(e.value) for s in ("the upload", "4096x4096", "[2, 2048]", "max_side")), e.value
     bad = tmp_path / "bad.mp4"
     bad.write_bytes(b"\x00\x00\x00\x18ftypisom" + b"\x00" * 64)
     with pytest.raises(VideoInputError, match="cannot be read"):
@@ -182,9 +182,10 @@ def test_a_large_frame_video_is_refused_before_a_frame_is_decoded(bomb, monkeypa
     started = []
     monkeypatch.setattr(imageio_ffmpeg, "read_frames", lambda *a, **k: started.append(a) or iter(()))
     assert 42 * FRAME_4K < 2 * GiB
-    with pytest.raises(VideoInputError, match=r"bomb4096.mp4 has 4096x4096 frames: 42 of them would take 2.16 GiB as "
-                                              r"read and fitted .* more than 2.00 GiB \(max_bytes\); give a smaller"):
+    with pytest.raises(VideoInputError) as e:
         read_video(bomb, 42, fps=16, max_bytes=2 * GiB)
+    assert all(s in str(e.value) for s in ("bomb4096.mp4", "4096x4096", "42", "2.16 GiB", "2.00 GiB", "max_bytes",
+                                           "smaller")), e.value
     with pytest.raises(VideoInputError, match=r"more than max_pixels 2073600"):
         read_video(bomb, 9, fps=16, max_pixels=1920 * 1080)
     with pytest.raises(VideoInputError, match=r"each side must lie in \[2, 1024\] \(max_side\)"):
@@ -234,9 +235,9 @@ def test_frames_whose_cover_would_explode_are_refused_before_the_fit():
     from sdvg.generation.video_input import LiveFrames
 
     live = LiveFrames(480, 832)
-    with pytest.raises(VideoInputError, match=r"a 8192x2 frame scaled to cover 832x480 would be 1966080x480 = "
-                                              r"943718400 pixels before the crop, more than max_pixels 67108864"):
+    with pytest.raises(VideoInputError) as e:
         live.push(np.zeros((1, 2, 8192, 3), np.uint8))
+    assert all(s in str(e.value) for s in ("8192x2", "943718400", "max_pixels 67108864")), e.value
     assert live.queued() == 0
     live.push(np.zeros((2, 240, 416, 3), np.uint8))  # an ordinary aspect is queued
     assert live.queued() == 2
@@ -265,9 +266,10 @@ def test_a_huge_start_frame_is_refused_by_its_header_without_pils_bomb_warning(s
     path.write_bytes(_png_header(side, side))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with pytest.raises(VideoInputError, match=rf"start_frame .*huge{side}.png is {side}x{side} \(width x height\); "
-                                                  r"each side must lie in \[2, 8192\] \(max_side\)"):
+        with pytest.raises(VideoInputError) as e:
             start_frame_image(path)
+        assert all(s in str(e.value) for s in ("start_frame", f"huge{side}.png", f"{side}x{side}", "[2, 8192]",
+                                               "max_side")), e.value
     assert not [w for w in caught if "decompression bomb" in str(w.message)], [str(w.message) for w in caught]
 
 
@@ -278,9 +280,9 @@ def test_open_image_checks_the_header_before_decoding():
 
     from sdvg.io.video_input import open_image
 
-    with pytest.raises(VideoInputError, match=r"the upload is 5000x3000 = 15000000 pixels, more than max_pixels "
-                                              r"2073600"):
+    with pytest.raises(VideoInputError) as e:
         open_image(_png_header(5000, 3000), max_pixels=1920 * 1080, where="the upload")
+    assert all(s in str(e.value) for s in ("the upload", "5000x3000", "max_pixels 2073600")), e.value
     with pytest.raises(VideoInputError, match=r"is not a readable JPEG, PNG or WebP image"):
         open_image(b"GIF89a" + bytes(32))
     image = np.random.default_rng(1).integers(0, 256, size=(20, 30, 3), dtype=np.uint8)
@@ -303,8 +305,8 @@ def test_a_lazily_opened_pil_start_frame_is_checked_before_it_is_decoded():
     img = Image.open(io.BytesIO(_png_header(9000, 3000)))  # 27 M pixels: under PIL's limit, past max_side
     decoded = []
     img.load = lambda: decoded.append(True)  # noqa: E731 - convert() decodes through load()
-    with pytest.raises(VideoInputError, match=r"start_frame is 9000x3000 \(width x height\); each side must lie in "
-                                              r"\[2, 8192\]"):
+    with pytest.raises(VideoInputError) as e:
         start_frame_image(img)
+    assert all(s in str(e.value) for s in ("start_frame", "9000x3000", "[2, 8192]")), e.value
     assert decoded == []
     assert check_image_header(Image.open(io.BytesIO(_png_header(640, 480))), max_side=640) == (640, 480)

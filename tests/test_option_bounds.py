@@ -49,8 +49,9 @@ def test_each_bound_is_the_largest_value_taken():
 def test_a_kv_context_past_the_bound_is_refused_on_a_full_context_preset_too():
     # tiny's contexts are full: the video-length rule (recompute only) never saw it; a start frame would encode
     # 1 + (kv - 1) * 4 pixel frames from it
-    with pytest.raises(OptionError, match=r"kv_cache_frames 1000000 must be an integer in \[1, 1024\]"):
+    with pytest.raises(OptionError) as e:
         GenerationOptions(kv_cache_frames=1_000_000).resolved(get_preset("tiny"))
+    assert all(s in str(e.value) for s in ("kv_cache_frames 1000000", "[1, 1024]")), e.value
 
 
 def test_a_pattern_iterator_is_read_no_further_than_the_bound():
@@ -59,8 +60,9 @@ def test_a_pattern_iterator_is_read_no_further_than_the_bound():
     with pytest.raises(OptionError, match=f"pattern has more than {MAX_PATTERN} decisions"):
         GenerationOptions(pattern=decisions)
     assert len(read) == MAX_PATTERN + 1
-    with pytest.raises(OptionError, match="pattern must be a string of 0/1 or a list of bools, got dict"):
+    with pytest.raises(OptionError) as e:
         GenerationOptions(pattern={"0": 1})
+    assert all(s in str(e.value) for s in ("pattern", "got dict")), e.value
 
 
 NOT_OPTIONAL = [f.name for f in dataclasses.fields(GenerationOptions) if f.default is not None]
@@ -79,9 +81,9 @@ def test_none_stays_the_presets_value_where_that_is_declared():
     optional = {f.name for f in dataclasses.fields(GenerationOptions) if f.default is None}
     assert {"target_context", "drafter_cache", "kv_cache_frames", "num_blocks"} <= optional
     assert "mode" in NOT_OPTIONAL and FIELDS["mode"].default == "sdvg"
-    with pytest.raises(OptionError, match=r"mode must be one of sdvg, target, draft, got None; give one, or leave mode "
-                                          r"out for its default \('sdvg'\)"):
+    with pytest.raises(OptionError) as e:
         DEFAULTS.replace(mode=None)
+    assert all(s in str(e.value) for s in ("mode", "got None", "leave mode out")), e.value
     tiny = get_preset("tiny")
     assert GenerationOptions(target_context=None).resolved(tiny).target_context == tiny.target_context
 
@@ -89,12 +91,13 @@ def test_none_stays_the_presets_value_where_that_is_declared():
 def test_the_head_verifier_needs_its_file_where_the_options_meet_the_pipeline(tmp_path):
     tiny = get_preset("tiny")
     alone = GenerationOptions(exit_verifier="head")  # alone: the file may come with the server's or CLI's defaults
-    with pytest.raises(OptionError, match=r"exit_verifier 'head' needs the learned head's file and none is given: "
-                                          r"exit_head=<path> \(API\) or --exit-head FILE \(sdvg generate, sdvg serve\)"):
+    with pytest.raises(OptionError) as e:
         alone.resolved(tiny)  # was accepted: the head verifier silently unused
+    assert all(s in str(e.value) for s in ("exit_verifier 'head'", "exit_head=<path>", "--exit-head FILE")), e.value
     assert alone.replace(exit_head=str(tmp_path / "h.safetensors")).resolved(tiny).exit_verifier == "head"
-    with pytest.raises(OptionError, match="needs the learned head's file"):  # early exit on: refused at once
+    with pytest.raises(OptionError) as e:  # early exit on: refused at once
         GenerationOptions(mode="target", early_exit="target", exit_verifier="head")
+    assert all(s in str(e.value) for s in ("exit_verifier 'head'", "--exit-head")), e.value
     with pytest.raises(OptionError, match=r"exit_head '.{60}'\.\.\. \(5000 characters\) is read by the head verifier"):
         GenerationOptions(exit_head="h" * 5000).resolved(tiny)  # the other half of the rule, quoted bounded
 
