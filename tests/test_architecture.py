@@ -1,5 +1,5 @@
 """The shape of the code: imports run one way through the layers, the oracle and the production
-scheduler stand side by side, `import sdvg` and `sdvg --help` stay torch-free, the README's layout is
+scheduler stand side by side, `import sdvg` and `sdvg --help` stay torch-free, docs/layout.md's layout is
 the tree's, and nothing refers outside the checkout."""
 import ast
 import subprocess
@@ -119,7 +119,9 @@ def test_lazy_public_names_resolve():
 
 
 def test_readme_layout_is_the_tree():
-    section = readme_layout.readme_section((ROOT / "README.md").read_text(encoding="utf-8"))
+    """docs/layout.md's listing (the README's "Layout" section until the README became one page)."""
+    assert readme_layout.PAGE == ROOT / "docs" / "layout.md"
+    section = readme_layout.page_section(readme_layout.PAGE.read_text(encoding="utf-8"))
     assert section == readme_layout.layout(), "run `python scripts/readme_layout.py --write`"
 
 
