@@ -1,6 +1,8 @@
 """The README's and docs' examples run as written: every ```python block is executed on the `tiny` preset
 (slow), every `sdvg ...` command line of a ```bash block is parsed by the CLI's own parser (every flag and
-subcommand exists), and the prompts-file example runs from a directory outside the clone (slow)."""
+subcommand exists), and the prompts-file example runs from a directory outside the clone (slow). The README
+is one page that links into docs/ (the full API in docs/api.md, the command line in docs/cli.md, ...): its
+relative links and the docs' resolve, and docs/README.md, the map, lists every page."""
 import os
 import re
 import shlex
@@ -40,9 +42,9 @@ def command_lines() -> list[tuple[str, list[str]]]:
 
 
 def test_the_docs_have_examples_to_check():
-    assert [w for w, _, _ in blocks("python")] == ["README.md", "README.md", "docs/engines.md", "docs/live.md",
-                                                   "docs/live.md", "docs/stats.md"]
-    # the API, live sessions, FP8, video-to-video, reading the statistics
+    assert [w for w, _, _ in blocks("python")] == ["README.md", "docs/api.md", "docs/api.md", "docs/engines.md",
+                                                   "docs/live.md", "docs/live.md", "docs/stats.md"]
+    # the short API example, the whole API, live sessions, FP8, video-to-video, reading the statistics
     commands = command_lines()
     assert len(commands) >= 15 and any(argv[:1] == ["sweep"] for _, argv in commands)
 
@@ -82,6 +84,11 @@ def test_python_blocks_run_on_tiny(where, line, code, tmp_path, monkeypatch):
         session, replay = namespace["session"], namespace["replay"]
         assert session.stats["live"]["updates"] and replay.stats["live"]["updates"] == session.stats["live"]["updates"]
         return
+    if where == "README.md":  # the short example: one call, its statistics, a stream
+        out = namespace["out"]
+        assert out.frames.shape == (1, 9 + 12 * 2, 64, 64, 3) and len(out.blocks[0]) == 3
+        assert 0.0 <= out.stats[0]["result"]["acceptance_rate"] <= 1.0 and namespace["block"].index == 1
+        return
     assert (tmp_path / "fox.mp4").stat().st_size > 0
     out, stream = namespace["out"], namespace["stream"]
     assert out.frames.shape == (1, 9 + 12 * 2, 64, 64, 3) and stream.finished and len(stream.stats["blocks"]) == 2
@@ -113,3 +120,43 @@ def test_prompts_file_names_resolve_to_the_packaged_file(tmp_path, monkeypatch):
     assert prompts_file("moviegen") == Path("moviegen")  # an existing file of that name wins
     assert prompts_file("nope.txt") == Path("nope.txt") and prompts_file(None) is None
     assert os.path.isfile(prompts_file("MOVIEGEN"))
+
+
+def _anchors(text: str) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation but `-` and `_` dropped, spaces to `-`."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.*)$", text, flags=re.M)}
+
+
+def test_relative_links_resolve():
+    """Every relative link of the README and docs/ names a file of the checkout, and its #anchor a heading."""
+    broken = []
+    for path in DOCS:
+        text = path.read_text(encoding="utf-8")
+        prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+            if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            where = f"{path.relative_to(ROOT).as_posix()}: ({target})"
+            if not dest.is_relative_to(ROOT) or not dest.exists():
+                broken.append(f"{where} names no file")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest.read_text(encoding="utf-8")):
+                broken.append(f"{where} names no heading of {dest.relative_to(ROOT).as_posix()}")
+    assert not broken, broken
+
+
+def test_the_readme_is_one_page_that_links_every_docs_page_it_needs():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.encode()) < 10_000, "the README is one page: the long sections live in docs/"
+    for page in ("docs/README.md", "docs/api.md", "docs/cli.md", "docs/install.md", "docs/server.md",
+                 "docs/layout.md"):
+        assert f"]({page}" in text, page
+
+
+def test_the_docs_map_lists_every_page():
+    listed = set(re.findall(r"\]\(([\w-]+\.md)\)", (ROOT / "docs" / "README.md").read_text(encoding="utf-8")))
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")} - {"README.md"}
+    assert pages <= listed, f"docs/README.md does not list {sorted(pages - listed)}"
