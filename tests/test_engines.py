@@ -69,8 +69,9 @@ def test_a_manifest_without_a_field_is_refused_by_name(cache, field):
     m = json.loads(manifest.read_text())
     del m[field]
     manifest.write_text(json.dumps(m))
-    with pytest.raises(CorruptEngineError, match=rf"lacks {field}; delete .* and rebuild"):
+    with pytest.raises(CorruptEngineError) as e:
         cache.load(_key(), CMD)
+    assert all(s in str(e.value) for s in (field, "rebuild")), e.value
 
 
 def test_missing_engine_names_the_build_command(tmp_path):
@@ -91,8 +92,9 @@ def test_onnx_external_weights_are_stored_and_checked(tmp_path):
     data = path.parent / "model.onnx.data"
     assert c.load(key, CMD) == path and data.is_file() and not art.with_name("model.onnx.data").exists()
     data.write_bytes(b"weights" * 99 + b"WEIGHTS")
-    with pytest.raises(CorruptEngineError, match="model.onnx.data does not match its SHA-256"):
+    with pytest.raises(CorruptEngineError) as e:
         c.load(key, CMD)
+    assert all(s in str(e.value) for s in ("model.onnx.data", "SHA-256")), e.value
     m = json.loads((path.parent / "manifest.json").read_text())
     m["data_file"]["file"] = "../../secret"
     (path.parent / "manifest.json").write_text(json.dumps(m))
@@ -218,8 +220,9 @@ def test_an_engines_file_is_refused_before_loading(tmp_path, capsys):
         main(["generate", "--preset", "tiny", "--prompt", "x", "--backend", "onnxruntime", "--engines", str(plan),
               "--out", str(tmp_path / "v.mp4")], load_pipeline=fail)
     assert exit_.value.code == 2 and "is a file, not an engine folder" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="is a file, not an engine folder"):
+    with pytest.raises(ValueError) as e:
         StageRunners(SimpleComponents(), "onnxruntime", engines=plan)
+    assert all(s in str(e.value) for s in (str(plan), "not an engine folder")), e.value
 
 
 class SimpleComponents:

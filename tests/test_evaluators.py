@@ -53,10 +53,12 @@ def test_spec_parsing_and_unknown_names():
                      ("drift,drift", "appear twice")):
         with pytest.raises(ValueError, match=msg):
             parse_spec(bad)
-    with pytest.raises(ValueError, match="unknown vbench dimensions|unknown color"):
+    with pytest.raises(ValueError) as e:
         check_evaluator("vbench:color")
-    with pytest.raises(ValueError, match="cannot import no_such_module"):
+    assert "color" in str(e.value)
+    with pytest.raises(ValueError) as e:
         check_evaluator("python:no_such_module:f")
+    assert "no_such_module" in str(e.value)
     with pytest.raises(ValueError, match="not a callable"):
         check_evaluator("python:math:pi")
 
@@ -261,8 +263,9 @@ def test_vbench_dimensions_and_job():
     assert external.vbench_dimensions(None) == external.DEFAULT_VBENCH_DIMENSIONS
     assert external.vbench_dimensions("dynamic_degree+imaging_quality") == ("dynamic_degree", "imaging_quality")
     for bad in ("scene", "dynamic_degree+dynamic_degree"):
-        with pytest.raises(ValueError, match="vbench dimensions"):
+        with pytest.raises(ValueError) as e:
             external.vbench_dimensions(bad)
+        assert bad.split('+')[0] in str(e.value)
     ev = external.VBenchEvaluator(("dynamic_degree", "imaging_quality"), device="cpu")
     assert ev.needs_video_file and [m.name for m in ev.metrics] == ["vbench.dynamic_degree", "vbench.imaging_quality"]
     assert [m.positive for m in ev.metrics] == [False, True]  # dynamic_degree is 0 or 1: a difference
@@ -341,18 +344,21 @@ def test_visionreward_folder_checks(tmp_path, monkeypatch):
     monkeypatch.delenv(external.VISIONREWARD_ENV, raising=False)
     with pytest.raises(EvaluatorUnavailable, match="THUDM/VisionReward-Video"):
         check_evaluator("visionreward")
-    with pytest.raises(EvaluatorUnavailable, match="is not a folder"):
+    with pytest.raises(EvaluatorUnavailable) as e:
         check_evaluator(f"visionreward:{tmp_path / 'absent'}")
+    assert all(s in str(e.value) for s in (str(tmp_path / 'absent'), "not a folder")), e.value
     bare = _visionreward_folder(tmp_path, files=False)
-    with pytest.raises(EvaluatorUnavailable, match=r"lacks config.json, the weights \(\*.safetensors\)"):
+    with pytest.raises(EvaluatorUnavailable) as e:
         check_evaluator(f"visionreward:{bare}")
+    assert all(s in str(e.value) for s in ("config.json", "*.safetensors")), e.value
     (bare / "config.json").write_text("{}")
     (bare / "model.safetensors").write_bytes(b"")
     monkeypatch.setenv(external.VISIONREWARD_ENV, str(bare))
     assert check_evaluator("visionreward") == [("visionreward", None)]
     (bare / external.VISIONREWARD_WEIGHTS).write_text("[1.0]")
-    with pytest.raises(EvaluatorUnavailable, match="3 questions .* but 1 weights"):
+    with pytest.raises(EvaluatorUnavailable) as e:
         check_evaluator("visionreward")
+    assert all(s in str(e.value) for s in ("3 questions", "1 weights")), e.value
 
 
 def test_visionreward_load_failure_names_transformers(tmp_path):
@@ -360,8 +366,9 @@ def test_visionreward_load_failure_names_transformers(tmp_path):
     import transformers
 
     folder = _visionreward_folder(tmp_path)
-    with pytest.raises(EvaluatorUnavailable, match=f"transformers {transformers.__version__} failed"):
+    with pytest.raises(EvaluatorUnavailable) as e:
         external.load_visionreward_model(folder, "cpu")
+    assert f"transformers {transformers.__version__}" in str(e.value)
 
 
 def test_visionreward_frame_choice_follows_the_reference():

@@ -125,8 +125,9 @@ def test_bad_frames_are_clear_errors(scorer):
         scorer.score("x", torch.zeros(1, 3, 8, 8, dtype=torch.int32))
     with pytest.raises(TypeError):
         scorer.score("x", np.zeros((1, 8, 8, 3), dtype=np.uint8))
-    with pytest.raises(ValueError, match="unknown aggregation"):
+    with pytest.raises(ValueError) as e:
         Aggregator("median")(torch.ones(3))  # the options refuse it first (tests/test_options.py)
+    assert "'median'" in str(e.value)
 
 
 def test_tokenizer_vocab_size_checked(tmp_path):
@@ -135,13 +136,15 @@ def test_tokenizer_vocab_size_checked(tmp_path):
     cfg = get_preset("wan2.1").reward
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    with pytest.raises(ValueError, match="7 tokens, expected 30524"):
+    with pytest.raises(ValueError) as e:
         reward_tokenizer(cfg, folder=tmp_path)
+    assert all(s in str(e.value) for s in ("7 tokens", "30524")), e.value
     with pytest.raises(FileNotFoundError, match="not found"):
         load_bert_tokenizer(tmp_path / "missing")
-    with pytest.raises(FileNotFoundError, match="no vocab.txt"):
+    with pytest.raises(FileNotFoundError) as e:
         (tmp_path / "empty").mkdir()
         load_bert_tokenizer(tmp_path / "empty")
+    assert "vocab.txt" in str(e.value)
     check_vocab_size(list(range(5)), 5, "x")
 
 
@@ -207,8 +210,9 @@ def test_med_config_is_read_and_checked(tmp_path):
     model = build_image_reward(cfg, tok, med_config=tmp_path / "med_config.json")
     text = model.text_encoder.config
     assert (text.layer_norm_eps, text.max_position_embeddings, text.encoder_hidden_size) == (1e-5, 64, cfg.vit_dim)
-    with pytest.raises(CheckpointError, match="num_attention_heads=4 but the model expects 2"):
+    with pytest.raises(CheckpointError) as e:
         build_image_reward(cfg, tok, med_config=dict(med, num_attention_heads=4))
+    assert all(s in str(e.value) for s in ("num_attention_heads=4", "2")), e.value
     with pytest.raises(CheckpointError, match="cross-attends"):
         build_image_reward(cfg, tok, med_config=dict(med, add_cross_attention=False))
     with pytest.raises(FileNotFoundError, match="does not exist"):
