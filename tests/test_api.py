@@ -57,8 +57,9 @@ def test_one_prompt_extras_read_as_before_and_batches_name_the_index(tiny_pipe):
     assert one.stats["options"]["seed"] == one.stats[0]["options"]["seed"] == KW["seed"]
     assert one.stats.to_json() == one.stats[0].to_json()
     two = tiny_pipe(PROMPT, num_videos_per_prompt=2, output_type="latent", num_blocks=1)
-    with pytest.raises(TypeError, match=r"one entry per video \(a batch of 2\).*out\.stats\[i\]\['options'\]"):
+    with pytest.raises(TypeError) as e:
         two.stats["options"]["seed"]
+    assert all(s in str(e.value) for s in ("a batch of 2", "out.stats[i]['options']")), e.value
 
 
 @pytest.mark.slow
@@ -179,8 +180,9 @@ def test_to_dtype_casts_as_torch_dtype_builds_and_components_are_attributes():
     assert _dtypes(pipe) == _dtypes(SpeculativeVideoPipeline.from_preset("tiny"))
     with pytest.raises(ValueError, match="torch_dtype"):
         pipe.to(torch.int8)
-    with pytest.raises(TypeError, match="a device .* and/or a torch dtype"):
+    with pytest.raises(TypeError) as e:
         pipe.to(3.5)
+    assert all(s in str(e.value) for s in ("a device", "torch dtype")), e.value
     with pytest.raises(TypeError, match="two dtypes"):
         pipe.to(torch.float16, torch.bfloat16)
 

@@ -46,9 +46,9 @@ def test_other_control_characters_in_a_yaml_config_are_named_too(tmp_path):
 
     cfg = tmp_path / "g.yaml"
     cfg.write_bytes(b"tau: 0.5\x07\n")
-    with pytest.raises(OptionError, match=r"holds the character U\+0007 at line 1, column 9, which YAML does not "
-                                          r"allow"):
+    with pytest.raises(OptionError) as e:
         load_options_file(cfg)
+    assert all(s in str(e.value) for s in ("U+0007", "line 1, column 9")), e.value
 
 
 # ------------------------------------------------------------------ (b) a named pipe as --exit-head
@@ -76,8 +76,9 @@ def test_the_head_reader_never_opens_a_named_pipe(tmp_path):
     except subprocess.TimeoutExpired:
         pytest.fail("ExitHead.read_extra blocked on a named pipe")
     assert r.returncode == 0 and r.stdout.strip() == "{}", r.stderr
-    with pytest.raises(ValueError, match=r"exit head file .* is a named pipe, not a regular file"):
+    with pytest.raises(ValueError) as e:
         ExitHead.load(fifo)
+    assert all(s in str(e.value) for s in (str(fifo), "named pipe")), e.value
     with pytest.raises(ValueError, match="is a folder, not a regular file"):
         ExitHead.load(tmp_path)
     with pytest.raises(FileNotFoundError, match="not found"):

@@ -53,16 +53,20 @@ def test_compile_settings_are_refused_by_name_before_any_model_loads(monkeypatch
         raise AssertionError("a model was built before the compile settings were checked")
 
     monkeypatch.setattr(pipeline, "build_random", no_build)
-    with pytest.raises(CompileSettingsError, match="unknown compile_mode 'fastest'.*default, max-autotune-no-cudagraphs"):
+    with pytest.raises(CompileSettingsError) as e:
         SpeculativeVideoPipeline.from_preset("tiny", backend="compile", compile_mode="fastest")
-    with pytest.raises(CompileSettingsError, match="captures CUDA graphs.*cuda_graphs=True"):
+    assert all(s in str(e.value) for s in ("'fastest'", "max-autotune-no-cudagraphs")), e.value
+    with pytest.raises(CompileSettingsError) as e:
         SpeculativeVideoPipeline.from_preset("tiny", backend="compile", compile_mode="reduce-overhead")
+    assert "cuda_graphs=True" in str(e.value)
     a_file = tmp_path / "cache"
     a_file.write_text("not a folder")
-    with pytest.raises(CompileSettingsError, match="is a file, not a folder.*--compile-cache"):
+    with pytest.raises(CompileSettingsError) as e:
         SpeculativeVideoPipeline.from_preset("tiny", backend="compile", compile_cache=str(a_file))
-    with pytest.raises(CompileSettingsError, match="cannot be written.*--compile-cache"):
+    assert all(s in str(e.value) for s in ("not a folder", "--compile-cache")), e.value
+    with pytest.raises(CompileSettingsError) as e:
         SpeculativeVideoPipeline.from_preset("tiny", backend="compile", compile_cache=str(a_file / "below"))
+    assert all(s in str(e.value) for s in ("cannot be written", "--compile-cache")), e.value
     with pytest.raises(CompileSettingsError, match="unknown compiler"):
         CompileSettings(compiler="tvm")
     made = CompileSettings(cache_dir=str(tmp_path / "new" / "cache"))  # a missing folder is made

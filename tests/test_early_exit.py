@@ -279,8 +279,9 @@ def test_a_head_for_another_width_is_refused(tiny_pipe, tmp_path):
 
     path = tmp_path / "head.safetensors"
     ExitHead(ExitHeadConfig(dim=tiny_pipe.components.target.config.dim + 8)).save(path)
-    with pytest.raises(ValueError, match="trained for a generator of width"):
+    with pytest.raises(ValueError) as e:
         tiny_pipe(PROMPT, mode="target", num_blocks=1, early_exit="target", exit_verifier="head", exit_head=str(path))
+    assert all(s in str(e.value) for s in (str(tiny_pipe.components.target.config.dim + 8), "width")), e.value
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="not a readable safetensors"):
         tiny_pipe(PROMPT, mode="target", num_blocks=1, early_exit="target", exit_verifier="head",
@@ -366,8 +367,9 @@ def test_a_head_trained_for_the_other_role_is_refused(tiny_pipe, tmp_path):
     path = tmp_path / "drafter_head.safetensors"
     ExitHead(ExitHeadConfig(dim=tiny_pipe.components.target.config.dim)).save(path, extra={"generator": {"role":
                                                                                                          "drafter"}})
-    with pytest.raises(ValueError, match="trained on the drafter's hidden states"):
+    with pytest.raises(ValueError) as e:
         tiny_pipe(PROMPT, mode="target", num_blocks=1, early_exit="target", exit_verifier="head", exit_head=str(path))
+    assert "drafter" in str(e.value)
 
 
 def test_the_pattern_mean_cannot_exceed_the_schedule(tiny_pipe):
@@ -380,8 +382,9 @@ def test_the_pattern_mean_cannot_exceed_the_schedule(tiny_pipe):
 
 
 def test_a_head_file_without_the_head_verifier_is_refused(tiny_pipe):
-    with pytest.raises(OptionError, match="is read by the head verifier only"):
+    with pytest.raises(OptionError) as e:
         tiny_pipe(PROMPT, num_blocks=1, early_exit="target", exit_head="head.safetensors")
+    assert "exit_head" in str(e.value)
 
 
 def test_cli_says_up_front_which_exit_flags_it_will_not_read(tmp_path, capsys):

@@ -256,8 +256,9 @@ def test_fp8_runs_with_compile_and_cuda_graphs_and_resolves_the_pipelines_defaul
     assert GenerationOptions(quantization="none").resolved(tiny, quantization="fp8").fp8_roles() == ()
     with pytest.raises(OptionError, match="not resolved"):
         GenerationOptions().fp8_roles()
-    with pytest.raises(OptionError, match="only the eager and compile"):
+    with pytest.raises(OptionError) as e:
         GenerationOptions(quantization="fp8").resolved(tiny, backend="tensorrt")
+    assert "tensorrt" in str(e.value)
 
 
 @pytest.mark.parametrize("device,capability,kwargs,match", [
@@ -282,8 +283,9 @@ def test_fp8_where_it_cannot_run_is_refused_before_anything_loads(monkeypatch, d
     with pytest.raises(fp8.FP8Error, match=match):
         SpeculativeVideoPipeline.from_pretrained("tiny", drafter="d.pt", target="t.pt", vae="v", text_encoder="te",
                                                  drafter_device=device, quantization="fp8-target", **kwargs)
-    with pytest.raises(OptionError, match="unknown quantization 'fp4'"):
+    with pytest.raises(OptionError) as e:
         SpeculativeVideoPipeline.from_preset("tiny", quantization="fp4")
+    assert "'fp4'" in str(e.value)
     if capability == (8, 6):  # an Ada or Hopper card passes
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 9))
         assert fp8.fp8_conflict(device, torch.bfloat16) is None
@@ -317,15 +319,16 @@ def test_a_pipeline_loaded_in_fp8_refuses_the_weights_it_dropped(fp8_target_pipe
     assert pipe.resolve(GenerationOptions()).quantization == "fp8-target"
     assert pipe.resolve(GenerationOptions(quantization="fp8")).fp8_roles() == ("drafter", "target")
     for asked in ("none", "fp8-drafter"):
-        with pytest.raises(fp8.FP8Error, match=rf"quantization '{asked}': the target's model-dtype linear weights "
-                                               r"were dropped .* ask quantization='fp8' or 'fp8-target' .* load the "
-                                               "pipeline without quantization="):
+        with pytest.raises(fp8.FP8Error) as e:
             pipe.resolve(GenerationOptions(quantization=asked))
+        assert all(s in str(e.value) for s in (f"quantization '{asked}'", "dropped", "quantization='fp8'",
+                                               "'fp8-target'", "without quantization=")), e.value
         with pytest.raises(fp8.FP8Error, match="dropped"):
             pipe(PROMPT, num_blocks=1, quantization=asked)
     assert pipe.resolve(GenerationOptions(quantization="none", mode="draft")).fp8_roles() == ()  # the target is not run
-    with pytest.raises(fp8.FP8Error, match=r"pipe.to\(torch.bfloat16\): the target was quantized in place"):
+    with pytest.raises(fp8.FP8Error) as e:
         pipe.to(torch.bfloat16)
+    assert all(s in str(e.value) for s in ("pipe.to(torch.bfloat16)", "quantized in place")), e.value
     assert pipe.dtype == torch.float32 and fp8.fp8_state(pipe.target) is state
 
 

@@ -144,10 +144,12 @@ def test_missing_stage_names_the_build_flags(tiny_pipe, engines):
     runners = StageRunners(tiny_pipe.components, "onnxruntime", engines)
     with pytest.raises(MissingEngineError, match="--kv-cache-frames 6"):  # a 6-frame recompute context forward
         runners._dit_stage("target", 6, False)
-    with pytest.raises(MissingEngineError, match="no engine for stage 'reward_5f'"):
+    with pytest.raises(MissingEngineError) as e:
         runners._reward_stage(5)
-    with pytest.raises(ValueError, match="needs engines=.*--format onnx"):
+    assert "'reward_5f'" in str(e.value)
+    with pytest.raises(ValueError) as e:
         StageRunners(tiny_pipe.components, "onnxruntime")
+    assert all(s in str(e.value) for s in ("engines=", "--format onnx")), e.value
 
 
 def test_cli_generate_with_onnxruntime(engines, tmp_path):

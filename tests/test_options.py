@@ -204,8 +204,9 @@ def test_paper_protocol():
     lines = describe_protocol("paper", opts, 64, 64, random_weights=True)
     assert "resolution kept at the preset's 64x64" in lines[1] and "seed=42" in lines[0]
     assert "832x480 (the paper's)" in describe_protocol("paper", opts, 480, 832, random_weights=False)[1]
-    with pytest.raises(OptionError, match="unknown protocol 'iclr'"):
+    with pytest.raises(OptionError) as e:
         protocol_options("iclr")
+    assert "'iclr'" in str(e.value)
 
 
 def test_method_and_run_options_partition_the_declaration():
@@ -220,8 +221,9 @@ def test_method_and_run_options_partition_the_declaration():
     opts = GenerationOptions(**CHANGED)
     assert isinstance(opts.method, MethodOptions) and isinstance(opts.run, RunOptions)
     assert GenerationOptions(**dataclasses.asdict(opts.method), **dataclasses.asdict(opts.run)) == opts
-    with pytest.raises(OptionError, match="tau is NaN"):
+    with pytest.raises(OptionError) as e:
         MethodOptions(tau=math.nan)  # each half validates its own fields
+    assert all(s in str(e.value) for s in ("tau", "NaN")), e.value
     with pytest.raises(OptionError, match="run_ahead needs scheduler 'cpp'"):
         RunOptions(scheduler="reference", run_ahead=True)
 

@@ -101,8 +101,9 @@ def test_writer_raises_on_encoder_failure_and_keeps_the_previous_file(tmp_path, 
     out = tmp_path / "v.mp4"
     out.write_bytes(b"the previous video")
     partial_path(out).mkdir()  # something not a file at the partial name: refused by name, never written
-    with pytest.raises(ValueError, match=r"partial video.*is a folder"):
+    with pytest.raises(ValueError) as e:
         IncrementalMP4Writer(out)
+    assert all(s in str(e.value) for s in ("partial video", "is a folder")), e.value
     partial_path(out).rmdir()
     monkeypatch.setattr(imageio_ffmpeg, "get_ffmpeg_exe", lambda: "false")  # an encoder that fails at once
     w = IncrementalMP4Writer(out)
@@ -263,8 +264,9 @@ def test_engine_manifest_may_not_name_a_file_outside_its_entry(tmp_path):
     secret.write_bytes(b"x")
     m["file"] = "../secret.bin"
     (d / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(CorruptEngineError, match="kind onnx may only name model.onnx inside itself"):
+    with pytest.raises(CorruptEngineError) as e:
         cache.load(key, "rebuild")
+    assert all(s in str(e.value) for s in ("onnx", "model.onnx")), e.value
 
 
 def test_exit_statuses_follow_the_convention(tmp_path, capsys):
