@@ -104,6 +104,7 @@ def test_host_syncs_benchmark_counts_before_and_after(tmp_path):
     assert "TF32" in (tmp_path / "results.md").read_text()
 
 
+@pytest.mark.slow
 def test_fp8_quality_gate_on_the_tiny_preset(tmp_path):
     import fp8_quality
 

@@ -134,6 +134,7 @@ def test_the_readme_first_command_runs_twice_in_a_fresh_folder(tmp_path, monkeyp
         "fox-1.json", "fox-1.mp4", "fox.json", "fox.mp4"]
 
 
+@pytest.mark.slow  # times `import torch` in a subprocess; the refusal before torch is checked by the tests above
 def test_the_startup_benchmark_times_a_refusal_against_import_torch(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import startup

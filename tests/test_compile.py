@@ -73,6 +73,7 @@ def test_compile_settings_are_refused_by_name_before_any_model_loads(monkeypatch
     assert (tmp_path / "new" / "cache").is_dir() and made.cache_dir == str((tmp_path / "new" / "cache").resolve())
 
 
+@pytest.mark.slow  # compiles every region of both DiTs, the VAE and the reward model (~30 s on 2 cores)
 def test_compile_backend_video_through_the_eager_loop(tiny_pipe):
     """backend compile (a tracing compiler, so the DiTs' arithmetic is eager's): the latents bitwise eager's,
     the frames within the fast VAE's tolerance (its channels-last decode); the statistics say what compiling

@@ -115,16 +115,13 @@ def test_a_prompts_file_has_an_outer_bar(tmp_path, tiny_pipe, capsys, monkeypatc
     assert "prompts: 100%" in err and "2/2" in err and ("video/s" in err or "s/video" in err)  # with its rate
 
 
+@pytest.mark.slow  # a whole `sdvg generate` in a subprocess (imports torch, loads tiny)
 def test_no_progress_bar_escapes_where_stderr_is_no_terminal(tmp_path):
     """`sdvg generate` with stderr to a file (a log, CI): no bar, so no carriage returns or escape codes; the
-    summary lines are still there. The API's bar: off into a file, forced with disable=False, and on where the
-    stream is a terminal (sdvg.io.progress.draws)."""
-    import io
+    summary lines are still there."""
     import os
     import subprocess
     import sys
-
-    from sdvg.io.progress import draws, progress_bar
 
     err = tmp_path / "err.log"
     with open(err, "wb") as f:
@@ -135,6 +132,14 @@ def test_no_progress_bar_escapes_where_stderr_is_no_terminal(tmp_path):
     assert done.returncode == 0, text[-2000:]
     assert b"\r" not in text and b"\x1b[" not in text and b"block/s" not in text and b"s/block" not in text
     assert b"9 frames" in text  # the summary line
+
+
+def test_the_api_bar_draws_only_on_a_terminal_unless_forced():
+    """The API's bar: off into a file, forced with disable=False, and on where the stream is a terminal
+    (sdvg.io.progress.draws)."""
+    import io
+
+    from sdvg.io.progress import draws, progress_bar
 
     class Tty(io.StringIO):
         def isatty(self):

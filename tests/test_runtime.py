@@ -72,8 +72,10 @@ print(len(held), "sdvg-scheduler" in started, same)
 
 @pytest.mark.parametrize("order,env,want", [
     ("torch-first", {}, "1 False True"),  # OpenMP's default: the spare team, the call on the calling thread
-    ("torch-first", {"OMP_WAIT_POLICY": "ACTIVE"}, "0 False True"),  # the user's explicit policy is kept
-    ("sdvg-first", {}, "0 False True"),  # PASSIVE, as import sdvg sets it
+    # the user's explicit policy is kept; PASSIVE, as import sdvg sets it: a video each, so slow (the policies
+    # themselves are checked without a video above)
+    pytest.param("torch-first", {"OMP_WAIT_POLICY": "ACTIVE"}, "0 False True", marks=pytest.mark.slow),
+    pytest.param("sdvg-first", {}, "0 False True", marks=pytest.mark.slow),
 ])
 def test_a_spare_openmp_team_only_under_the_default_spin(order, env, want):
     out = subprocess.run([sys.executable, "-c", SPARE, order], cwd=ROOT, capture_output=True, text=True, timeout=120,
