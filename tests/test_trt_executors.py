@@ -509,22 +509,15 @@ def test_torch_tensorrt_route_video_equals_eager(tmp_path):
 
 
 def test_pipeline_and_cli_choose_the_executor(tiny_pipe):
-    from sdvg import cli
+    from sdvg import SpeculativeVideoPipeline, cli
     from sdvg.engines.executor import ExecutorOptions
 
-    saved = None
-    try:
-        tiny_pipe.set_engine_executor("cuda-python", cuda_graph=True)
-        assert tiny_pipe.engine_executor == ExecutorOptions("cuda-python", True)
-        saved = tiny_pipe._runners.pop("eager", None)  # runners made from now on carry the options
-        assert tiny_pipe.runners("eager").executor == ExecutorOptions("cuda-python", True)
-        with pytest.raises(ValueError, match="cuda_graph needs runtime='cuda-python'"):
-            tiny_pipe.set_engine_executor("torch", cuda_graph=True)
-    finally:
-        tiny_pipe.set_engine_executor()
-        tiny_pipe._runners.pop("eager", None)
-        if saved is not None:
-            tiny_pipe._runners["eager"] = saved
+    pipe = SpeculativeVideoPipeline(tiny_pipe.components)  # the shared weights; no runners made yet
+    pipe.set_engine_executor("cuda-python", cuda_graph=True)
+    assert pipe.engine_executor == ExecutorOptions("cuda-python", True)
+    assert pipe.runners("eager").executor == ExecutorOptions("cuda-python", True)  # runners carry the options
+    with pytest.raises(ValueError, match="cuda_graph needs runtime='cuda-python'"):
+        pipe.set_engine_executor("torch", cuda_graph=True)
     args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--trt-runtime", "cuda-python",
                                           "--trt-cuda-graphs"])
     assert args.trt_runtime == "cuda-python" and args.trt_cuda_graphs
