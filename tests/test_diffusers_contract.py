@@ -97,8 +97,9 @@ def test_diffusers_keywords_are_taken_or_refused_by_name(tiny_pipe):
                        tiny_pipe("a fox", **kw).frames)
     with pytest.raises(OptionError, match="classifier-free guidance"):
         tiny_pipe("a fox", guidance_scale=5.0, **kw)
-    with pytest.raises(OptionError, match="negative prompt would change nothing"):
+    with pytest.raises(OptionError) as e:
         tiny_pipe("a fox", negative_prompt=["blurry"], **kw)
+    assert "negative_prompt" in str(e.value)
     with pytest.raises(OptionError, match="give one"):
         tiny_pipe("a fox", num_inference_steps=3, target_steps=4, **kw)
     with pytest.raises(ValueError, match="multiple"):

@@ -206,8 +206,9 @@ def test_from_pretrained_reads_the_cache_it_is_given_and_names_the_download(tiny
         assert torch.equal(mine, theirs)
     with pytest.raises(MissingWeightsError, match="test-org/target krea.safetensors"):
         SpeculativeVideoPipeline.from_pretrained(preset, local_files_only=True, drafter_device="cpu")
-    with pytest.raises(ValueError, match="token must be a non-empty string"):
+    with pytest.raises(ValueError) as e:
         SpeculativeVideoPipeline.from_pretrained(preset, token="", drafter_device="cpu")
+    assert "token" in str(e.value)
     with pytest.raises(NotADirectoryError, match="is a file"):
         SpeculativeVideoPipeline.from_pretrained(preset, cache_dir=tiny_files["drafter"], drafter_device="cpu")
     # the wan2.1 preset's own files: one `sdvg download` line, with the cache it was given

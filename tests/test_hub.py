@@ -107,10 +107,12 @@ def test_missing_files_are_named_with_the_fetch_command(offline_cache, tiny_pres
 def test_specs_that_are_neither_paths_nor_repos(offline_cache, tiny_preset):
     from sdvg import SpeculativeVideoPipeline
 
-    with pytest.raises(FileNotFoundError, match="neither a local file or folder nor a hub repo id"):
+    with pytest.raises(FileNotFoundError) as e:
         resolve_components({"vae": "./no/such/file.pth"}, {})
-    with pytest.raises(ValueError, match="publishes no weights; give drafter, target"):
+    assert all(s in str(e.value) for s in ("./no/such/file.pth", "hub repo id")), e.value
+    with pytest.raises(ValueError) as e:
         SpeculativeVideoPipeline.from_pretrained(tiny_preset, vae="test-org/vae", drafter_device="cpu")
+    assert all(s in str(e.value) for s in ("'tiny'", "drafter, target")), e.value
 
 
 def test_parse_source():
@@ -166,11 +168,10 @@ def test_published_repo_ids_give_their_preset(offline_cache):
     msg = str(exc.value)
     assert "text_encoder: Wan-AI/Wan2.1-T2V-1.3B ['models_t5_umt5-xxl-enc-bf16.pth', 'google/umt5-xxl/*']" in msg
     assert "vae: Wan-AI/Wan2.1-T2V-1.3B Wan2.1_VAE.pth" in msg and "target: krea/krea-realtime-video" in msg
-    with pytest.raises(ConfigError, match=r"'org/unknown' is neither a preset \(.*wan2.1\) nor a hub repo that a "
-                                          r"preset loads \(gdhe17/Self-Forcing \(wan2.1: drafter\).*; give a preset "
-                                          r"and this repo as one component, e.g. from_pretrained\('wan2.1', "
-                                          r"target='org/unknown'\)"):
+    with pytest.raises(ConfigError) as e:
         SpeculativeVideoPipeline.from_pretrained("org/unknown", drafter_device="cpu")
+    assert all(s in str(e.value) for s in ("'org/unknown'", "wan2.1", "gdhe17/Self-Forcing",
+                                           "from_pretrained('wan2.1', target='org/unknown')")), e.value
 
 
 def test_wan_release_layout_resolves_from_the_cache(offline_cache, tmp_path):

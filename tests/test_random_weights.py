@@ -132,8 +132,9 @@ def test_device_init_draws_on_the_device(monkeypatch):
 
 
 def test_random_init_is_checked_and_fingerprinted():
-    with pytest.raises(ConfigError, match=r"random_init 'gpu' is not one of \('cpu', 'device'\)"):
+    with pytest.raises(ConfigError) as e:
         build_random(TINY, random_init="gpu")
+    assert all(s in str(e.value) for s in ("'gpu'", "('cpu', 'device')")), e.value
     with pytest.raises(ConfigError, match="random_init"):
         random_fingerprint("tiny", 0, "gpu")
     assert random_fingerprint("tiny", 3) == random_fingerprint("tiny", 3, "cpu") == "random:tiny:seed=3"

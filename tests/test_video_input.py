@@ -45,11 +45,13 @@ def test_streaming_encoder_equals_the_whole_clip_encode(enc):
 
 def test_streaming_encoder_refuses_chunks_that_are_not_the_clip_encodes(enc):
     cache = enc.new_cache()
-    with pytest.raises(ValueError, match=r"1 \+ 4 k frames first, got 8"):
+    with pytest.raises(ValueError) as e:
         enc.encode(torch.zeros(1, 3, 8, 64, 64), cache)
+    assert all(s in str(e.value) for s in ("1 + 4 k", "got 8")), e.value
     enc.encode(torch.zeros(1, 3, 9, 64, 64), cache)
-    with pytest.raises(ValueError, match="a multiple of 4 frames after the first call, got 9"):
+    with pytest.raises(ValueError) as e:
         enc.encode(torch.zeros(1, 3, 9, 64, 64), cache)
+    assert all(s in str(e.value) for s in ("multiple of 4", "got 9")), e.value
     with pytest.raises(ValueError, match=r"\[B, 3, T, H, W\]"):
         enc.encode(torch.zeros(3, 9, 64, 64), cache)
 
@@ -108,8 +110,9 @@ def test_read_video_resamples_a_real_mp4(tmp_path):
     writer.close()
     frames = read_video(path, 12, fps=16)
     assert frames.shape == (12, 32, 48, 3)
-    with pytest.raises(VideoInputError, match=r"48x32 frames: 12 of them would take .*smaller .* or shorter video"):
+    with pytest.raises(VideoInputError) as e:
         read_video(path, 12, fps=16, max_bytes=12 * 32 * 48 * 3 - 1)  # refused before a frame is decoded
+    assert all(s in str(e.value) for s in ("48x32", "12 of them", "smaller", "shorter")), e.value
     assert [round(float(f.mean()) / 6) for f in frames] == list(range(0, 24, 2))  # every other frame at 16 fps
     assert len(read_video(path, 100, fps=16)) == 20  # the clip ends first
     bad = tmp_path / "bad.mp4"
@@ -139,8 +142,9 @@ def test_live_frames_are_taken_in_order_and_a_wait_times_out():
     assert live.push(np.full((4, 16, 16, 3), 255, dtype=np.uint8)) == 5
     x = live.take(9, timeout_s=1)
     assert x.shape == (9, 3, 16, 16) and x[:5].max() == -1 and x[5:].min() == 1
-    with pytest.raises(InputEnded, match="did not arrive within 0.05 s"):
+    with pytest.raises(InputEnded) as e:
         live.take(12, timeout_s=0.05)
+    assert "0.05 s" in str(e.value)
     got = []
     t = threading.Thread(target=lambda: got.append(live.take(2, timeout_s=5)))
     t.start()
@@ -152,8 +156,9 @@ def test_live_frames_are_taken_in_order_and_a_wait_times_out():
         live.take(1, timeout_s=5)
     full = LiveFrames(16, 16, max_queued=12)
     full.push(np.zeros((12, 16, 16, 3), dtype=np.uint8))
-    with pytest.raises(VideoInputError, match="12 input frames are already queued"):
+    with pytest.raises(VideoInputError) as e:
         full.push(np.zeros((1, 16, 16, 3), dtype=np.uint8))
+    assert "12 input frames" in str(e.value)
     dropping = LiveFrames(16, 16, max_queued=12, drop_oldest=True)
     dropping.push(np.zeros((10, 16, 16, 3), dtype=np.uint8))
     dropping.push(np.full((5, 16, 16, 3), 255, dtype=np.uint8))  # 3 oldest make room
@@ -164,8 +169,9 @@ def test_live_frames_are_taken_in_order_and_a_wait_times_out():
     assert torch.equal(dropping.take(9), x)
     clip = ClipFrames(np.zeros((10, 16, 16, 3), dtype=np.uint8), 16, 16)
     clip.take(9)
-    with pytest.raises(InputEnded, match="10 frames are used up"):
+    with pytest.raises(InputEnded) as e:
         clip.take(12)
+    assert "10 frames" in str(e.value)
 
 
 # ------------------------------------------------------------------ in the loop
@@ -211,12 +217,14 @@ def test_strength_one_equals_text_to_video_bitwise_and_both_schedulers_agree(tin
 
 
 def test_a_short_clip_and_strength_without_input_are_refused_before_any_work(tiny_pipe):
-    with pytest.raises(VideoInputError, match=r"gives 20 frames .* 1 block\(s\) .* asks for 3; .*num_blocks=1"):
+    with pytest.raises(VideoInputError) as e:
         tiny_pipe.stream("a red fox", input_video=_frames(20), **KW)
+    assert all(s in str(e.value) for s in ("20 frames", "asks for 3", "num_blocks=1")), e.value
     with pytest.raises(OptionError, match="pass input_video="):
         tiny_pipe.stream("a red fox", strength=0.5, **KW)
-    with pytest.raises(TypeError, match="input_video must be a video file's path or uint8 frames"):
+    with pytest.raises(TypeError) as e:
         tiny_pipe.stream("a red fox", input_video=3, **KW)
+    assert all(s in str(e.value) for s in ("input_video", "uint8")), e.value
     with pytest.raises(VideoInputError, match="holds no frame|holds 0 frames"):
         tiny_pipe.stream("a red fox", input_video=_frames(0), **KW)
     # the preset's default length shrinks to what the clip covers (Krea's min rule)
@@ -232,8 +240,9 @@ def test_live_pushed_frames_equal_the_same_clip_and_a_missing_block_ends_the_ses
     assert session.update(input_frames=frames[:5]).block == 0
     ack = session.update(input_frames=frames[5:30])
     assert (ack.block, ack.index, ack.frames) == (0, -1, 25)  # its first frame is block 0's 6th
-    with pytest.raises(UpdateError, match="must be uint8"):  # refused; nothing lost
+    with pytest.raises(UpdateError) as e:  # refused; nothing lost
         session.update(input_frames=frames[:3].astype(np.float32))
+    assert "uint8" in str(e.value)
     blocks = []
     for b in session:
         blocks.append(b)
