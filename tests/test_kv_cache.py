@@ -48,8 +48,9 @@ def test_rollback_is_pointer_only():
     assert torch.equal(c.buffer, before)  # nothing copied or cleared
     c.begin_write(3)
     assert c.visible_frames() == list(range(6))
-    with pytest.raises(ValueError, match="committed frames"):
+    with pytest.raises(ValueError) as e:
         c.rollback(7)
+    assert all(s in str(e.value) for s in ("7", "committed frames")), e.value
 
 
 def test_window_with_sink_evicts_oldest_non_sink():
@@ -67,8 +68,9 @@ def test_window_with_sink_evicts_oldest_non_sink():
     assert per_frame == [1.0, 5.0, 5.0, 5.0, 9.0, 9.0, 9.0]
     c.commit()
     assert not c.can_rollback(15)
-    with pytest.raises(ValueError, match="slack_frames"):
+    with pytest.raises(ValueError) as e:
         c.rollback(15)
+    assert all(s in str(e.value) for s in ("15", "slack_frames")), e.value
 
 
 def test_window_slack_rollback_restores_visible_set():

@@ -90,8 +90,9 @@ def test_only_the_eager_backend_makes_other_sizes(tiny_pipe):
         spec_of(Engine(Compiled(), max_pixels=832 * 480), page_parameters("x"))
     tiny_pipe.default_backend = "compile"
     try:
-        with pytest.raises(ConfigError, match="only backend eager makes other sizes"):
+        with pytest.raises(ConfigError) as e:
             tiny_pipe.resized(480, 832)
+        assert all(s in str(e.value) for s in ("compile", "eager")), e.value
     finally:
         tiny_pipe.default_backend = "eager"
 

@@ -229,8 +229,9 @@ def test_retention_is_a_difference_unless_positive():
     assert row["speedup"] == 2.0 and row["acceptance_by_block"] == {"1": 1.0, "2": 0.0}
     assert s["draft"]["retention"] == pytest.approx(-0.5) and s["target"]["retention"] == 0.0
     assert calibrate_retention(s, quality_drop=0.31)["tau"] == -1.0
-    with pytest.raises(ValueError, match="no swept tau"):
+    with pytest.raises(ValueError) as e:
         calibrate_retention(s, quality_drop=0.29)
+    assert all(s in str(e.value) for s in ("no swept tau", "0.29")), e.value
     assert calibrate_retention(s, retention=-0.31)["tau"] == -1.0
     pos = summarise([{**r, "quality": -r["quality"], "quality_positive": True} for r in recs])
     assert pos["retention_kind"] == "ratio" and pos["taus"][0]["retention"] == pytest.approx(0.8 / 0.5)
@@ -293,8 +294,9 @@ def test_calibrate_for_quality_names_the_goal_and_the_retention_kind():
     assert res["tau"] == -1.0 and res["goal"] == {"quality_drop": 0.31} and res["least_retention"] == -0.31
     assert res["retention_kind"] == "difference" and "may be negative" in res["note"]
     assert res["achieved"]["speedup"] == 2.0 and res["unpublished_taus"] == [-1.25]
-    with pytest.raises(ValueError, match="no swept tau"):
+    with pytest.raises(ValueError) as e:
         calibrate_for_quality(summary, retention=0.0)
+    assert all(s in str(e.value) for s in ("no swept tau", "retention of 0", "sweep higher taus")), e.value
 
 
 def test_calibration_math():
@@ -306,8 +308,9 @@ def test_calibration_math():
                      {"tau": 1, "retention": 1.0, "speedup": 1.1}], "quality_positive": True}
     assert calibrate_retention(rows, 0.98)["tau"] == 0
     assert calibrate_retention(rows, quality_drop=0.02)["tau"] == 0
-    with pytest.raises(ValueError, match="no swept tau"):
+    with pytest.raises(ValueError) as e:
         calibrate_retention(rows, 1.01)
+    assert all(s in str(e.value) for s in ("no swept tau", "1.01")), e.value
     front = pareto([{"speedup": 1, "quality": 1}, {"speedup": 2, "quality": 0.5}, {"speedup": 0.5, "quality": 0.4}])
     assert [r["speedup"] for r in front] == [1, 2]
 
