@@ -195,8 +195,9 @@ def test_progress_bar_counts_blocks_and_can_be_disabled(tiny_pipe, capsys):
     tiny_pipe.set_progress_bar_config(disable=True)
     tiny_pipe(PROMPT, num_blocks=1, output_type="latent")
     assert capsys.readouterr().err == ""
-    with pytest.raises(TypeError, match="tqdm does not take"):
+    with pytest.raises(TypeError) as e:
         tiny_pipe.set_progress_bar_config(dissable=True)
+    assert "dissable" in str(e.value)
     tiny_pipe.set_progress_bar_config()
 
 

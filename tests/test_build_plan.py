@@ -87,8 +87,9 @@ def test_cached_stages_have_a_profile_per_context_mode():
     assert dr.profile_bounds()[0][0] == "full"  # the drafter's own context first
     assert tgt.profile_for({"visible_tokens": 4680, "cache_tokens": 9360}) == 0
     assert tgt.profile_for({"visible_tokens": 6240, "cache_tokens": 9360}) == 1
-    with pytest.raises(ValueError, match=r"outside every optimisation profile .*--num-blocks"):
+    with pytest.raises(ValueError) as e:
         tgt.profile_for({"visible_tokens": 40000, "cache_tokens": 42120})
+    assert all(s in str(e.value) for s in ("40000", "--num-blocks")), e.value
     assert by["target_dit_3f"].profile_bounds() == ()
 
 

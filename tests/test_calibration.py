@@ -52,8 +52,9 @@ def test_calibrate_exit_thresholds_reports_the_flags_and_the_measured_k_bar(tiny
 
 
 def test_head_training_job_refuses_shared_seeds():
-    with pytest.raises(ValueError, match=r"--heldout-seeds \[1\].*not used in training"):
+    with pytest.raises(ValueError) as e:
         HeadTrainingJob(["a"], ["b"], [0, 1], [1], "target", BASE, ec.TrainConfig(), None, "tiny")
+    assert all(s in str(e.value) for s in ("--heldout-seeds [1]", "not used in training")), e.value
 
 
 @pytest.mark.slow

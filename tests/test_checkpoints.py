@@ -63,8 +63,9 @@ def test_missing_and_unexpected_keys(tmp_path, source):
     state = {k: v.contiguous() for k, v in source.model.state_dict().items()}
     state["blocks.0.extra.weight"] = torch.zeros(1)
     save_file(state, str(tmp_path / "u.safetensors"))
-    with pytest.raises(CheckpointError, match="unexpected key"):
+    with pytest.raises(CheckpointError) as e:
         load_dit(CausalWanDiT(source.config), tmp_path / "u.safetensors")
+    assert all(s in str(e.value) for s in ("unexpected key", "blocks.0.extra.weight")), e.value
 
 
 def test_corrupt_and_pickled_objects_refused(tmp_path, source):
@@ -79,10 +80,12 @@ def test_corrupt_and_pickled_objects_refused(tmp_path, source):
             return (print, ("unpickled!",))
 
     torch.save({"generator": {"x": Evil()}}, tmp_path / "evil.pt")
-    with pytest.raises(CheckpointError, match="cannot read"):
+    with pytest.raises(CheckpointError) as e:
         read_dit_checkpoint(tmp_path / "evil.pt")
-    with pytest.raises(CheckpointError, match="does not exist"):
+    assert "evil.pt" in str(e.value)
+    with pytest.raises(CheckpointError) as e:
         read_dit_checkpoint(tmp_path / "nope.pt")
+    assert all(s in str(e.value) for s in ("nope.pt", "does not exist")), e.value
 
 
 def test_original_mapping_agrees_with_diffusers_converter(source):

@@ -144,8 +144,9 @@ def test_bad_umt5_files_refused(tmp_path, source):
     cfg = source.config
     nested = tmp_path / "nested.pth"
     torch.save({"model": state}, nested)
-    with pytest.raises(CheckpointError, match="not tensors"):
+    with pytest.raises(CheckpointError) as e:
         TextEncoder.from_pretrained(nested, tokenizer_folder=folder / "google" / "umt5-xxl", config=cfg)
+    assert all(s in str(e.value) for s in ("nested.pth", "not tensors")), e.value
     extra = tmp_path / "extra.pth"
     torch.save({**state, "blocks.0.attn.bias": torch.zeros(1)}, extra)
     with pytest.raises(CheckpointError, match="unexpected key 'blocks.0.attn.bias'"):
@@ -154,14 +155,16 @@ def test_bad_umt5_files_refused(tmp_path, source):
                                                        num_heads=cfg.num_heads, d_kv=cfg.d_kv, vocab_size=cfg.vocab_size)
     with pytest.raises(CheckpointError, match="missing key"):
         TextEncoder.from_pretrained(folder, config=bigger)
-    with pytest.raises(FileNotFoundError, match="tokenizer folder"):
+    with pytest.raises(FileNotFoundError) as e:
         TextEncoder.from_pretrained(folder / "models_t5_umt5-xxl-enc-bf16.pth", tokenizer_folder=tmp_path / "none",
                                     config=cfg)
+    assert all(s in str(e.value) for s in (str(tmp_path / "none"), "tokenizer folder")), e.value
 
     class Evil:
         def __reduce__(self):
             return (print, ("executed",))
 
     torch.save({"token_embedding.weight": Evil()}, tmp_path / "evil.pth")
-    with pytest.raises(CheckpointError, match="cannot read"):
+    with pytest.raises(CheckpointError) as e:
         TextEncoder.from_pretrained(tmp_path / "evil.pth", tokenizer_folder=folder / "google" / "umt5-xxl", config=cfg)
+    assert "evil.pth" in str(e.value)
