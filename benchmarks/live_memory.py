@@ -23,7 +23,8 @@ with `session.close()`. After every block it records:
   before the trim is rss_before_trim_mib);
 - kv: per role, the bytes of the K/V buffer of its `sdvg._C.KVCache` (`cache.buffer`'s storage: what
   the cache allocated, read from the cache itself; the loop's stage calls and setup are caught
-  through the session's `attach` hook, no source change), its visible frames (what attention reads)
+  by a subclass of the loops' `StageCalls` put in their place while the benchmark runs, no source
+  change), its visible frames (what attention reads)
   and the frames committed so far (absolute); kv_bytes sums the roles;
 - tensors / tensor_bytes: the torch.Tensor objects the garbage collector tracks and the bytes of their
   distinct storages (the Python-visible tensors: recompute contexts, text K/V, prompt embeddings, RoPE
@@ -45,6 +46,7 @@ not judged. Exits 1 when a config is not flat.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import shlex
@@ -218,14 +220,41 @@ def run_config(pipe, name: str, args) -> dict:
     horizon = session.limit  # None: no bound (recompute only); else the RoPE table's end
     blocks = args.blocks if horizon is None else min(args.blocks, horizon)
     held = {}
-    attach = session.attach
-
-    def catch(calls, setup):  # the loop hands its stage calls and setup (the RoleModels, their caches) to the plan
-        held.update(calls=calls, setup=setup)
-        attach(calls, setup)
-
-    session.attach = catch
     rows, t0 = [], time.perf_counter()
+    with _catching_stage_calls(held):
+        stats = _sample(session, blocks, update_every, args, held, rows, name, t0)
+    held.clear()
+    summary = summarize(rows, args.warm, args.tolerance)
+    return {"config": name, "options": spec, "update_every": update_every, "horizon": horizon,
+            "blocks_asked": args.blocks, "blocks_run": len(rows),
+            "stopped_at_horizon": horizon is not None and args.blocks > horizon,
+            "updates": len(stats["live"]["updates"]), "prompt_encodes": stats["live"]["prompt_encodes"],
+            "decisions": {d: sum(r["decision"] == d for r in rows) for d in sorted({r["decision"] for r in rows})},
+            "wall_s": time.perf_counter() - t0, "summary": summary, "blocks": rows}
+
+
+@contextlib.contextmanager
+def _catching_stage_calls(held: dict):
+    """Both loops' stage calls, caught as each segment makes them (with the setup they hold: the RoleModels, their
+    caches) into `held`; the loops' own class is back after."""
+    from sdvg.generation import native, reference
+    from sdvg.generation.calls import StageCalls
+
+    class CaughtCalls(StageCalls):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            held.update(calls=self, setup=self.setup)
+
+    saved = native.StageCalls, reference.StageCalls
+    native.StageCalls = reference.StageCalls = CaughtCalls
+    try:
+        yield
+    finally:
+        native.StageCalls, reference.StageCalls = saved
+
+
+def _sample(session, blocks: int, update_every: int, args, held: dict, rows: list, name: str, t0: float) -> dict:
+    """Run `session` for `blocks` blocks, one row of memory samples per block into `rows`; its final stats."""
     for block in session:
         b = block.live["block"]
         if update_every and (b + 1) % update_every == 0:
@@ -255,16 +284,7 @@ def run_config(pipe, name: str, args) -> dict:
                   f"pending {r['pending_target_commits']}  {r['seconds']:7.1f} s", file=sys.stderr, flush=True)
         if b + 1 >= blocks:
             break
-    stats = session.close().as_dict()
-    held.clear()
-    del session.attach  # `catch` holds the bound method: a cycle the next config's samples would see collected
-    summary = summarize(rows, args.warm, args.tolerance)
-    return {"config": name, "options": spec, "update_every": update_every, "horizon": horizon,
-            "blocks_asked": args.blocks, "blocks_run": len(rows),
-            "stopped_at_horizon": horizon is not None and args.blocks > horizon,
-            "updates": len(stats["live"]["updates"]), "prompt_encodes": stats["live"]["prompt_encodes"],
-            "decisions": {d: sum(r["decision"] == d for r in rows) for d in sorted({r["decision"] for r in rows})},
-            "wall_s": time.perf_counter() - t0, "summary": summary, "blocks": rows}
+    return session.close().as_dict()
 
 
 def _dumps(result: dict) -> str:

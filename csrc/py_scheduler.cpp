@@ -86,10 +86,10 @@ class StageCalls {
     throw std::logic_error("sdvg scheduler: the scheduler asks StageCalls.plan(" + std::to_string(block) +
                            ") for every block, but this StageCalls does not override plan");
   }
-  // A live video's drafter takes block b's conditioning (re-caching under it) ahead of b's commit.
-  virtual void drafter_recache(int block) {
-    throw std::logic_error("sdvg scheduler: a live plan asks StageCalls.drafter_recache(" + std::to_string(block) +
-                           "), but this StageCalls does not override drafter_recache");
+  // The role ("drafter" | "target") re-caches its context under block b's conditioning (the block's plan asks it).
+  virtual void recache(const std::string& role, int block) {
+    throw std::logic_error("sdvg scheduler: a live plan asks StageCalls.recache(" + role + ", " +
+                           std::to_string(block) + "), but this StageCalls does not override recache");
   }
 };
 
@@ -117,7 +117,9 @@ class PyStageCalls : public StageCalls {
   }
   void emit(const EmittedBlock& block) override { PYBIND11_OVERRIDE_PURE(void, StageCalls, emit, block); }
   BlockPlan plan(int block) override { PYBIND11_OVERRIDE(BlockPlan, StageCalls, plan, block); }
-  void drafter_recache(int block) override { PYBIND11_OVERRIDE(void, StageCalls, drafter_recache, block); }
+  void recache(const std::string& role, int block) override {
+    PYBIND11_OVERRIDE(void, StageCalls, recache, role, block);
+  }
 };
 
 const char* lane_name(Lane r) { return r == Lane::Drafter ? "drafter" : r == Lane::Target ? "target" : "vae"; }
@@ -336,10 +338,11 @@ class PyExecutor : public Executor {
     py::gil_scoped_acquire gil;
     return stages_->plan(b);
   }
-  void drafter_recache(int b) override {
-    LaneScope scope(streams_, Lane::Drafter);
+  // On the role's lane, after what that lane made before (its cache's last commit).
+  void recache(Role role, int b) override {
+    LaneScope scope(streams_, role == Role::Drafter ? Lane::Drafter : Lane::Target);
     py::gil_scoped_acquire gil;
-    stages_->drafter_recache(b);
+    stages_->recache(role_name(role), b);
   }
 
  private:
@@ -656,8 +659,8 @@ void register_scheduler(py::module_& m) {
       .def("emit", &StageCalls::emit, py::arg("block"))
       .def("plan", &StageCalls::plan, py::arg("block"),
            "block b's BlockPlan, asked once per block in order (a live session's may wait for input)")
-      .def("drafter_recache", &StageCalls::drafter_recache, py::arg("block"),
-           "config.live, run-ahead: the drafter takes block b's conditioning (its re-cache) before b's commit");
+      .def("recache", &StageCalls::recache, py::arg("role"), py::arg("block"),
+           "the role re-caches its context under block b's conditioning (the block's plan asks it)");
 
   py::class_<PyScheduler>(m, "Scheduler")
       .def(py::init<const SchedulerConfig&, py::object, py::object, py::object, at::Device, at::Device, bool>(),

@@ -59,9 +59,9 @@ BlockPlan Executor::plan(int block) {
                          std::to_string(block) + "), but this executor plans no blocks");
 }
 
-void Executor::drafter_recache(int block) {
-  throw std::logic_error("sdvg scheduler: a live plan re-caches the drafter for block " + std::to_string(block) +
-                         ", but this executor does not implement drafter_recache");
+void Executor::recache(Role role, int block) {
+  throw std::logic_error(std::string("sdvg scheduler: a live plan re-caches the ") + role_name(role) + " for block " +
+                         std::to_string(block) + ", but this executor does not implement recache");
 }
 
 Scheduler::Scheduler(SchedulerConfig config, Executor& executor) : cfg_(std::move(config)), ex_(executor) {
@@ -224,7 +224,12 @@ void Scheduler::drafter_commit(int b, const Handle& latents) {
 }
 
 bool Scheduler::lane_recaches(const BlockPlan& p) const {
-  return cfg_.run_ahead && cfg_.mode == Mode::Sdvg && p.forced && cfg_.skips_first_draft && p.recache && !p.last;
+  return cfg_.run_ahead && cfg_.mode == Mode::Sdvg && p.forced && cfg_.skips_first_draft && p.drafter_recache &&
+         !p.last;
+}
+
+void Scheduler::recache(Role role, int b, int charged, bool main_thread) {
+  timed(charged, Stage::Recache, main_thread, [&] { ex_.recache(role, b); });
 }
 
 bool Scheduler::wait_decision(int b, Handle* emitted) {
@@ -272,7 +277,7 @@ void Scheduler::drafter_loop() {
       if (speculative_prev) resolve_speculative_commit(b - 1);
       speculative_prev = false;
       if (lane_recaches(plan)) {  // re-cache now, beside the target's block; main waits for it
-        timed(b, Stage::DrafterCommit, false, [&] { ex_.drafter_recache(b); });
+        recache(Role::Drafter, b, b, false);
         std::lock_guard<std::mutex> lk(mu_);
         slot(b).recached = true;
         cv_.notify_all();
@@ -282,9 +287,12 @@ void Scheduler::drafter_loop() {
       if (!plan.last) drafter_commit(b, x);
       continue;
     }
-    if (speculative_prev && plan.recache) {  // never draft a re-cache over an undecided commit
-      resolve_speculative_commit(b - 1);
-      speculative_prev = false;
+    if (plan.drafter_recache) {
+      if (speculative_prev) {  // never re-cache over an undecided commit
+        resolve_speculative_commit(b - 1);
+        speculative_prev = false;
+      }
+      recache(Role::Drafter, b, b, false);
     }
     Handle d = drafter_draft(b);
     if (speculative_prev) {
@@ -322,8 +330,11 @@ void Scheduler::drafter_loop() {
 }
 
 // --------------------------------------------------------------------- main side
-Handle Scheduler::obtain_draft(int b) {
-  if (!cfg_.run_ahead) return drafter_draft(b);
+Handle Scheduler::obtain_draft(int b, const BlockPlan& plan) {
+  if (!cfg_.run_ahead) {
+    if (plan.drafter_recache) recache(Role::Drafter, b, b, true);
+    return drafter_draft(b);
+  }
   std::unique_lock<std::mutex> lk(mu_);
   cv_.wait(lk, [&] { return slot(b).draft_ready || cancelled_.load(); });
   Slot& s = slot(b);
@@ -347,8 +358,9 @@ void Scheduler::commit_held_targets(int block, int count) {
   const size_t n = count < 0 ? pending_target_commits_.size()
                              : std::min(pending_target_commits_.size(), static_cast<size_t>(count));
   for (size_t i = 0; i < n; ++i) {
-    const auto& [b, x] = pending_target_commits_[i];
-    timed(block, Stage::TargetCommit, true, [&] { ex_.target_commit_forward(b, x); });
+    const HeldCommit& held = pending_target_commits_[i];
+    if (held.recache) recache(Role::Target, held.block, block, true);
+    timed(block, Stage::TargetCommit, true, [&] { ex_.target_commit_forward(held.block, held.latents); });
     if (cfg_.target_recompute) continue;  // the latents joined the context: no forward, no pointer move
     ex_.target_cache_commit();
   }
@@ -369,8 +381,11 @@ void Scheduler::run_main() {
     BlockRecord& rec = *rec_ptr;
     Handle x, frames, d;
     bool accepted = false;
+    bool target_recached = false;  // the target's re-cache for this block is made (before its denoise)
     auto run_target = [&] {  // 4. the target denoises the same noise (lazy commits flushed first)
       commit_held_targets(b);
+      if (plan.target_recache) recache(Role::Target, b, b, true);
+      target_recached = true;
       return timed(b, Stage::Target, true, [&] { return ex_.target(b); });
     };
     if (cfg_.mode == Mode::Target) {
@@ -378,7 +393,7 @@ void Scheduler::run_main() {
       frames = timed(b, Stage::Decode, true, [&] { return ex_.decode(x, Role::Target, b); });
       rec.decision = Decision::Target;
     } else if (cfg_.mode == Mode::Draft) {
-      d = obtain_draft(b);
+      d = obtain_draft(b, plan);
       x = d;
       frames = timed(b, Stage::Decode, true, [&] { return ex_.decode(x, Role::Drafter, b); });
       rec.decision = Decision::Draft;
@@ -395,7 +410,7 @@ void Scheduler::run_main() {
         consumed_ = b + 1;  // the block has no draft to take
         cv_.notify_all();
       } else {
-        d = obtain_draft(b);  // 1. draft (made here, or taken from the run-ahead lane)
+        d = obtain_draft(b, plan);  // 1. draft (made here, or taken from the run-ahead lane)
         snap = ex_.vae_snapshot();  // 2. decode + score the draft
         draft_frames = timed(b, Stage::Decode, true, [&] { return ex_.decode(d, Role::Drafter, b); });
         scored = timed(b, Stage::Score, true, [&] { return ex_.score(draft_frames, Role::Drafter, b); });
@@ -419,11 +434,14 @@ void Scheduler::run_main() {
               timed(b, Stage::Score, true, [&] { return ex_.score(frames, Role::Target, b); }).frame_scores;
       }
       settle(b, accepted, x);
-      if (!cfg_.run_ahead && !last) drafter_commit(b, (cfg_.own_context && d) ? d : x);
+      if (!cfg_.run_ahead && !last) {
+        if (!d && plan.drafter_recache) recache(Role::Drafter, b, b, true);  // a forced block it did not draft
+        drafter_commit(b, (cfg_.own_context && d) ? d : x);
+      }
     }
     if (cfg_.mode != Mode::Draft) {  // 5. commit (the drafter's commit is above, or on its lane)
       if (!last) {
-        pending_target_commits_.emplace_back(b, x);
+        pending_target_commits_.push_back({b, x, plan.target_recache && !target_recached});
         const int cap = cfg_.max_held_target_commits;
         if (!(cfg_.lazy_target_commit && accepted && cfg_.mode == Mode::Sdvg))
           commit_held_targets(b);

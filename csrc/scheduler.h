@@ -25,9 +25,14 @@
 // first block planned `stop`. The routing rule lives in Python (sdvg/generation/routers.py): a plan
 // carries either the decision of a router that decides without looking at the draft (`accept`) or
 // the threshold its block score is held to (`scored`, `tau`); the scheduler keeps no copy of a rule. A run-ahead drafter under the
-// `committed` context never drafts a block whose conditioning changed (its plan's `recache`: the
-// drafter first recomputes its context under the new conditioning) over a speculative commit not
+// `committed` context never drafts a block whose conditioning changed (its plan's `drafter_recache`:
+// the drafter first recomputes its context under the new conditioning) over a speculative commit not
 // yet decided: it waits for the decision, so a rollback never has to undo a re-cache.
+//
+// A re-cache is a stage of its own (`Stage::Recache`, `Executor::recache`), made where the plan says:
+// before a role's first work on the block (the drafter: its draft, or its commit of a block it did not
+// draft; the target: its denoise, or its commit of the block, held or not), so both loops make the
+// same forwards in the same order on each cache.
 #pragma once
 
 #include <array>
@@ -56,7 +61,7 @@ namespace sdvg {
 #define SDVG_ROLES(X) X(Drafter, "drafter") X(Target, "target")
 #define SDVG_STAGES(X)                                                        \
   X(Draft, "draft") X(Decode, "decode") X(Score, "score") X(Target, "target") \
-  X(DrafterCommit, "drafter_commit") X(TargetCommit, "target_commit")
+  X(DrafterCommit, "drafter_commit") X(TargetCommit, "target_commit") X(Recache, "recache")
 
 #define SDVG_ENUMERATOR_(id, name) id,
 enum class Mode { SDVG_MODES(SDVG_ENUMERATOR_) };
@@ -116,7 +121,8 @@ struct SchedulerConfig {
   X(bool, stop, "the video ends before this block (nothing of it is made)")                                    \
   X(bool, last, "the video's last block: nothing is committed after it")                                       \
   X(bool, forced, "sdvg mode: the block goes to the target whatever the router says")                          \
-  X(bool, recache, "the drafter re-caches its context before this block (its conditioning changed)")          \
+  X(bool, drafter_recache, "the drafter re-caches its context under this block's conditioning first")          \
+  X(bool, target_recache, "the target re-caches its context under this block's conditioning first")            \
   X(bool, scored, "the block's router reads its score: the draft is accepted when the score >= tau")        \
   X(double, tau, "scored: the threshold (a NaN score, a non-finite draft's, is below every tau)")             \
   X(bool, accept, "not scored: the router's decision, made without looking at the draft")
@@ -215,9 +221,9 @@ class Executor {
   // config.live: the plan of block b, asked once per block, in block order, from the thread that
   // reaches b first (the drafter's lane under run-ahead); it may wait (a live input's frames).
   virtual BlockPlan plan(int block);
-  // config.live, run-ahead: the drafter takes block b's conditioning (re-caching its context under
-  // it) before b's commit, on its lane, while the target makes b (a forced block it does not draft).
-  virtual void drafter_recache(int block);
+  // The role re-caches its context under block b's conditioning (the block's plan asks it: a live
+  // video's conditioning changed), before the role's first work on b.
+  virtual void recache(Role role, int block);
 };
 
 class Scheduler {
@@ -251,7 +257,9 @@ class Scheduler {
   void run_main();
   // The oldest `count` held target commits (all: -1), in order, charged to `block`.
   void commit_held_targets(int block, int count = -1);
-  Handle obtain_draft(int b);
+  Handle obtain_draft(int b, const BlockPlan& plan);
+  // The role's re-cache for block b, where the plan asks it (charged to `charged`, the block being made).
+  void recache(Role role, int b, int charged, bool main_thread);
   void settle(int b, bool accepted, const Handle& emitted);
   // drafter lane
   void drafter_loop();
@@ -287,7 +295,12 @@ class Scheduler {
   int records_base_ = 0;             // the block of records_.front()
   std::deque<Span> trace_;
   Clock::time_point start_{};
-  std::vector<std::pair<int, Handle>> pending_target_commits_;
+  struct HeldCommit {
+    int block;
+    Handle latents;
+    bool recache;  // the target re-caches under the block's conditioning before this commit
+  };
+  std::vector<HeldCommit> pending_target_commits_;
 
   std::mutex mu_;
   std::condition_variable cv_;

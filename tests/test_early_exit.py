@@ -179,8 +179,8 @@ class _Spy:
         self._forward = model.forward
         model.forward = self
 
-    def __call__(self, x, t, frame0, attn_mask=None, active=None, hidden=None):
-        flow = self._forward(x, t, frame0, attn_mask=attn_mask, active=active, hidden=hidden)
+    def __call__(self, x, t, frame0, text_kv, attn_mask=None, active=None, hidden=None):
+        flow = self._forward(x, t, frame0, text_kv, attn_mask=attn_mask, active=active, hidden=hidden)
         self.calls.append(dict(x=x.clone(), t=float(t[0, 0]), flow=flow.clone(), active=active,
                                kv=self.model.cache.buffer.clone()))
         return flow
@@ -195,12 +195,13 @@ def test_frozen_tokens_keep_their_step_output_and_kv(tiny_pipe):
                              exit_verifier="pattern").resolved(tiny_pipe.preset)
     setup = prepare(tiny_pipe.components, PROMPT, opts, Counters())
     target = setup.target
-    x0 = target.denoise(torch.randn(setup.block_shape), 0, 0, opts.seed)
-    target.commit_forward(x0, 0)
+    text_kv = setup.text_kv[setup.conditioning.key, "target"]
+    x0 = target.denoise(torch.randn(setup.block_shape), 0, 0, opts.seed, text_kv)
+    target.commit_forward(x0, 0, text_kv)
     target.cache.commit()  # the loop moves the write pointer (RoleModel only runs the forward)
     spy = _Spy(target)
     out = target.denoise(torch.randn(setup.block_shape, generator=torch.Generator().manual_seed(9)), 1, FPB,
-                         opts.seed)
+                         opts.seed, text_kv)
     steps = target.exit_records[1].steps.flatten()  # k* per token
     assert 1 <= int(steps.min()) and int(steps.max()) == 4 and len(spy.calls) == int(steps.max())
     sched, shape = target.schedule, tuple(out.shape)
@@ -344,11 +345,12 @@ def test_stability_history_is_what_the_window_sees(tiny_pipe):
                              sink_frames=1).resolved(tiny_pipe.preset)
     setup = prepare(tiny_pipe.components, PROMPT, opts, Counters())
     target = setup.target
+    text_kv = setup.text_kv[setup.conditioning.key, "target"]
     committed = []
     for b in range(6):
         x = target.denoise(torch.randn(setup.block_shape, generator=torch.Generator().manual_seed(b)), b, b * FPB,
-                           opts.seed)
-        target.commit_forward(x, b * FPB)
+                           opts.seed, text_kv)
+        target.commit_forward(x, b * FPB, text_kv)
         target.cache.commit()
         committed.append(x)
     frames = target.history_frames()

@@ -67,6 +67,8 @@ def test_a_switch_mid_blend_starts_from_the_current_blend_and_interp_1_switches_
 
 
 def test_text_kv_is_rebuilt_only_when_the_conditioning_changes():
+    from sdvg.generation.conditioning import Conditioning, TextKV
+
     enc = FakeEncoder()
     table = ConditioningTable(PromptBank(enc), "a")
 
@@ -77,13 +79,18 @@ def test_text_kv_is_rebuilt_only_when_the_conditioning_changes():
             Dit.calls += 1
             return emb * 2
 
-    dit = Dit()
+    kv = TextKV({"drafter": Dit(), "target": Dit()})
+
+    def text_kv(block, role):  # what the stage calls pass to a forward of the block: its frozen conditioning's K/V
+        cond = table.frozen[block]
+        return kv(Conditioning(cond.key, cond.prompt, cond.emb), role)
+
     table.freeze(0), table.freeze(1)
-    assert table.text_kv(0, "drafter", dit) is table.text_kv(1, "drafter", dit)
+    assert text_kv(0, "drafter") is text_kv(1, "drafter")
     table.switch(2, "b", 2)
     table.freeze(2), table.freeze(3)
-    assert table.text_kv(2, "drafter", dit) is table.text_kv(1, "drafter", dit)  # weight 0: the old one
-    assert torch.equal(table.text_kv(3, "target", dit), enc.encode("b") * 2)
+    assert text_kv(2, "drafter") is text_kv(1, "drafter")  # weight 0: the old one
+    assert torch.equal(text_kv(3, "target"), enc.encode("b") * 2)
     assert Dit.calls == 2
 
 
@@ -232,16 +239,19 @@ def test_a_restart_lets_the_finished_segments_caches_go(tiny_pipe, monkeypatch, 
     import gc
     import weakref
 
-    from sdvg.live import LiveSession
+    from sdvg.generation import native, reference
 
     buffers = []
-    attach = LiveSession.attach
 
-    def recording_attach(self, calls, setup):
-        buffers.append(weakref.ref(setup.target.cache.buffer))
-        attach(self, calls, setup)
+    def recording(prepare):  # each segment's setup, as the loop makes it
+        def prepare_and_record(*args, **kwargs):
+            setup = prepare(*args, **kwargs)
+            buffers.append(weakref.ref(setup.target.cache.buffer))
+            return setup
+        return prepare_and_record
 
-    monkeypatch.setattr(LiveSession, "attach", recording_attach)
+    for loop in (native, reference):
+        monkeypatch.setattr(loop, "prepare", recording(loop.prepare))
     # by reference counting alone (no garbage collection): on a GPU, caches that wait for the collector are
     # memory held for an unknown time (a cycle through the native scheduler's error did that)
     gc.collect()

@@ -63,10 +63,10 @@ def test_a_forced_switch_block_is_emitted_with_the_drafters_recache(tiny_pipe, m
 
     recache = RoleModel.recache
 
-    def slow_recache(self):
+    def slow_recache(self, text_kv):
         if self.role == "drafter":
             time.sleep(0.5)
-        recache(self)
+        recache(self, text_kv)
 
     monkeypatch.setattr(RoleModel, "recache", slow_recache)
     schedule = [(0, "a red fox"), {"block": 2, "prompt": "an owl", "interp_blocks": 1}]
@@ -163,10 +163,21 @@ def test_a_long_accepted_run_holds_at_most_four_target_commits(tiny_pipe, schedu
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scheduler", ["reference", "cpp"])
-def test_an_unbounded_session_keeps_its_last_blocks_and_exact_totals(tiny_pipe, scheduler):
+def test_an_unbounded_session_keeps_its_last_blocks_and_exact_totals(tiny_pipe, monkeypatch, scheduler):
     """record_blocks=3 on an unbounded session ended by close(): the statistics keep 3 block entries and their spans,
     the rest folded into totals equal to those of every block the consumer received; the last segment's counters
     are recorded (the loop's report is made when the consumer leaves); the reference loop keeps 3 blocks' times."""
+    from sdvg.generation import reference
+    from sdvg.generation.calls import StageCalls
+
+    made = []  # the reference loop's stage calls, one per segment
+
+    class RecordedCalls(StageCalls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(reference, "StageCalls", RecordedCalls)
     session = tiny_pipe.session("a red fox", num_blocks=None, scheduler=scheduler, router="pattern", pattern="0110",
                                 seed=5, record_blocks=3, target_context="recompute", drafter_cache="recompute")
     seen = []
@@ -177,7 +188,7 @@ def test_an_unbounded_session_keeps_its_last_blocks_and_exact_totals(tiny_pipe, 
         if block.live["block"] == 8:
             break
     if scheduler == "reference":
-        assert len(session._calls.times) <= 3 + 1
+        assert len(made[-1].times) <= 3 + 1
     stats = session.close().as_dict()
     later = [s for s in seen if s[0] > 0]
     assert stats["video"]["blocks_done"] == len(seen) == 9 and stats["video"]["blocks_dropped"] == 6

@@ -119,9 +119,9 @@ def test_every_stage_sees_its_blocks_own_conditioning(tiny_pipe, monkeypatch, ru
     seen = []
     denoise = RoleModel.denoise
 
-    def recording(self, noise, block, frame0, seed):
-        seen.append((self.role, block, self.text_kv))
-        return denoise(self, noise, block, frame0, seed)
+    def recording(self, noise, block, frame0, seed, text_kv):
+        seen.append((self.role, block, text_kv))
+        return denoise(self, noise, block, frame0, seed, text_kv)
 
     monkeypatch.setattr(RoleModel, "denoise", recording)
     session = tiny_pipe.session("a red fox", num_blocks=8, interp_blocks=3, **{**KW, **run})

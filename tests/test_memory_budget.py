@@ -105,7 +105,8 @@ def test_the_check_counts_what_prepare_allocates(tiny_pipe, kw):
     for role in ("drafter", "target"):
         rm = getattr(setup, role)
         assert rm.cache.buffer.numel() * rm.cache.buffer.element_size() == items[f"{role} KV cache"].nbytes
-        text = sum(t.numel() * t.element_size() for t in (*rm.text_kv.keys, *rm.text_kv.values))
+        kv = setup.text_kv[setup.conditioning.key, role]
+        text = sum(t.numel() * t.element_size() for t in (*kv.keys, *kv.values))
         assert text == items[f"{role} prompt K/V"].nbytes
     plan = {it.what: it for it in plan_memory(comps.preset, {r: opts.role_context(r) for r in ("drafter", "target")},
                                               opts.num_blocks, "cpu", "cpu", "cpu")}

@@ -69,10 +69,10 @@ def test_a_live_config_has_no_block_count_and_a_non_negative_cap():
 
 def test_block_plan_fields_are_typed_keywords():
     # no router names, draws or patterns: the plan carries a decision (`accept`) or a threshold (`scored`, `tau`)
-    assert _C.BlockPlan.FIELDS == ("stop", "last", "forced", "recache", "scored", "tau", "accept")
+    assert _C.BlockPlan.FIELDS == ("stop", "last", "forced", "drafter_recache", "target_recache", "scored", "tau",
+                                   "accept")
     empty = _C.BlockPlan()
-    assert (empty.stop, empty.last, empty.forced, empty.scored, empty.tau, empty.accept) == (
-        False, False, False, False, 0.0, False)
+    assert tuple(getattr(empty, f) for f in _C.BlockPlan.FIELDS) == (False,) * 6 + (0.0, False)
     p = _C.BlockPlan(last=True, scored=True, tau=1)
     assert p.last and p.scored and p.tau == 1.0
     assert _C.BlockPlan(tau=-math.inf).tau == -math.inf and _C.BlockPlan(accept=True).accept
@@ -146,7 +146,7 @@ def test_out_of_range_values_are_refused_at_construction():
 
 
 def test_names_tuples():
-    assert _C.STAGE_NAMES == ("draft", "decode", "score", "target", "drafter_commit", "target_commit")
+    assert _C.STAGE_NAMES == ("draft", "decode", "score", "target", "drafter_commit", "target_commit", "recache")
     assert _C.DECISION_NAMES == ("forced", "accepted", "rejected", "target", "draft")
     assert _C.COUNTER_NAMES == ("target_forwards", "drafter_forwards", "skipped_drafter_forwards",
                                 "skipped_target_commits", "skipped_drafter_commits", "redrafts",

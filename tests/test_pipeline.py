@@ -47,9 +47,9 @@ def test_rejected_block_starts_from_the_draft_noise(tiny_pipe, monkeypatch):
     seen = []
     orig = RoleModel.denoise
 
-    def spy(self, noise, block, frame0, seed):
+    def spy(self, noise, block, frame0, seed, text_kv):
         seen.append((self.role, block, noise.clone()))
-        return orig(self, noise, block, frame0, seed)
+        return orig(self, noise, block, frame0, seed, text_kv)
 
     monkeypatch.setattr(RoleModel, "denoise", spy)
     out = tiny_pipe(PROMPT, router="pattern", pattern=(False, False, True, False), num_blocks=NB, seed=5,

@@ -70,7 +70,7 @@ def test_python_blocks_run_on_tiny(where, line, code, tmp_path, monkeypatch):
     namespace = {"__name__": "__readme__"}
     exec(compile(code, f"{where}:{line}", "exec"), namespace)
     if "record" in namespace:  # the statistics: grouped, read back by read_stats as they are
-        assert namespace["record"] == namespace["stats"] and namespace["stats"]["schema_version"] == 9
+        assert namespace["record"] == namespace["stats"] and namespace["stats"]["schema_version"] == 10
         return
     if "v2v" in namespace:  # video-to-video: a clip, and the same frames pushed live
         assert namespace["v2v"].frames.shape == (1, 33, 64, 64, 3) and len(namespace["blocks"]) == 2

@@ -11,13 +11,13 @@ from sdvg.models.dit import block_causal_mask
 from sdvg.options import GenerationOptions
 
 
-def _target(pipe, window_frames=0, sink_frames=0, num_blocks=6):
+def _target(pipe, window_frames=0, sink_frames=0, num_blocks=6, keep_clean=True):
     opts = pipe.resolve(GenerationOptions(mode="target", target_context="full", num_blocks=num_blocks,
                                           scheduler="reference", window_frames=window_frames,
                                           sink_frames=sink_frames))
-    setup = prepare(pipe.components, "a red fox", opts, Counters())
+    setup = prepare(pipe.components, "a red fox", opts, Counters(), keep_clean=keep_clean)
     model = setup.target
-    model.keep_clean = True
+    model.prompt_kv = setup.text_kv[setup.conditioning.key, "target"]  # the K/V its blocks are committed under
     return model, opts
 
 
@@ -28,7 +28,7 @@ def _commit_blocks(model, blocks: int, seed=0):
     shape = (1, model.dit.config.in_channels, F, lh, lw)
     latents = [torch.randn(shape, generator=g) for _ in range(blocks)]
     for b, x in enumerate(latents):
-        model.commit_forward(x, b * F)
+        model.commit_forward(x, b * F, model.prompt_kv)
         model.cache.commit()
     return torch.cat(latents, dim=2)
 
@@ -47,9 +47,8 @@ def test_recache_equals_a_fresh_context_forward_under_the_new_prompt(tiny_pipe):
     model, opts = _target(tiny_pipe)
     x = _commit_blocks(model, 3)  # [1, C, 9, h, w]
     text = _new_text(tiny_pipe, model)
-    model.text_kv = text
     before = model.cache.buffer.clone()
-    model.recache()
+    model.recache(text)
     assert model.recache_forwards == 1 and not torch.equal(before, model.cache.buffer)
     assert not model.cache.buffer.requires_grad and model.cache.buffer.grad_fn is None  # no graph holds the cache
     fresh = allocate_cache(tiny_pipe.components, model.dit, model.device, opts.role_context("target"), opts.num_blocks)
@@ -69,8 +68,7 @@ def test_recache_of_a_window_with_sinks_equals_the_full_sequence_at_the_frames_p
     visible = [f for f in model.cache.visible_frames()]
     assert visible == [0, 1, 2, 9, 10, 11, 12, 13, 14]
     text = _new_text(tiny_pipe, model)
-    model.text_kv = text
-    model.recache()
+    model.recache(text)
     # the oracle: one forward over all 15 frames at positions 0..14, block-causal, the evicted frames 3..8 masked
     # out as keys, K/V captured per layer (no cache, no slots, no RoPE runs)
     dit, tpf, n, F = model.dit, model.tokens_per_frame, x.shape[2], model.frames_per_block
@@ -93,11 +91,10 @@ def test_recache_of_a_window_with_sinks_equals_the_full_sequence_at_the_frames_p
 
 
 def test_recache_needs_the_clean_frames_and_runs_between_blocks(tiny_pipe):
-    model, _ = _target(tiny_pipe)
-    model.keep_clean = False
+    model, _ = _target(tiny_pipe, keep_clean=False)
     _commit_blocks(model, 1)
     with pytest.raises(RuntimeError, match="clean latents of frames \\[0, 1, 2\\]"):
-        model.recache()
+        model.recache(model.prompt_kv)
 
 
 @pytest.mark.slow

@@ -244,16 +244,16 @@ def test_a_recache_after_a_start_frame_rewrites_the_same_keys_and_values(tiny_pi
     opts = tiny_pipe.resolve(GenerationOptions(mode="target", num_blocks=3, seed=5, target_context="full",
                                                kv_cache_frames=kv))
     start = start_latents(_image(), comps.vae.vae, comps.preset, kv)
-    setup = prepare(comps, PROMPT, opts, Counters(), start_latents=start)
+    setup = prepare(comps, PROMPT, opts, Counters(), start_latents=start, keep_clean=True)
     target = setup.target
-    target.keep_clean = True
+    text_kv = setup.text_kv[setup.conditioning.key, "target"]
     for b in range(2):
-        x = target.denoise(block_noise(setup.block_shape, 5, b), b, target.frame_of(b), 5)
-        target.commit_forward(x, target.frame_of(b))
+        x = target.denoise(block_noise(setup.block_shape, 5, b), b, target.frame_of(b), 5, text_kv)
+        target.commit_forward(x, target.frame_of(b), text_kv)
         target.cache.commit()
     assert target.committed_frames == kv + 6
     before = target.cache.buffer.clone()
-    target.recache()
+    target.recache(text_kv)
     torch.testing.assert_close(target.cache.buffer, before, rtol=1e-4, atol=1e-4)
 
 

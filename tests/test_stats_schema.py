@@ -26,7 +26,7 @@ OPTIONAL = {"input_ended"}  # written only when it happened
 
 def _check(stats: dict, cli: bool = False, live: bool = False):
     json.loads(json.dumps(stats, allow_nan=True))
-    assert stats["schema_version"] == 9
+    assert stats["schema_version"] == 10
     want = set(TOP) - ({"cli"} if not cli else set()) - ({"live"} if not live else set())
     assert set(stats) == want
     for group in GROUPS:
@@ -53,7 +53,8 @@ def _check(stats: dict, cli: bool = False, live: bool = False):
         if stats["options"]["early_exit"] == "none":
             optional |= {"mean_steps", "max_steps", "exit"}
         assert set(b) == set(BLOCK) - optional
-        assert set(b["times"]) == {"draft", "decode", "score", "target", "drafter_commit", "target_commit", "commit"}
+        assert set(b["times"]) == {"draft", "decode", "score", "target", "drafter_commit", "target_commit", "recache",
+                                   "commit"}
     for x in stats["trace"]:
         assert set(x) == set(TRACE)
 
@@ -184,13 +185,16 @@ def flattened(record: dict, version: int) -> dict:
 
 
 @pytest.mark.parametrize("flat", [FLAT_CLI, FLAT_LIVE], ids=["cli", "live"])
-def test_a_schema_8_record_reads_as_9_with_every_value_in_its_group(flat):
+def test_a_schema_8_record_reads_as_10_with_every_value_in_its_group(flat):
     import sdvg
     from sdvg.generation.types import FIELDS, NEW_IN_9
 
     assert flat["schema_version"] == 8
     rec = sdvg.read_stats(flat)
     _check(rec, cli="prompt_index" in flat, live=bool(flat.get("live")))
+    # schema 10's re-cache time: 0.0 where the older schema had none
+    assert all(b["times"].pop("recache") == 0.0 for b in rec["blocks"])
+    assert rec["result"]["stage_totals"].pop("recache") == 0.0
     for key, value in flat.items():
         group, name = FIELDS[key]
         if key == "schema_version" or key == "nonfinite_fields" or (group == "live" and not name):
@@ -212,7 +216,7 @@ def test_a_flat_record_round_trips_to_the_same_grouped_values(tiny_pipe, tmp_pat
     from sdvg.generation.types import FIELDS, NEW_IN_9
 
     record = tiny_pipe(PROMPT, num_blocks=2, tau=float("inf"), scheduler="reference").stats.as_dict()
-    assert sdvg.read_stats(record) == record  # schema 9 as it is
+    assert sdvg.read_stats(record) == record  # the current schema as it is
     for version in range(1, 9):
         back = sdvg.read_stats(flattened(record, version))
         for key in NEW_IN_9:
@@ -223,11 +227,30 @@ def test_a_flat_record_round_trips_to_the_same_grouped_values(tiny_pipe, tmp_pat
         assert back["nonfinite_fields"] == ["options.tau"]
     path = tmp_path / "s.json"
     path.write_text(tiny_pipe(PROMPT, num_blocks=1, scheduler="reference").stats.to_json())
-    assert sdvg.read_stats(path)["video"]["frames"] == 9 and sdvg.read_stats(str(path))["schema_version"] == 9
+    assert sdvg.read_stats(path)["video"]["frames"] == 9 and sdvg.read_stats(str(path))["schema_version"] == 10
+
+
+def test_a_schema_9_record_reads_with_no_recache_time(tiny_pipe):
+    """Schema 10 times a re-cache as its own stage: a schema-9 record (the same groups, no `recache` time) reads
+    with `recache` 0.0 in every block's times and in the stage totals, the caller's record left as it was."""
+    import copy
+
+    import sdvg
+
+    record = tiny_pipe(PROMPT, num_blocks=2, scheduler="reference").stats.as_dict()
+    old = copy.deepcopy(record)
+    old["schema_version"] = 9
+    for times in [b["times"] for b in old["blocks"]] + [old["result"]["stage_totals"]]:
+        del times["recache"]
+    kept = copy.deepcopy(old)
+    back = sdvg.read_stats(old)
+    assert old == kept  # not changed in place
+    assert back["schema_version"] == 10 and all(b["times"]["recache"] == 0.0 for b in back["blocks"])
+    assert back == {**record, "blocks": back["blocks"]} and back["result"]["stage_totals"]["recache"] == 0.0
 
 
 @pytest.mark.parametrize("record,match", [
-    ({"schema_version": 10, "run": {}}, r"schema 10 is newer than this sdvg reads \(1-9\): upgrade sdvg"),
+    ({"schema_version": 11, "run": {}}, r"schema 11 is newer than this sdvg reads \(1-10\): upgrade sdvg"),
     ({"prompt": "a fox", "tau": 0.1}, "no integer schema_version"),
     ({"schema_version": "8"}, "no integer schema_version"),
     ({"schema_version": 0}, "schema 0 does not exist"),
@@ -257,7 +280,7 @@ def test_resume_reads_a_schema_8_file(tmp_path):
     assert resume("--tau=inf") == 2  # +inf vs the record's -inf (its cli.infinite_options): refused
     assert resume("--tau=-inf") == 0
     lines = [json.loads(x) for x in stats.read_text().splitlines()]
-    assert [x["schema_version"] for x in lines] == [8, 9] and lines[0] == FLAT_CLI
+    assert [x["schema_version"] for x in lines] == [8, 10] and lines[0] == FLAT_CLI
     assert lines[1]["cli"]["prompt_index"] == 1 and lines[1]["video"]["prompt"] == "an owl at night"
     assert not (tmp_path / "v_0000.mp4").exists() and (tmp_path / "v_0001.mp4").exists()
     assert resume("--tau=-inf", "--seed", "5") == 2  # other options: refused

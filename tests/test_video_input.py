@@ -179,9 +179,9 @@ def test_the_first_denoising_input_is_the_noised_encoded_input_exactly(tiny_pipe
     seen = []
     real = RoleModel.denoise
 
-    def record(self, noise, block, frame0, seed):
+    def record(self, noise, block, frame0, seed, text_kv):
         seen.append((self.role, block, noise.clone(), self.schedule))
-        return real(self, noise, block, frame0, seed)
+        return real(self, noise, block, frame0, seed, text_kv)
 
     monkeypatch.setattr(RoleModel, "denoise", record)
     frames = _frames()

@@ -96,6 +96,19 @@ struct Fake : Executor {
     target_cache.pending = val(x);
   }
   void target_cache_commit() override { target_cache.committed.push_back(target_cache.pending); }
+  // A re-cache rewrites every committed entry of the role's cache under block b's conditioning, so a
+  // re-cache made at another point of the order gives another video.
+  int recache_sleep_ms = 0;
+  void recache(Role r, int b) override {
+    if (recache_sleep_ms) std::this_thread::sleep_for(std::chrono::milliseconds(recache_sleep_ms));
+    FakeCache& c = r == Role::Drafter ? drafter : target_cache;
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      for (auto& v : c.committed) v = mix(v, 1000 + b);
+      (r == Role::Drafter ? drafter_forwards : target_forwards) += 1;
+    }
+    note(std::string(r == Role::Drafter ? "drecache " : "trecache ") + std::to_string(b));  // made (logged when done)
+  }
   void produced_by(const char* stage, Role r, int b) {
     std::lock_guard<std::mutex> lk(mu);
     producers.push_back(std::string(stage) + " " + role_name(r) + " " + std::to_string(b));
@@ -458,7 +471,8 @@ static void test_random_router_decides_in_the_plan() {
 // The name lists follow the enums; parsing refuses an unknown name and lists the choices.
 static void test_names() {
   const std::vector<std::string> stages(std::begin(kStageNames), std::end(kStageNames));
-  CHECK((stages == std::vector<std::string>{"draft", "decode", "score", "target", "drafter_commit", "target_commit"}));
+  CHECK((stages ==
+         std::vector<std::string>{"draft", "decode", "score", "target", "drafter_commit", "target_commit", "recache"}));
   CHECK(std::string(stage_name(Stage::TargetCommit)) == "target_commit");
   CHECK(std::string(decision_name(Decision::Rejected)) == "rejected");
   CHECK(std::string(mode_name(Mode::Draft)) == "draft");
@@ -472,7 +486,7 @@ static void test_names() {
   CHECK(why == "unknown mode 'fast'; choose sdvg, target or draft");
   CHECK(std::size(kCounterNames) == 10 && std::string(kCounterNames[7]) == "scheduler_wall_s");
   CHECK(std::size(kConfigFieldNames) == 16 && std::string(kConfigFieldNames[0]) == "mode");
-  CHECK(std::size(kPlanFieldNames) == 7 && std::string(kPlanFieldNames[0]) == "stop");
+  CHECK(std::size(kPlanFieldNames) == 8 && std::string(kPlanFieldNames[0]) == "stop");
 }
 
 // A recompute target: each target denoise past block 0 adds one context forward; committing a block
@@ -627,7 +641,7 @@ static void test_live_run_ahead_waits_before_a_recache() {
   Planned f;
   f.plans = {pattern_plan(false), pattern_plan(true), pattern_plan(false), pattern_plan(true), pattern_plan(true)};
   f.plans[0].forced = true;
-  f.plans[3].recache = true;  // block 2 is rejected, block 3 re-caches
+  f.plans[3].drafter_recache = true;  // block 2 is rejected, block 3 re-caches
   Scheduler s(f.video(live_cfg(true, false)), f);
   s.run();
   const auto at = [&](const std::string& line) {
@@ -648,11 +662,6 @@ static void test_live_run_ahead_waits_before_a_recache() {
 // that re-cache is made, as the sequential order has it (a live record counts its re-cache forwards).
 static void test_live_run_ahead_recaches_an_undrafted_block_before_its_emission() {
   struct Recaching : Planned {
-    int recache_sleep_ms = 0;
-    void drafter_recache(int b) override {
-      if (recache_sleep_ms) std::this_thread::sleep_for(std::chrono::milliseconds(recache_sleep_ms));
-      note("drecache " + std::to_string(b));  // made (logged when done)
-    }
     void emit(const BlockRecord& r) override {
       note("emit " + std::to_string(r.index));
       Planned::emit(r);
@@ -662,8 +671,8 @@ static void test_live_run_ahead_recaches_an_undrafted_block_before_its_emission(
     std::vector<BlockPlan> v = {pattern_plan(true), pattern_plan(true), pattern_plan(true), pattern_plan(true),
                                 pattern_plan(true, true)};
     v[0].forced = true;
-    v[2].forced = v[2].recache = true;  // the first block under a new prompt
-    v[4].forced = v[4].recache = true;  // the last block: never committed, nothing to re-cache for
+    v[2].forced = v[2].drafter_recache = true;  // the first block under a new prompt
+    v[4].forced = v[4].drafter_recache = true;  // the last block: never committed, nothing to re-cache for
     return v;
   };
   Recaching f;
@@ -678,12 +687,55 @@ static void test_live_run_ahead_recaches_an_undrafted_block_before_its_emission(
   CHECK(std::count(f.log.begin(), f.log.end(), std::string("drecache 2")) == 1);
   CHECK(at("drecache 4") == static_cast<long>(f.log.size()));  // none for the last block
   CHECK(at("draft 2") == static_cast<long>(f.log.size()));
-  Recaching g;  // sequential: the drafter's commit re-caches, on the main thread; the same video
+  Recaching g;  // sequential: the drafter re-caches on the main thread, after the target's block; the same video
   g.plans = plans();
   Scheduler q(g.video(live_cfg(false, false)), g);
   q.run();
   CHECK(latents(f) == latents(g) && f.drafter.committed == g.drafter.committed);
-  CHECK(std::count(g.log.begin(), g.log.end(), std::string("drecache 2")) == 0);
+  const auto at_g = [&](const std::string& line) {
+    return std::find(g.log.begin(), g.log.end(), line) - g.log.begin();
+  };
+  CHECK(at_g("target 2") < at_g("drecache 2") && at_g("drecache 2") < at_g("dcommit 2"));
+  CHECK(std::count(g.log.begin(), g.log.end(), std::string("drecache 2")) == 1);
+  const double want = s.records()[2].times[static_cast<int>(Stage::Recache)];
+  CHECK(want >= 0.1);  // timed under its own stage, where it was made (the lane's 100 ms)
+}
+
+// The target re-caches before its first work on a block whose plan asks it: its denoise when the
+// block is rejected, or its commit when the block is accepted, held lazily or not; then exactly once.
+static void test_target_recaches_before_its_first_work_on_the_block() {
+  auto run = [](Planned& f, bool lazy, bool run_ahead, std::vector<bool> accept) {
+    for (size_t b = 0; b < accept.size(); ++b) f.plans.push_back(pattern_plan(accept[b], b + 1 == accept.size()));
+    f.plans[0].forced = true;
+    f.plans[2].target_recache = f.plans[2].drafter_recache = true;  // block 2: a new prompt
+    Cfg c = live_cfg(run_ahead, true);
+    c.lazy_target_commit = lazy;
+    Scheduler s(f.video(c), f);
+    s.run();
+  };
+  const auto position = [](const Planned& f, const std::string& line) {
+    return std::find(f.log.begin(), f.log.end(), line) - f.log.begin();
+  };
+  for (bool run_ahead : {false, true}) {
+    // block 2 rejected: the held commit of block 1 under its own conditioning, then the re-cache, then the denoise
+    Planned r;
+    run(r, true, run_ahead, {false, true, false, true});
+    CHECK(position(r, "tcommit 1") < position(r, "trecache 2") && position(r, "trecache 2") < position(r, "target 2"));
+    CHECK(std::count(r.log.begin(), r.log.end(), std::string("trecache 2")) == 1);
+    // block 2 accepted and held: the re-cache comes before its commit, made when block 3 is rejected
+    Planned a;
+    run(a, true, run_ahead, {false, true, true, false, true});
+    CHECK(position(a, "tcommit 1") < position(a, "trecache 2") && position(a, "trecache 2") < position(a, "tcommit 2"));
+    CHECK(position(a, "tcommit 2") < position(a, "target 3"));
+    // the same video with every commit made at once
+    Planned e;
+    run(e, false, run_ahead, {false, true, true, false, true});
+    CHECK(latents(a) == latents(e) && a.target_cache.committed == e.target_cache.committed);
+    CHECK(a.target_forwards == e.target_forwards);
+    // the drafter re-caches before its draft of block 2, once
+    CHECK(position(a, "drecache 2") < position(a, "draft 2"));
+    CHECK(std::count(a.log.begin(), a.log.end(), std::string("drecache 2")) == 1);
+  }
 }
 
 // An unbounded video holds at most max_held_target_commits lazy commits: the oldest is committed
@@ -800,6 +852,7 @@ int main() {
   test_live_per_block_plan_and_stop();
   test_live_run_ahead_waits_before_a_recache();
   test_live_run_ahead_recaches_an_undrafted_block_before_its_emission();
+  test_target_recaches_before_its_first_work_on_the_block();
   test_held_target_commits_are_capped();
   test_long_live_video_holds_bounded_state();
   test_record_blocks_bounds_records_and_trace();

@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 STAGE_COLORS = {"draft": "tab:blue", "drafter_commit": "tab:cyan", "decode": "tab:green", "score": "tab:olive",
-                "target": "tab:red", "target_commit": "tab:orange"}
-LANES = {"draft": 2, "drafter_commit": 2, "decode": 1, "score": 1, "target": 0, "target_commit": 0}
+                "target": "tab:red", "target_commit": "tab:orange", "recache": "tab:purple"}
+# a re-cache (a live session's new conditioning) is either role's: drawn thin between the target's and the VAE's lanes
+LANES = {"draft": 2, "drafter_commit": 2, "decode": 1, "score": 1, "target": 0, "target_commit": 0, "recache": 0.5}
 LANE_NAMES = ["target", "VAE + reward", "drafter"]
 
 
@@ -33,6 +34,7 @@ def plot_timeline(panels: list[dict], path: str | Path) -> Path:
         first: dict[int, float] = {}
         for sp in panel["trace"]:
             ax.barh(LANES[sp["stage"]], sp["end_s"] - sp["start_s"], left=sp["start_s"],
+                    height=0.3 if sp["stage"] == "recache" else 0.8,
                     color=STAGE_COLORS[sp["stage"]], edgecolor="black", lw=0.3,
                     alpha=0.6 if sp["thread"] == "drafter" else 1.0)
             first.setdefault(sp["block"], sp["start_s"])
@@ -45,7 +47,7 @@ def plot_timeline(panels: list[dict], path: str | Path) -> Path:
     axes[-1, 0].set_xlabel("seconds from the start of the video (block index + f/a/r/t/d = forced/accepted/"
                            "rejected/target/draft; lighter: drafter thread)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in STAGE_COLORS.values()]
-    fig.legend(handles, list(STAGE_COLORS), fontsize=7, ncol=6, loc="lower center")
+    fig.legend(handles, list(STAGE_COLORS), fontsize=7, ncol=7, loc="lower center")
     fig.tight_layout(rect=(0, 0.35 / height, 1, 1))  # room for the legend below
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,10 @@ around it, once for both loops:
   its own trace and block times;
 - copy-ahead: under `cuda_graphs` a block's noise draws come from pinned memory, copied ahead;
 - the NaN/inf guard (`StageGuard`), told explicitly whose output a decode or a score handles;
-- device moves of latents between the roles (`LatentTransfer`).
+- device moves of latents between the roles (`LatentTransfer`);
+- the text conditioning: `step(b)` keeps block b's step from the plan, and every forward of block b
+  gets the K/V of that step's conditioning for its role (`TextKV`); a re-cache under a new
+  conditioning is a stage of its own (`recache`), called by the loop where the plan asks it.
 
 The KV write pointer is not moved here: a commit call runs the t = 0 forward only, and the loop that
 runs (Python or C++) moves the pointer after it. The forwards are counted by the models as they make
@@ -27,9 +30,10 @@ from collections import deque
 import torch
 
 from sdvg._native import _C
+from sdvg.generation.conditioning import TextKV
 from sdvg.generation.early_exit.record import block_exits
 from sdvg.generation.noise import block_noise, copy_ahead
-from sdvg.generation.plan import BlockStep, FixedPlan, Plan, native_plan
+from sdvg.generation.plan import BlockStep, Plan, native_plan
 from sdvg.generation.stage_timing import StageEvents
 from sdvg.generation.transfer import LatentTransfer
 from sdvg.generation.types import STAGE_NAMES, BlockRecord, block_times
@@ -41,14 +45,20 @@ ROLE_NAMES: tuple[str, ...] = tuple(_C.ROLE_NAMES)  # drafter, target: whose out
 
 
 class StageCalls(_C.StageCalls):
-    """The stages of one prepared video (`setup`, from `prepare`). `record_trace`: the calling loop is
-    Python and this object keeps the trace and the per-block times; `sink`: where `emit` (the native
-    scheduler's hand-over) puts each finished `BlockRecord`."""
+    """The stages of one prepared video (`setup`, from `prepare`) under its block plan (`block_plan`).
+    `record_trace`: the calling loop is Python and this object keeps the trace and the per-block times (of
+    the plan's last `record_blocks` blocks); `sink`: where `emit` (the native scheduler's hand-over) puts
+    each finished `BlockRecord`."""
 
-    def __init__(self, comps: Components, prompt: str, opts: GenerationOptions, setup, record_trace: bool = False,
-                 sink: queue.Queue | None = None, video_input=None, block_plan: Plan | None = None):
+    # block steps kept when the plan caps the held commits (a live session's few): a block's calls come at most
+    # that many blocks, plus run-ahead's, after its step; a whole video keeps every step (its held commits wait
+    # for the target's next block, however far)
+    STEPS_KEPT = 16
+
+    def __init__(self, comps: Components, opts: GenerationOptions, setup, block_plan: Plan,
+                 record_trace: bool = False, sink: queue.Queue | None = None, video_input=None):
         _C.StageCalls.__init__(self)
-        self.comps, self.prompt, self.opts, self.setup, self.sink = comps, prompt, opts, setup, sink
+        self.comps, self.opts, self.setup, self.sink = comps, opts, setup, sink
         self.guard, self.frames_per_block = setup.guard, setup.frames_per_block
         self.drafter_dev, self.target_dev, self.vae_dev = comps.drafter_device, comps.target_device, comps.vae.device
         self.transfer = LatentTransfer([self.drafter_dev, self.target_dev])
@@ -59,75 +69,62 @@ class StageCalls(_C.StageCalls):
         self.trace: deque[dict] | None = deque() if record_trace else None
         self.times: dict[int, dict[str, float]] = {}  # record_trace: block -> seconds per stage
         # record_trace: the blocks whose spans and times are kept (None: all; a long live session keeps the last few)
-        self.keep_blocks: int | None = None
+        self.keep_blocks: int | None = block_plan.record_blocks
         self.stage_s = 0.0  # record_trace: seconds inside stage calls, every block (kept or not)
         self.block = 0  # record_trace: the block the loop is producing (its calls are charged to it)
         self.t_start = time.perf_counter()
-        # live sessions (sdvg/live): block -> (role -> its text K/V, the prompt a score is judged against);
-        # None: the video's one prompt (the text K/V `prepare` made)
-        self.conditioning = None
         # video-to-video (sdvg/generation/video_input.py): each block's encoded input frames, noised to the
         # role's first sigma, replace its pure noise; None: text-to-video
         self.video_input = video_input
         # the video's block plan (sdvg/generation/plan.py: FixedPlan, or a live session), asked by both loops through
-        # `step` (the native scheduler through `plan`); re-cache forwards by the block whose conditioning they serve
-        self.block_plan: Plan = block_plan if block_plan is not None else FixedPlan(opts)
-        self._recaches: dict[int, int] = {}
-        self._recache_lock = threading.Lock()
+        # `step` (the native scheduler through `plan`); each block's step is kept for the calls of that block
+        self.block_plan = block_plan
+        self._steps: dict[int, BlockStep] = {}
+        self._steps_lock = threading.Lock()
+        # role -> the K/V of a conditioning (the prompt's, made by `prepare`, reused)
+        self.text_kv = TextKV({m.role: m.dit for m in (setup.drafter, setup.target) if m is not None},
+                              setup.text_kv)
+        self._recaches: dict[int, int] = {}  # re-cache forwards by the block whose conditioning they serve
 
-    def _condition(self, model, block: int) -> None:
-        """Give `model` block `block`'s text conditioning (a live session's frozen table entry). When it differs
-        from the conditioning the model last ran under and `recache` is on, a full-context model first re-caches
-        its visible frames under the new one (`RoleModel.recache`, docs/live.md)."""
-        if self.conditioning is None:
-            return
-        key = self.conditioning.key(block)
-        changed = model.text_key not in (None, key)
-        model.text_kv, model.text_key = self.conditioning.text_kv(block, model.role), key
-        if changed and self.opts.recache and not model.context.recompute and model.committed_frames:
-            model.recache()
-            with self._recache_lock:
-                self._recaches[block] = self._recaches.get(block, 0) + 1
+    def _kv(self, role: str, block: int):
+        """`role`'s cross-attention K/V of block `block`'s conditioning (its step's)."""
+        with self._steps_lock:
+            step = self._steps.get(block)
+        if step is None:
+            raise RuntimeError(f"block {block}'s {role} forward before the block's step (StageCalls.step), or more "
+                               f"than {self.STEPS_KEPT} blocks after it under a plan that caps held commits")
+        return self.text_kv(step.conditioning, role)
 
     def take_recaches(self, block: int) -> int:
         """Re-cache forwards made for blocks <= `block` and not taken yet (a block's record reports them: the
         same count under either loop, whichever thread made them)."""
-        with self._recache_lock:
+        with self._steps_lock:
             done = [b for b in self._recaches if b <= block]
             return sum(self._recaches.pop(b) for b in done)
 
-    def drafter_recaches(self, block: int) -> bool:
-        """Whether the drafter will re-cache before block `block`: its conditioning differs from the block
-        before's (a live session's table), re-cache is on and the drafter keeps a full context."""
-        drafter = self.setup.drafter
-        if (self.conditioning is None or block == 0 or drafter is None or not self.opts.recache
-                or drafter.context.recompute):
-            return False
-        return self.conditioning.key(block) != self.conditioning.key(block - 1)
-
     def step(self, block: int) -> BlockStep:
         """Block `block`'s step from the video's plan (sdvg/generation/plan.py), asked once per block by either
-        loop; the guard is told how the block is routed, so a non-finite draft is judged as the loop routes it."""
+        loop and kept for the block's calls; the guard is told how the block is routed, so a non-finite draft
+        is judged as the loop routes it."""
         step = self.block_plan.begin(block)
         if not step.stop:
+            if step.conditioning is None:
+                raise ValueError(f"the plan gave block {block} no conditioning")
+            with self._steps_lock:
+                self._steps[block] = step
+                if self.block_plan.max_held_commits is not None:
+                    self._steps.pop(block - self.STEPS_KEPT, None)
             self.guard.route(block, step.router, step.forced)
         return step
 
     def plan(self, block: int) -> _C.BlockPlan:
         """The native scheduler's question before every block: `step(block)` as a `_C.BlockPlan`, with the
         decision of a router that does not look at the draft, or the threshold a scored one is held to."""
-        step = self.step(block)
-        return native_plan(step, block, self.opts.seed, recache=not step.stop and self.drafter_recaches(block))
-
-    def drafter_recache(self, block: int) -> None:
-        """The native scheduler's run-ahead lane, before the commit of a forced block it did not draft: the
-        drafter takes block `block`'s conditioning now (its re-cache, `_condition`), beside the target's
-        block rather than after it; the commit that follows finds it done. The same forwards in the same
-        order on the drafter's cache as the sequential loop's commit makes."""
-        self._condition(self.setup.drafter, block)
+        return native_plan(self.step(block), block, self.opts.seed)
 
     def _score_prompt(self, block: int) -> str:
-        return self.prompt if self.conditioning is None else self.conditioning.prompt(block)
+        with self._steps_lock:
+            return self._steps[block].conditioning.prompt
 
     # ------------------------------------------------------------------ glue
     def begin_block(self, block: int) -> None:
@@ -178,8 +175,8 @@ class StageCalls(_C.StageCalls):
         """The drafter denoises noise_b -> x_hat (its K/V into the pending slot)."""
         def run():
             drafter = self.setup.drafter
-            self._condition(drafter, block)
-            x = drafter.denoise(self._noise(drafter, block), block, drafter.frame_of(block), self.opts.seed)
+            x = drafter.denoise(self._noise(drafter, block), block, drafter.frame_of(block), self.opts.seed,
+                                self._kv("drafter", block))
             if self.setup.target is not None:
                 self.transfer.prefetch(x, self.target_dev)  # an accepted draft goes into the target's cache
             return self.guard.draft(x, block)
@@ -189,8 +186,8 @@ class StageCalls(_C.StageCalls):
         """The target denoises the same noise_b -> x_b."""
         def run():
             target = self.setup.target
-            self._condition(target, block)
-            x = target.denoise(self._noise(target, block), block, target.frame_of(block), self.opts.seed)
+            x = target.denoise(self._noise(target, block), block, target.frame_of(block), self.opts.seed,
+                               self._kv("target", block))
             self.transfer.prefetch(x, self.vae_dev)  # decoded, and committed into the drafter, over there
             return self.guard.target(x, block)
         return self._call("target", self.target_dev, run)
@@ -198,15 +195,24 @@ class StageCalls(_C.StageCalls):
     def drafter_commit(self, block: int, latents: torch.Tensor) -> None:
         """The drafter's t = 0 forward over the block (full) or its latents recorded (recompute)."""
         drafter = self.setup.drafter
-        self._condition(drafter, block)
         self._call("drafter_commit", self.drafter_dev, lambda: drafter.commit_forward(
-            self.transfer.get(latents, self.drafter_dev), drafter.frame_of(block)))
+            self.transfer.get(latents, self.drafter_dev), drafter.frame_of(block), self._kv("drafter", block)))
 
     def target_commit(self, block: int, latents: torch.Tensor) -> None:
         target = self.setup.target
-        self._condition(target, block)
         self._call("target_commit", self.target_dev, lambda: target.commit_forward(
-            self.transfer.get(latents, self.target_dev), target.frame_of(block)))
+            self.transfer.get(latents, self.target_dev), target.frame_of(block), self._kv("target", block)))
+
+    def recache(self, role: str, block: int) -> None:
+        """`role` re-caches its visible committed frames under block `block`'s conditioning (`RoleModel.recache`,
+        docs/live.md), before its first forward of the block; the loop calls it where the block's plan asks
+        (`BlockStep.recache`). Its forwards are reported with the block's record (`take_recaches`)."""
+        model = self.setup.drafter if role == "drafter" else self.setup.target
+        device = self.drafter_dev if role == "drafter" else self.target_dev
+        before = model.recache_forwards
+        self._call("recache", device, lambda: model.recache(self._kv(role, block)))
+        with self._steps_lock:
+            self._recaches[block] = self._recaches.get(block, 0) + model.recache_forwards - before
 
     def decode(self, latents: torch.Tensor, producer: str, block: int) -> torch.Tensor:
         """The VAE decodes `producer`'s latents of `block` (advances the VAE cache)."""
@@ -242,7 +248,8 @@ class StageCalls(_C.StageCalls):
             index, decision, latents.float().cpu(), to_uint8_frames(frames), score, list(frame_scores),
             block_times(times), draft_latents=None if draft_latents is None else draft_latents.float().cpu(),
             emitted_scores=list(emitted_scores) if self.opts.score_emitted else None,
-            exits=block_exits(self.setup.drafter, self.setup.target, index, decision), redrafts=redrafts)
+            exits=block_exits(self.setup.drafter, self.setup.target, index, decision), redrafts=redrafts,
+            recache_forwards=self.take_recaches(index))
 
     def emit(self, block: _C.EmittedBlock) -> None:
         """The native scheduler hands over a finished block (on the VAE lane, its tensors ready there)."""

@@ -17,10 +17,13 @@ from collections.abc import Mapping
 import torch
 
 from sdvg._native import _C
+from sdvg.generation.conditioning import Conditioning
 from sdvg.generation.native import scheduler_config
 from sdvg.generation.plan import FixedPlan, native_plan
 from sdvg.generation.types import STAGE_NAMES
 from sdvg.options import GenerationOptions
+
+NO_TEXT = Conditioning(("none",), "", torch.zeros(0))  # the fake stages run no model: no text is read
 
 FRAMES_PER_BLOCK = 3
 NUM_STEPS = 4
@@ -111,7 +114,7 @@ class FakeStages(_C.StageCalls):
         if self.options is None:
             raise RuntimeError("FakeStages has no video to plan: give it options (fake_scheduler does)")
         self.planned.append(block)
-        return native_plan(FixedPlan(self.options).begin(block), block, self.options.seed)
+        return native_plan(FixedPlan(self.options, NO_TEXT).begin(block), block, self.options.seed)
 
 
 def fake_caches(num_blocks: int):

@@ -21,6 +21,7 @@ from typing import Iterator
 
 from sdvg._native import _C
 from sdvg.generation.calls import StageCalls
+from sdvg.generation.plan import FixedPlan
 from sdvg.generation.prepare import prepare
 from sdvg.generation.types import BlockRecord, Counters, LoopReport
 from sdvg.models.components import Components
@@ -70,20 +71,19 @@ def generate_blocks_native(comps: Components, prompt: str, opts: GenerationOptio
     threaded=True runs the scheduler on a worker thread and yields each block as it is emitted;
     threaded=False runs it on the calling thread and yields the blocks at the end (whole-video calls). A
     live session runs threaded."""
-    if plan is not None and not threaded:
+    live = plan is not None  # a live session: stopped by its plan alone, its blocks handed over through a bounded queue
+    if live and not threaded:
         raise ValueError("a live session's native scheduler runs on its own thread (threaded=True)")
     forwards = Counters()  # the models count their forwards here; the scheduler counts the rest
     setup = prepare(comps, prompt, opts, forwards, slack_frames=setup_slack(comps, opts.run_ahead), runners=runners,
-                    memory_budget_gib=memory_budget_gib, start_latents=start_latents)
-    sink: queue.Queue = queue.Queue(maxsize=0 if plan is None else LIVE_QUEUED_BLOCKS)
-    stages = StageCalls(comps, prompt, opts, setup, sink=sink, video_input=video_input, block_plan=plan)
-    if plan is not None:
-        plan.attach(stages, setup)
-    held = getattr(plan, "max_held_commits", None) or 0
-    kept = getattr(plan, "record_blocks", None) or 0
+                    memory_budget_gib=memory_budget_gib, start_latents=start_latents,
+                    keep_clean=live and plan.recaches)
+    plan = plan if live else FixedPlan(opts, setup.conditioning)
+    sink: queue.Queue = queue.Queue(maxsize=LIVE_QUEUED_BLOCKS if live else 0)
+    stages = StageCalls(comps, opts, setup, plan, sink=sink, video_input=video_input)
     sched = _C.Scheduler(
-        setup_scheduler_config(opts, setup, live=plan is not None, max_held_target_commits=held,
-                               record_blocks=kept), stages,
+        setup_scheduler_config(opts, setup, live=live, max_held_target_commits=plan.max_held_commits or 0,
+                               record_blocks=plan.record_blocks or 0), stages,
         setup.drafter.cache if setup.drafter else None, setup.target.cache if setup.target else None,
         comps.drafter_device, comps.target_device)
     errors: list[BaseException] = []

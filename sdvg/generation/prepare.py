@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from sdvg.config import RoleContext
+from sdvg.generation.conditioning import Conditioning
 from sdvg.generation.guard import StageGuard
 from sdvg.generation.role_model import RoleModel
 from sdvg.generation.schedule import FlowSchedule, counted_steps, strength_steps
@@ -71,6 +72,8 @@ class Setup:
     runners: object
     emitted_pixels: "PixelWindow"  # the last emitted pixel frames a recompute role re-encodes
     guard: StageGuard  # the NaN/inf checks of every stage output (both schedulers)
+    conditioning: Conditioning  # the prompt's (a whole video's plan gives it to every block)
+    text_kv: dict  # (conditioning key, role) -> the role's K/V of the prompt (`TextKV`'s first entries)
 
     def observe(self, pixels: torch.Tensor) -> None:
         """Record a block's emitted pixels [1, 3, T, H, W] (call once per block, in order, before the next
@@ -80,14 +83,16 @@ class Setup:
 
 def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, slack_frames: int = 0,
             runners=None, memory_budget_gib: float | None = None, exit_verifiers: dict | None = None,
-            start_latents: torch.Tensor | None = None) -> Setup:
+            start_latents: torch.Tensor | None = None, keep_clean: bool = False) -> Setup:
     """`opts` are resolved options (num_blocks set); `counters` a `Counters` that the models count into.
     Before anything is allocated, the video's KV caches and prompt K/V are checked against each
     device's free memory, or against `memory_budget_gib` (`check_memory`; `MemoryBudgetError`).
     `exit_verifiers` (role -> verifier) replaces the verifier the options make for a role that exits
     early (the recording verifier of sdvg/evaluation/exit_calibration.py); other roles are refused.
     `start_latents` ([1, z, n, h, w], `sdvg.generation.start_frame`): a start frame's clean latents, frames
-    0 .. n - 1 of every role before block 0 (`RoleModel.start_from`)."""
+    0 .. n - 1 of every role before block 0 (`RoleModel.start_from`). `keep_clean`: the video's plan may ask a
+    full-context role to re-cache (`Plan.recaches`), so each keeps the clean latents of the frames it can see.
+    The prompt's conditioning and each role's K/V of it are made here (`Setup.conditioning`, `Setup.text_kv`)."""
     if opts.num_blocks is None:
         raise ValueError("prepare() needs resolved options: call opts.resolved(preset) first")
     if runners is None:
@@ -121,7 +126,7 @@ def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, s
         prefix = start_latents.shape[2]
     check_memory(comps, opts, slack_frames, runners, memory_budget_gib, prompt, prefix)
     dits = role_dits(comps, opts)
-    emb = comps.text_encoder.encode(prompt)
+    conditioning = Conditioning(("prompt", prompt), prompt, comps.text_encoder.encode(prompt))
     zf = p.video.frames_per_block
     contexts = {role: opts.role_context(role) for role in opts.roles}
     window = max([c.pixel_window(p.vae.temporal_stride) for c in contexts.values()
@@ -139,23 +144,25 @@ def prepare(comps: Components, prompt: str, opts: GenerationOptions, counters, s
         else:
             cache = allocate_cache(comps, dit, device, context, opts.num_blocks, slack, runners, prefix)
         schedule = role_schedule(p, context, opts.strength, opts.target_steps if role == "target" else None)
-        return RoleModel(dit, role, cache, dit.encode_text(emb), device, context, schedule, counters, runners,
+        return RoleModel(dit, role, cache, device, context, schedule, counters, runners,
                          zf, p.video.tokens_per_frame(p.vae, dit.config), comps.vae, emitted_pixels,
-                         verifiers.get(role))
+                         verifiers.get(role), keep_clean=keep_clean)
 
     drafter = (role_model("drafter", dits["drafter"], comps.drafter_device, slack_frames) if "drafter" in contexts
                else None)
     target = role_model("target", dits["target"], comps.target_device, 0) if "target" in contexts else None
-    for model in (drafter, target):
-        if model is not None and start_latents is not None:
-            model.start_from(start_latents.to(model.device))
+    models = [m for m in (drafter, target) if m is not None]
+    text_kv = {(conditioning.key, m.role): m.dit.encode_text(conditioning.emb) for m in models}
+    for model in models:
+        if start_latents is not None:
+            model.start_from(start_latents.to(model.device), text_kv[conditioning.key, model.role])
     lh, lw = p.video.latent_hw(p.vae)
-    for model in (drafter, target):  # every graph captured here, before either scheduler starts
-        if graphs is not None and model is not None and model.exit_verifier is None:
-            graphs.capture_all(model.role, model.dit, model.text_kv, model.cache, (1, p.vae.z_dim, zf, lh, lw),
-                               model.graph_plan(opts.num_blocks))
+    for model in models:  # every graph captured here, before either scheduler starts
+        if graphs is not None and model.exit_verifier is None:
+            graphs.capture_all(model.role, model.dit, text_kv[conditioning.key, model.role], model.cache,
+                               (1, p.vae.z_dim, zf, lh, lw), model.graph_plan(opts.num_blocks))
     return Setup(Aggregator(opts.aggregation), drafter, target, comps.vae.new_cache(opts.vae_decoder), zf,
-                 (1, p.vae.z_dim, zf, lh, lw), runners, emitted_pixels, StageGuard(opts))
+                 (1, p.vae.z_dim, zf, lh, lw), runners, emitted_pixels, StageGuard(opts), conditioning, text_kv)
 
 
 def role_dits(comps: Components, opts: GenerationOptions) -> dict:

@@ -14,6 +14,11 @@ NaN/inf guard live there), so both give bitwise the same video. Per block b (doc
      paper's rule, or x_b under `committed`; the target takes x_b, lazily when it was accepted) and
      this loop moves each full-context cache's write pointer; the frames are emitted.
 
+Every forward of block b runs under the conditioning of b's step (the plan's); where the step asks
+it, a role first re-caches its context under that conditioning, before its first work on b (the
+drafter: its draft, or its commit of a block it did not draft; the target: its denoise, or its
+commit of b, held or not).
+
 Modes `target` and `draft` run steps 4 and 1 alone.
 """
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Iterator
 import torch
 
 from sdvg.generation.calls import StageCalls
+from sdvg.generation.plan import FixedPlan
 from sdvg.generation.prepare import prepare
 from sdvg.generation.types import BlockRecord, Counters, LoopReport
 from sdvg.models.components import Components
@@ -38,32 +44,41 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
     """Yields each block as soon as its frames are final; `report` is filled at the end.
     `opts` are resolved options (num_blocks set); `memory_budget_gib`, `exit_verifiers`: see `prepare`.
     `plan`: the video's block plan (sdvg/generation/plan.py; None: the `FixedPlan` of `opts`), asked before
-    each block whether it is the last, forced, its router, or that the video stops here. A live session
-    (sdvg/live/session.py) is such a plan; its `attach(calls, setup)` gives the stage calls each block's
-    conditioning (num_blocks then only sizes the caches). `video_input`: video-to-video's
+    each block whether it is the last, forced, its router and conditioning, or that the video stops here. A live
+    session (sdvg/live/session.py) is such a plan (num_blocks then only sizes the caches). `video_input`: video-to-video's
     input (`sdvg.generation.video_input.VideoInput`), None for text-to-video. `start_latents`: a start frame's
     clean latents before block 0 (`prepare`), None for none."""
     counters = Counters()  # the models count their forwards here; this loop counts what it skips
     setup = prepare(comps, prompt, opts, counters, runners=runners, memory_budget_gib=memory_budget_gib,
-                    exit_verifiers=exit_verifiers, start_latents=start_latents)
-    calls = StageCalls(comps, prompt, opts, setup, record_trace=True, video_input=video_input, block_plan=plan)
+                    exit_verifiers=exit_verifiers, start_latents=start_latents,
+                    keep_clean=plan is not None and plan.recaches)
+    plan = plan if plan is not None else FixedPlan(opts, setup.conditioning)
+    calls = StageCalls(comps, opts, setup, plan, record_trace=True, video_input=video_input)
     drafter, target = setup.drafter, setup.target
-    pending: list[tuple[int, torch.Tensor]] = []  # target commits not made yet (lazy_target_commit)
-    if plan is not None:
-        plan.attach(calls, setup)
+    # target commits not made yet (lazy_target_commit): (block, latents, the target re-caches before it)
+    pending: list[tuple[int, torch.Tensor, bool]] = []
     # an unbounded session never reaches the last block, where held commits are dropped: it holds a few at most
-    held_limit = getattr(plan, "max_held_commits", None)
+    held_limit = plan.max_held_commits
 
     def commit_target(upto: list) -> None:
-        for block, x in upto:
+        for block, x, recache in upto:
+            if recache:
+                calls.recache("target", block)
             calls.target_commit(block, x)
             if not target.context.recompute:
                 target.cache.commit()  # this loop moves the write pointer
         upto.clear()
 
-    def run_target(b: int) -> torch.Tensor:  # 4. the target denoises noise_b (lazy commits first)
+    def run_target(b: int, step) -> torch.Tensor:  # 4. the target denoises noise_b (lazy commits first)
         commit_target(pending)
+        if "target" in step.recache:
+            calls.recache("target", b)
         return calls.target(b)
+
+    def run_draft(b: int, step) -> torch.Tensor:  # 1. the drafter denoises noise_b
+        if "drafter" in step.recache:
+            calls.recache("drafter", b)
+        return calls.draft(b)
 
     def produce() -> Iterator[BlockRecord]:
         for b in itertools.count():
@@ -76,11 +91,11 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
             accepted = False
 
             if opts.mode == "target":
-                x_b = run_target(b)
+                x_b = run_target(b, step)
                 pixels = calls.decode(x_b, "target", b)
                 decision = "target"
             elif opts.mode == "draft":
-                x_b = draft = calls.draft(b)  # 1.
+                x_b = draft = run_draft(b, step)  # 1.
                 pixels = calls.decode(x_b, "drafter", b)
                 decision, accepted = "draft", True
             else:
@@ -88,7 +103,7 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
                 if forced and opts.skips_first_draft:
                     counters.skipped_drafter_forwards += drafter.schedule.num_steps
                 else:
-                    draft = calls.draft(b)  # 1. draft
+                    draft = run_draft(b, step)  # 1. draft
                     snapshot = setup.vae_cache.snapshot()  # 2. decode + score
                     pixels_hat = calls.decode(draft, "drafter", b)
                     scored = calls.score(pixels_hat, "drafter", b)
@@ -102,7 +117,7 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
                     decision = "forced" if forced else "rejected"
                     if draft is not None:
                         setup.vae_cache.restore(snapshot)
-                    x_b = run_target(b)  # 4. target on reject
+                    x_b = run_target(b, step)  # 4. target on reject
                     pixels = calls.decode(x_b, "target", b)
                     if opts.score_emitted and (scored := calls.score(pixels, "target", b)) is not None:
                         emitted_scores = list(scored.frame_scores)
@@ -111,11 +126,13 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
             # 5. commit: the block enters the contexts that will read it
             if not last:
                 if drafter is not None:
+                    if draft is None and "drafter" in step.recache:  # a forced block it did not draft
+                        calls.recache("drafter", b)
                     calls.drafter_commit(b, draft if (opts.drafter_context == "own" and draft is not None) else x_b)
                     if not drafter.context.recompute:
                         drafter.cache.commit()  # this loop moves the write pointer
                 if target is not None:
-                    pending.append((b, x_b))
+                    pending.append((b, x_b, "target" in step.recache and decision in ("accepted", "draft")))
                     if not (opts.lazy_target_commit and accepted and opts.mode == "sdvg"):
                         commit_target(pending)
                     elif held_limit is not None and len(pending) > held_limit:

@@ -1,6 +1,8 @@
 """A role model: one DiT in its role (drafter or target) with its KV cache, its context rule (full or
-recompute) and its prompt K/V on its device; every forward it runs is counted into the run's counters.
-`prepare` (sdvg/generation/prepare.py) builds one per role of a video; both schedulers drive them."""
+recompute) on its device; every forward it runs is counted into the run's counters. The text K/V a
+forward runs under is an argument of each call (the block's conditioning, `sdvg/generation/conditioning.py`):
+the model holds no prompt. `prepare` (sdvg/generation/prepare.py) builds one per role of a video; both
+schedulers drive them through the stage calls."""
 from __future__ import annotations
 
 import math
@@ -16,17 +18,17 @@ from sdvg.models.dit import block_causal_mask
 
 
 class RoleModel:
-    """One DiT in its role (drafter or target) with its KV cache, its context rule and its prompt K/V
-    on its device; every forward is counted into the run's counters (`<role>_forwards`).
+    """One DiT in its role (drafter or target) with its KV cache and its context rule on its device; every
+    forward is counted into the run's counters (`<role>_forwards`); `text_kv` is each call's conditioning.
 
     Under a `full` context (`RoleContext.mode`) a block is denoised at its absolute frame index and
     `commit` runs the clean t = 0 forward that writes its K/V; under `recompute` `commit` only records
     the block's latents and `denoise` first rebuilds the cache from the recorded context (Krea)."""
 
-    def __init__(self, dit, role: str, cache, text_kv, device, context: RoleContext, schedule: FlowSchedule,
+    def __init__(self, dit, role: str, cache, device, context: RoleContext, schedule: FlowSchedule,
                  counters, runners, frames_per_block: int, tokens_per_frame: int, vae=None, emitted_pixels=None,
-                 exit_verifier=None):
-        self.dit, self.role, self.cache, self.text_kv, self.device = dit, role, cache, text_kv, device
+                 exit_verifier=None, keep_clean: bool = False):
+        self.dit, self.role, self.cache, self.device = dit, role, cache, device
         self.context, self.schedule, self.counters, self.runners = context, schedule, counters, runners
         self.frames_per_block, self.tokens_per_frame = frames_per_block, tokens_per_frame
         self.attr = f"{role}_forwards"
@@ -43,11 +45,10 @@ class RoleModel:
         self.patch = tuple(dit.config.patch_size)
         self._clean_frames: dict[int, torch.Tensor] = {}
         self._context: list[torch.Tensor] = []
-        # re-cache on a switch (live sessions, full context): the clean latents of the committed frames a window
-        # can still see are kept (`keep_clean`), and `recache_forwards` counts the re-cache forwards made
-        self.keep_clean = exit_verifier is not None
+        # re-cache on a switch (a plan that re-caches, full context): the clean latents of the committed frames a
+        # window can still see are kept (`keep_clean`), and `recache_forwards` counts the re-cache forwards made
+        self.keep_clean = keep_clean or exit_verifier is not None
         self.recache_forwards = 0
-        self.text_key = None  # live sessions: the key of the conditioning `text_kv` holds (StageCalls._condition)
         self.prefix_frames = 0  # clean latent frames before block 0 (a start frame's; `start_from`)
 
     @property
@@ -60,54 +61,54 @@ class RoleModel:
         """Block `block`'s first latent frame: after the start frame's frames, if any."""
         return self.prefix_frames + block * self.frames_per_block
 
-    def start_from(self, latents: torch.Tensor) -> None:
+    def start_from(self, latents: torch.Tensor, text_kv) -> None:
         """A start frame's clean latents [1, C, n, h, w] become frames 0 .. n - 1 before block 0 (Krea's
         `resume_latents`): recorded as the context (recompute) or written by one t = 0 forward and committed
         (full; their clean latents kept for a re-cache on a switch). Call once, on a fresh cache."""
         if self.committed_frames or self.prefix_frames:
             raise RuntimeError(f"{self.role}: a start frame goes into a fresh cache, before block 0")
         keep = self.keep_clean
-        self.keep_clean = True  # a live session's re-cache needs them; set on the model only after prepare
-        self.commit_forward(latents, 0)
+        self.keep_clean = True  # a live session's re-cache needs them
+        self.commit_forward(latents, 0, text_kv)
         self.keep_clean = keep
         if not self.context.recompute:
             self.cache.commit()
         self.prefix_frames = latents.shape[2]
 
-    def forward(self, x, t, frame0: int, attn_mask=None, active=None, hidden=None):
-        return self.runners.dit_forward(self.role, self.dit, x, t, self.text_kv, frame0, self.cache,
+    def forward(self, x, t, frame0: int, text_kv, attn_mask=None, active=None, hidden=None):
+        return self.runners.dit_forward(self.role, self.dit, x, t, text_kv, frame0, self.cache,
                                         attn_mask=attn_mask, active=active, hidden=hidden)
 
     def _count(self):
         setattr(self.counters, self.attr, getattr(self.counters, self.attr) + 1)
 
-    def denoise(self, noise: torch.Tensor, block: int, frame0: int, seed: int) -> torch.Tensor:
-        """Few-step denoising of `noise` (float32) for block `block` -> x0 (float32, on this device).
+    def denoise(self, noise: torch.Tensor, block: int, frame0: int, seed: int, text_kv) -> torch.Tensor:
+        """Few-step denoising of `noise` (float32) for block `block` under `text_kv` -> x0 (float32, on this device).
         `frame0` is the block's absolute first latent frame; the RoPE position is the cache's write
         position (frame0 under full, the context length under recompute)."""
         if frame0 != self.committed_frames:
             raise ValueError(f"{self.role}: block {block} starts at frame {frame0} but {self.committed_frames} "
                              "frames are committed; commit every earlier block first")
         if self.context.recompute:
-            position = self.rebuild_context(block)
+            position = self.rebuild_context(block, text_kv)
         else:
             position = frame0
         if self.exit_verifier is not None:
-            return self._denoise_with_exit(noise, block, position, seed)
+            return self._denoise_with_exit(noise, block, position, seed, text_kv)
         x = to_device_async(noise, self.device)  # the CPU-drawn block noise, from pinned memory on CUDA
         steps = self.schedule.num_steps
         for i in range(steps):
-            x0 = self.x0_at(x, i, position)
+            x0 = self.x0_at(x, i, position, text_kv)
             self._count()
             x = self.renoised(x0, i + 1, block, seed) if i + 1 < steps else x0
         return x
 
-    def x0_at(self, x: torch.Tensor, i: int, position: int, active=None, hidden=None) -> torch.Tensor:
+    def x0_at(self, x: torch.Tensor, i: int, position: int, text_kv, active=None, hidden=None) -> torch.Tensor:
         """One denoising call: the model's flow for `x` at step i's timestep -> the clean estimate x0
         (float32 [1, C, F, h, w]). The plain loop, the oracle's rollout and the early-exit loop all step here
         (`active`, `hidden`: the sparse forward of early exit)."""
         t = torch.full((1, x.shape[2]), self.schedule.timesteps[i], device=self.device)
-        return self.schedule.to_x0(x, self.forward(x, t, position, active=active, hidden=hidden), i)
+        return self.schedule.to_x0(x, self.forward(x, t, position, text_kv, active=active, hidden=hidden), i)
 
     def renoised(self, x0: torch.Tensor, i: int, block: int, seed: int) -> torch.Tensor:
         """`x0` re-noised to step i's level with this role's draw of (seed, block, i)."""
@@ -129,14 +130,14 @@ class RoleModel:
         return plan
 
     # ------------------------------------------------------------ early exit
-    def _denoise_with_exit(self, noise: torch.Tensor, block: int, position: int, seed: int) -> torch.Tensor:
+    def _denoise_with_exit(self, noise: torch.Tensor, block: int, position: int, seed: int, text_kv) -> torch.Tensor:
         """The early-exit loop; its record is kept in `exit_records[block]` (a redraft replaces it). The
         counters count the schedule's calls, as the native scheduler does; the calls actually made are in
         the record."""
         from sdvg.generation.early_exit import denoise_with_exit
 
         frames = self.history_frames()
-        x, record = denoise_with_exit(self, self.exit_verifier, noise, block, position, seed,
+        x, record = denoise_with_exit(self, self.exit_verifier, noise, block, position, seed, text_kv,
                                       lambda: self.history_tokens(frames))
         for _ in range(self.schedule.num_steps):
             self._count()
@@ -162,11 +163,12 @@ class RoleModel:
 
     # -------------------------------------------------------------- re-cache
     @torch.no_grad()  # the K/V go into the cache in place: no autograd graph may hold the cache
-    def recache(self) -> None:
+    def recache(self, text_kv) -> None:
         """Re-cache on a switch (LongLive's `_recache_after_switch`): one t = 0 forward over every committed frame
         the cache still shows (sinks and window), each at its own position, block-causal among them (a frame
         attends to the frames of its block and earlier ones), under the current text K/V; their K/V replace
-        the old ones in their slots. Full context only; a recompute context is rebuilt every block anyway."""
+        the old ones in their slots. Full context only; a recompute context is rebuilt every block anyway.
+        `text_kv`: the new conditioning's K/V."""
         cache = self.cache
         if self.context.recompute or cache.pending_frames:
             raise RuntimeError(f"{self.role}: re-cache runs between blocks on a full context")
@@ -199,7 +201,7 @@ class RoleModel:
             return k, v, mask
 
         t_freq = dit.timestep_freqs(torch.zeros((1, n), device=device))
-        dit.forward_with(x, t_freq, self.text_kv.keys, self.text_kv.values, cos, sin, attend)
+        dit.forward_with(x, t_freq, text_kv.keys, text_kv.values, cos, sin, attend)
         self._count()
         self.recache_forwards += 1
 
@@ -227,7 +229,7 @@ class RoleModel:
         rest = list(self.recent) if self.committed_frames > 1 else []
         return [first] + rest
 
-    def rebuild_context(self, block: int) -> int:
+    def rebuild_context(self, block: int, text_kv) -> int:
         """Reset the cache and fill it with one t = 0 forward over the clean context frames, positioned from
         0, block-causal among them. Returns the new block's position (the context length)."""
         self.cache.rollback(0)
@@ -239,13 +241,13 @@ class RoleModel:
         x = torch.cat([f.to(self.device) for f in frames], dim=2)  # [1, C, n, h, w]
         n = x.shape[2]
         mask = context_mask(n, self.frames_per_block, self.tokens_per_frame, self.device)
-        self.forward(x, torch.zeros((1, n), device=self.device), 0, attn_mask=mask)
+        self.forward(x, torch.zeros((1, n), device=self.device), 0, text_kv, attn_mask=mask)
         self._count()
         self.cache.commit()
         return n
 
     # ----------------------------------------------------------------- commit
-    def commit_forward(self, latents: torch.Tensor, frame0: int) -> None:
+    def commit_forward(self, latents: torch.Tensor, frame0: int, text_kv) -> None:
         """full: the clean forward at t = 0 writes the block's K/V into the pending slots (pointer
         unchanged: the loop that runs, Python or C++, moves it with `cache.commit()`). recompute: the
         block's latents join the context (no forward, no pointer move)."""
@@ -261,7 +263,7 @@ class RoleModel:
         else:
             x = latents.to(self.device)
             t = torch.zeros((1, x.shape[2]), device=self.device)
-            self.forward(x, t, frame0)
+            self.forward(x, t, frame0, text_kv)
             self._count()
             if self.keep_clean:  # the stability verifier's history; re-cache's input
                 for j, f in enumerate(latents.detach().float().split(1, dim=2)):

@@ -9,6 +9,7 @@ reads a record of any schema (the flat 1-8 converted) as 9.
 """
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import socket
@@ -26,18 +27,18 @@ from sdvg.io.strict_json import nonfinite_paths, strict_json  # noqa: F401 (re-e
 from sdvg.options import OPTION_NAMES, GenerationOptions
 from sdvg.runtime import host_state
 
-STAGE_NAMES: tuple[str, ...] = tuple(_C.STAGE_NAMES)  # draft, decode, score, target, drafter_commit, target_commit
+STAGE_NAMES: tuple[str, ...] = tuple(_C.STAGE_NAMES)  # draft, decode, score, target, drafter_commit, target_commit, recache
 COUNTER_NAMES: tuple[str, ...] = tuple(_C.COUNTER_NAMES)
 DECISIONS: tuple[str, ...] = tuple(_C.DECISION_NAMES)  # forced, accepted, rejected, target, draft
 # Per-block stage times: the native stages plus `commit` (drafter_commit + target_commit).
 BLOCK_TIME_KEYS: tuple[str, ...] = STAGE_NAMES + ("commit",)
 # The stage totals of a run (commit covers both roles' commits).
-TOTAL_KEYS: tuple[str, ...] = ("draft", "decode", "score", "target", "commit")
+TOTAL_KEYS: tuple[str, ...] = ("draft", "decode", "score", "target", "commit", "recache")
 
 Counters = _C.Counters  # the native counters struct; the reference loop counts into the same type
 
 # The statistics file's schema (docs/stats.md). Bump on any change of a field's name, meaning or place.
-SCHEMA_VERSION = 9  # 2: early exit (the exit_* options, mean_steps, max_steps, exit_roles; block exit fields)
+SCHEMA_VERSION = 10  # 2: early exit (the exit_* options, mean_steps, max_steps, exit_roles; block exit fields)
 # 3: live sessions and prompt schedules (options interp_blocks, force_reject_after_switch; block `live`;
 #    top level `live`, `updates`, `prompts`, `segments`, `prompt_encodes`, `blocks_started` when live)
 # 4: `host` (thread settings, OpenMP wait policy, load average of the run's machine)
@@ -49,6 +50,9 @@ SCHEMA_VERSION = 9  # 2: early exit (the exit_* options, mean_steps, max_steps, 
 # 9: grouped (`run`, `video`, `options`, `result`, and `live` / `cli` when they apply; FIELDS below); new:
 #    run.started_at, run.argv, run.hostname, run.load_s, video.height, video.width, video.fps. `read_stats`
 #    reads every schema (1-8 are flat: converted by FIELDS).
+# 10: a re-cache is a stage of its own: block `times` and `result.stage_totals` have `recache` (before, its seconds
+#    were inside the stage of the role's first work on the block: draft, target, drafter_commit or target_commit;
+#    `read_stats` gives older records `recache` 0.0).
 
 # Where each field of a record sits: its name in a flat record of schemas 1-8 (the keys of `RunStats.extra`
 # too) -> its group and name in schema 9. The one table the writer (`RunStats.as_dict`) and the reader
@@ -107,11 +111,13 @@ def _grouped_path(path: str) -> str:
 
 
 def read_stats(record: Mapping[str, Any] | str | Path) -> dict:
-    """A statistics record as schema 9 (docs/stats.md): `record` is a parsed record (a dict, a `RunStats`)
-    or the path of a `--stats` file holding one JSON object. A schema-9 record comes back as it is; a flat
-    one of schemas 1-8 is grouped by FIELDS: the fields schema 9 added (NEW_IN_9) are null, any other
-    field the older schema lacked stays absent, and `nonfinite_fields` names the grouped paths. A record
-    without `schema_version`, or of a schema newer than this sdvg reads, is refused (ValueError)."""
+    """A statistics record as the current schema (docs/stats.md): `record` is a parsed record (a dict, a
+    `RunStats`) or the path of a `--stats` file holding one JSON object. A current record comes back as it is;
+    a flat one of schemas 1-8 is grouped by FIELDS: the fields schema 9 added (NEW_IN_9) are null, any other
+    field the older schema lacked stays absent, and `nonfinite_fields` names the grouped paths; a record of
+    schema 9 or older gets the `recache` stage time 0.0 (schema 10; its seconds are inside the other stages'),
+    and says the current `schema_version` (the shape it now has). A record without `schema_version`, or of a schema newer than
+    this sdvg reads, is refused (ValueError)."""
     if isinstance(record, (str, Path)):
         record = json.loads(Path(record).read_text(encoding="utf-8"))
     if isinstance(record, RunStats):
@@ -129,13 +135,25 @@ def read_stats(record: Mapping[str, Any] | str | Path) -> dict:
         raise ValueError(f"statistics schema {version} does not exist; sdvg reads schemas 1-{SCHEMA_VERSION}")
     if version == SCHEMA_VERSION:
         return dict(record)
-    out = group_record({k: v for k, v in record.items() if k not in ("schema_version", "nonfinite_fields")})
-    for key in NEW_IN_9:
-        group, name = FIELDS[key]
-        out[group][name] = None
-    for group in ALWAYS:  # the table's order within each group, the fields it added in place
-        out[group] = {name: out[group][name] for k, (g, name) in FIELDS.items() if g == group and name in out[group]}
-    out["nonfinite_fields"] = [_grouped_path(p) for p in record.get("nonfinite_fields", [])]
+    record = copy.deepcopy(dict(record))  # converted in a copy: the caller's record stays as it was
+    if version == 9:
+        out = record
+    else:
+        out = group_record({k: v for k, v in record.items() if k not in ("schema_version", "nonfinite_fields")})
+        for key in NEW_IN_9:
+            group, name = FIELDS[key]
+            out[group][name] = None
+        for group in ALWAYS:  # the table's order within each group, the fields it added in place
+            out[group] = {name: out[group][name] for k, (g, name) in FIELDS.items()
+                          if g == group and name in out[group]}
+        out["nonfinite_fields"] = [_grouped_path(p) for p in record.get("nonfinite_fields", [])]
+    for block in out.get("blocks") or []:  # schema 10: the re-cache's own stage time
+        if isinstance(block.get("times"), dict):
+            block["times"].setdefault("recache", 0.0)
+    totals = out.get("result", {}).get("stage_totals")
+    if isinstance(totals, dict):
+        totals.setdefault("recache", 0.0)
+    out["schema_version"] = SCHEMA_VERSION  # the shape it now has
     return out
 
 
@@ -161,6 +179,9 @@ class BlockRecord:
     emitted_scores: list[float] | None = None  # the emitted frames' scores (score_emitted)
     exits: Any = None  # early exit: the block's BlockExits (sdvg/generation/early_exit/record.py)
     redrafts: int = 0  # run-ahead drafts of this block thrown away after a rejection (scheduler cpp)
+    # re-cache forwards made under the conditioning of this block or an earlier one, not reported before (a live
+    # session's `live["recache_forwards"]`)
+    recache_forwards: int = 0
     live: dict | None = None  # live sessions / prompt schedules (docs/live.md): block (the session's), segment,
     # prompt_index, blend_weight, forced_by_update
 
@@ -194,7 +215,7 @@ class LoopReport:
 
 @dataclass
 class RunStats(Mapping):
-    """The statistics of one video: what `out.stats` is and what `--stats` writes (`as_dict()`, schema 9:
+    """The statistics of one video: what `out.stats` is and what `--stats` writes (`as_dict()`, schema 10:
     grouped, docs/stats.md).
 
     Read it like a dict of the groups (`stats["result"]["acceptance_rate"]`, `stats["options"]["seed"]`); the
@@ -302,7 +323,7 @@ class RunStats(Mapping):
         return d
 
     def as_dict(self) -> dict:
-        """The record, schema 9: `schema_version`, the groups `run`, `video`, `options`, `result` (and `live`,
+        """The record, schema 10: `schema_version`, the groups `run`, `video`, `options`, `result` (and `live`,
         `cli` where they apply), `blocks`, `trace`, `nonfinite_fields` (docs/stats.md)."""
         d = group_record(self.flat_fields())
         d["nonfinite_fields"] = nonfinite_paths(d)

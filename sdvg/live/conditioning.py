@@ -1,7 +1,8 @@
 """Each block's text conditioning in a live session: the prompts encoded once (`PromptBank`, an LRU),
 Krea's blend of an old and a new prompt embedding over a few blocks (`blend_weights`), and the
-per-block table the stage calls read (`ConditioningTable`): once a block's conditioning is read it is
-frozen, so every stage of that block (draft, target, commits, a recompute role's rebuild) sees the same.
+per-block table the session's plan reads (`ConditioningTable`): once a block's conditioning is frozen it
+goes into the block's step as a value (`sdvg.generation.conditioning.Conditioning`), so every stage of that
+block (draft, target, commits, a recompute role's rebuild, a re-cache) runs under the same.
 
 Krea's rule (krea-ai/realtime-video `release_server.py`, `GenerationSession.interpolate_prompt_embeds`):
 `torch.lerp(old, new, torch.linspace(0, 1, steps=n))`, one embedding popped per block, the first at
@@ -58,8 +59,7 @@ class BlockConditioning:
 
 class ConditioningTable:
     """The session's conditioning, block by block (session block indices). `switch` schedules a new prompt
-    from a block on; `freeze(b)` fixes block b's conditioning (in order, once); `text_kv(b, role, dit)` is
-    the role's cross-attention K/V of that conditioning."""
+    from a block on; `freeze(b)` fixes block b's conditioning (in order, once)."""
 
     KEEP = 16  # frozen blocks kept (a block is read only while it is being produced)
 
@@ -70,7 +70,6 @@ class ConditioningTable:
         self._current = BlockConditioning(-1, 0, prompt, 1.0, False, ("prompt", 0), emb)
         self._blend: tuple | None = None  # (start block, old conditioning, new prompt index, weights)
         self.frozen: dict[int, BlockConditioning] = {}
-        self._kv: dict[tuple, object] = {}  # (key, role) -> text K/V, the last few
 
     def prompt_index(self, prompt: str) -> int:
         if prompt not in self.prompts:
@@ -109,13 +108,3 @@ class ConditioningTable:
         self.frozen[block] = cond
         self.frozen.pop(block - self.KEEP, None)
         return cond
-
-    def text_kv(self, block: int, role: str, dit):
-        """`role`'s cross-attention K/V of block `block`'s frozen conditioning (rebuilt when it changed)."""
-        cond = self.frozen[block]
-        k = (cond.key, role)
-        if k not in self._kv:
-            if len(self._kv) >= 8:
-                self._kv.pop(next(iter(self._kv)))
-            self._kv[k] = dit.encode_text(cond.emb)
-        return self._kv[k]

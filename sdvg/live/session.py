@@ -5,7 +5,8 @@ The session drives either loop with itself as the loop's plan: the reference loo
 (`sdvg/generation/reference.py`) calls `begin(b)` before each block; the native scheduler
 (`scheduler="cpp"`) asks `StageCalls.plan(b)`, which calls it, from the thread that reaches block b
 first (under run-ahead, the drafter's lane). `begin(b)`, under the session's lock, applies the updates
-due at that block, freezes the block's conditioning (`ConditioningTable`) and counts the block as started.
+due at that block, freezes the block's conditioning (`ConditioningTable`) and counts the block as started;
+the step it returns carries that conditioning as a value and the roles that re-cache under it.
 `update()` (any thread) acknowledges an update at the first block not yet started, so every update
 takes effect exactly at a block boundary and a live run replays offline from its recorded schedule
 (`stats["live"]["updates"]`, the `prompt_schedule` format). A restart (`seed=` / `reset=True`) ends the
@@ -16,7 +17,9 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from sdvg.generation.plan import STOP, BlockStep, forced_block
+from sdvg.generation.calls import StageCalls
+from sdvg.generation.conditioning import Conditioning
+from sdvg.generation.plan import STOP, BlockStep, forced_block, recaching_roles
 from sdvg.generation.routers import Router
 from sdvg.generation.run import run_blocks
 from sdvg.generation.video_input import InputEnded
@@ -29,26 +32,8 @@ from sdvg.options import GenerationOptions, OptionError
 # lazy target commits a session holds back at most (bitwise the same video): without a cap an unbounded session's
 # would pile up while every block is accepted, and a held block's conditioning must still be in the table
 MAX_HELD_COMMITS = 4
-assert MAX_HELD_COMMITS < ConditioningTable.KEEP
+assert MAX_HELD_COMMITS < min(ConditioningTable.KEEP, StageCalls.STEPS_KEPT)
 RECORD_BLOCKS = 1000  # an unbounded session's default `record_blocks`: the block entries and trace kept
-
-
-class _SegmentConditioning:
-    """The stage calls' view of the table for one segment (segment block -> session block)."""
-
-    def __init__(self, table: ConditioningTable, start: int, setup):
-        self.table, self.start = table, start
-        self.dits = {m.role: m.dit for m in (setup.drafter, setup.target) if m is not None}
-
-    def text_kv(self, block: int, role: str):
-        return self.table.text_kv(self.start + block, role, self.dits[role])
-
-    def prompt(self, block: int) -> str:
-        return self.table.frozen[self.start + block].prompt
-
-    def key(self, block: int) -> tuple:
-        """Equal keys <=> equal conditioning (the text K/V is the same)."""
-        return self.table.frozen[self.start + block].key
 
 
 def unbounded_horizon(pipe, opts: GenerationOptions, prefix_frames: int = 0) -> int:
@@ -134,6 +119,7 @@ class LiveSession:
         else:
             opts = pipe.resolve(options.replace(num_blocks=num_blocks))
         self.opts = opts
+        self.recaches = opts.recache  # (the plan's) a full-context role re-caches under a new conditioning
         # a start frame (`start_frame`: uint8 [H, W, 3]): encoded once (refused with the options it cannot go with),
         # the context of every segment's block 0
         self._start_latents = pipe.start_latents(start_frame, opts)
@@ -149,7 +135,6 @@ class LiveSession:
         self._router = Router.from_options(opts)  # the router of the blocks being started
         self._router_acked = self._router  # ... and after every acknowledged update (checked against it)
         self._segment_start, self._segments = 0, 0
-        self._calls = None  # the running segment's stage calls (`attach`)
         self._recache_forwards = 0
         # the running segment's report; a finished one is folded into the session's totals at once, so a long
         # session with many restarts holds one segment's report (and no finished segment's KV caches)
@@ -266,14 +251,6 @@ class LiveSession:
             return ack
 
     # ------------------------------------------------------------ the loop's plan
-    def attach(self, calls, setup) -> None:
-        calls.conditioning = _SegmentConditioning(self.table, self._segment_start, setup)
-        calls.keep_blocks = self.record_blocks
-        self._calls = calls
-        for m in (setup.drafter, setup.target):  # re-cache reads the clean latents of the frames a full context sees
-            if m is not None and self.opts.recache and not m.context.recompute:
-                m.keep_clean = True
-
     def begin(self, b: int) -> BlockStep:
         """Before segment block b: apply the updates due, freeze its conditioning, count it started. Under
         video-to-video the block's input frames are taken first (a live source is waited for, outside the
@@ -304,20 +281,21 @@ class LiveSession:
                 if u.prompt is not None:
                     self.table.switch(g, u.prompt, 1 if restart else (u.interp_blocks or self.opts.interp_blocks))
             cond = self.table.freeze(g)
+            previous = self.table.frozen[g - 1].key if b > 0 else None
             forced = forced_block(self.opts, b, after_switch=cond.first_new)
             forced_by_update = forced and not forced_block(self.opts, b)
             self._started += 1
             self._records_live[b] = {"block": g, "segment": self._segments, "prompt_index": cond.prompt_index,
                                      "blend_weight": cond.weight, "forced_by_update": forced_by_update}
             last = self.limit is not None and g == self.limit - 1
-            return BlockStep(False, last, forced, self._router)
+            return BlockStep(False, last, forced, self._router, Conditioning(cond.key, cond.prompt, cond.emb),
+                             recaching_roles(self.opts, b, cond.key, previous))
 
     def _fold_segment(self) -> None:
         """The finished segment's report into the session's totals: counters summed, device seconds summed,
         the native scheduler's final per-block times onto its kept entries, its spans (those of kept entries
         when `record_blocks` bounds them); then the report, with its KV caches, is let go."""
         report, self._report = self._report, None
-        self._calls = None  # the segment's stage calls hold its setup (the KV caches)
         if report is None or report.counters is None:  # none running, or a segment that never ran
             return
         for k, v in report.counters.as_dict().items():
@@ -373,7 +351,7 @@ class LiveSession:
                                      memory_budget_gib=self.pipe.memory_budget_gib, plan=self,
                                      video_input=self._video, start_latents=self._start_latents):
                 record.live = self._records_live.pop(record.index)
-                record.live["recache_forwards"] = self._calls.take_recaches(record.index)
+                record.live["recache_forwards"] = record.recache_forwards
                 self._recache_forwards += record.live["recache_forwards"]
                 yield record
             self._fold_segment()

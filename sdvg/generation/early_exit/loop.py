@@ -58,32 +58,32 @@ def make_verifier(plan: ExitPlan):
     raise ValueError(f"unknown exit verifier {plan.verifier!r}")
 
 
-def dense_rollout(model, noise: torch.Tensor, block: int, position: int, seed: int) -> list[torch.Tensor]:
+def dense_rollout(model, noise: torch.Tensor, block: int, position: int, seed: int, text_kv) -> list[torch.Tensor]:
     """The full schedule without exits: every call's x0 [1, C, F, H, W] (float32). Writes the pending
     cache slot like any denoise (a following denoise of the block overwrites it at its first call)."""
     x = noise.to(model.device)
     out = []
     for i in range(model.schedule.num_steps):
-        x0 = model.x0_at(x, i, position)
+        x0 = model.x0_at(x, i, position, text_kv)
         out.append(x0)
         if i + 1 < model.schedule.num_steps:
             x = model.renoised(x0, i + 1, block, seed)
     return out
 
 
-def denoise_with_exit(model, verifier, noise: torch.Tensor, block: int, position: int, seed: int,
+def denoise_with_exit(model, verifier, noise: torch.Tensor, block: int, position: int, seed: int, text_kv,
                       history) -> tuple[torch.Tensor, ExitRecord]:
     """Denoise `noise` [1, C, F, H, W] (float32) for block `block` at RoPE position `position` with
     early exit -> (x0 [1, C, F, H, W] float32 on the model's device, its ExitRecord). `model` is the
     RoleModel (x0_at, renoised, schedule, role, device, patch); `history()` gives the clean history tokens
-    the attention window sees [N, D]."""
+    the attention window sees [N, D]; `text_kv`: the block's conditioning."""
     device, patch = model.device, model.patch
     x = noise.to(device)
     K = model.schedule.num_steps
     grid = token_grid(tuple(x.shape), patch)
     num_tokens = grid[0] * grid[1] * grid[2]
     verifier.start(BlockContext(model.role, block, seed, K, tuple(x.shape), patch, history,
-                                lambda: dense_rollout(model, noise, block, position, seed)))
+                                lambda: dense_rollout(model, noise, block, position, seed, text_kv)))
     oracle_forwards = getattr(verifier, "rollouts", 0)
     active = torch.arange(num_tokens, device=device)  # [A], ascending
     steps = torch.full((num_tokens,), K, dtype=torch.int16, device=device)  # k*(i)
@@ -93,7 +93,7 @@ def denoise_with_exit(model, verifier, noise: torch.Tensor, block: int, position
     for i in range(K):
         dense = active.numel() == num_tokens
         hidden = [] if verifier.needs_hidden else None
-        x0 = model.x0_at(x, i, position, active=None if dense else active, hidden=hidden)  # at the active tokens
+        x0 = model.x0_at(x, i, position, text_kv, active=None if dense else active, hidden=hidden)  # at the active tokens
         forwards += 1
         if i + 1 == K:
             break
