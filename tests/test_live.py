@@ -67,7 +67,8 @@ def test_a_switch_mid_blend_starts_from_the_current_blend_and_interp_1_switches_
 
 
 def test_text_kv_is_rebuilt_only_when_the_conditioning_changes():
-    from sdvg.generation.conditioning import Conditioning, TextKV
+    from sdvg.generation.calls import TextKVCache
+    from sdvg.generation.plan import Conditioning
 
     enc = FakeEncoder()
     table = ConditioningTable(PromptBank(enc), "a")
@@ -79,7 +80,7 @@ def test_text_kv_is_rebuilt_only_when_the_conditioning_changes():
             Dit.calls += 1
             return emb * 2
 
-    kv = TextKV({"drafter": Dit(), "target": Dit()})
+    kv = TextKVCache({"drafter": Dit(), "target": Dit()})
 
     def text_kv(block, role):  # what the stage calls pass to a forward of the block: its frozen conditioning's K/V
         cond = table.frozen[block]

@@ -7,8 +7,8 @@ import pytest
 from sdvg._native import _C
 import torch
 
-from sdvg.generation.conditioning import Conditioning, TextKV
-from sdvg.generation.plan import STOP, BlockStep, FixedPlan, forced_block, native_plan, recaching_roles
+from sdvg.generation.calls import TextKVCache
+from sdvg.generation.plan import STOP, BlockStep, Conditioning, FixedPlan, forced_block, native_plan, recaching_roles
 from sdvg.generation.routers import Router
 from sdvg.options import GenerationOptions
 
@@ -70,12 +70,12 @@ def test_text_kv_is_made_once_per_conditioning_and_role():
 
     drafter, target = Dit(2), Dit(3)
     seeded = torch.zeros(1)
-    kv = TextKV({"drafter": drafter, "target": target}, {(PROMPT.key, "target"): seeded}, size=3)
+    kv = TextKVCache({"drafter": drafter, "target": target}, {(PROMPT.key, "target"): seeded}, size=3)
     assert kv(PROMPT, "target") is seeded and target.calls == 0  # what prepare made is reused
     first = kv(PROMPT, "drafter")
     assert torch.equal(first, PROMPT.emb * 2) and kv(PROMPT, "drafter") is first and drafter.calls == 1
     other = Conditioning(("prompt", "b"), "b", torch.full((1, 2, 3), 5.0))  # another conditioning: its own K/V
-    assert torch.equal(kv(other, "target"), other.emb * 3) and kv.made == 2
+    assert torch.equal(kv(other, "target"), other.emb * 3) and kv.encodes == 2
     kv(Conditioning(("x",), "x", torch.ones(1)), "target")  # past `size`: the oldest entry goes
     assert kv(PROMPT, "target") is not seeded and torch.equal(kv(PROMPT, "target"), PROMPT.emb * 3)
 

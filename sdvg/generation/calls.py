@@ -13,7 +13,7 @@ around it, once for both loops:
 - the NaN/inf guard (`StageGuard`), told explicitly whose output a decode or a score handles;
 - device moves of latents between the roles (`LatentTransfer`);
 - the text conditioning: `step(b)` keeps block b's step from the plan, and every forward of block b
-  gets the K/V of that step's conditioning for its role (`TextKV`); a re-cache under a new
+  gets the K/V of that step's conditioning for its role (`TextKVCache`); a re-cache under a new
   conditioning is a stage of its own (`recache`), called by the loop where the plan asks it.
 
 The KV write pointer is not moved here: a commit call runs the t = 0 forward only, and the loop that
@@ -30,7 +30,6 @@ from collections import deque
 import torch
 
 from sdvg._native import _C
-from sdvg.generation.conditioning import TextKV
 from sdvg.generation.early_exit.record import block_exits
 from sdvg.generation.noise import block_noise, copy_ahead
 from sdvg.generation.plan import BlockStep, Plan, native_plan
@@ -42,6 +41,27 @@ from sdvg.models.vae import to_uint8_frames, to_unit_frames
 from sdvg.options import GenerationOptions
 
 ROLE_NAMES: tuple[str, ...] = tuple(_C.ROLE_NAMES)  # drafter, target: whose output a decode or score handles
+
+
+class TextKVCache:
+    """(conditioning key, role) -> the role's cross-attention K/V (`sdvg.models.dit.TextKV`) of a block's
+    conditioning (`plan.Conditioning`), made by the role's DiT (`dits`: role -> the DiT the role runs this video,
+    FP8 copy included) once while it is among the last `size` used. `made`: K/V already made (the prompt's, by
+    `prepare`), reused as they are."""
+
+    def __init__(self, dits: dict, made: dict | None = None, size: int = 8):
+        self.dits, self.size = dits, size
+        self._kv: dict[tuple, object] = dict(made or {})
+        self.encodes = 0  # K/V made here
+
+    def __call__(self, conditioning, role: str):
+        k = (conditioning.key, role)
+        if k not in self._kv:
+            while len(self._kv) >= self.size:
+                self._kv.pop(next(iter(self._kv)))
+            self._kv[k] = self.dits[role].encode_text(conditioning.emb)
+            self.encodes += 1
+        return self._kv[k]
 
 
 class StageCalls(_C.StageCalls):
@@ -82,8 +102,8 @@ class StageCalls(_C.StageCalls):
         self._steps: dict[int, BlockStep] = {}
         self._steps_lock = threading.Lock()
         # role -> the K/V of a conditioning (the prompt's, made by `prepare`, reused)
-        self.text_kv = TextKV({m.role: m.dit for m in (setup.drafter, setup.target) if m is not None},
-                              setup.text_kv)
+        self.text_kv = TextKVCache({m.role: m.dit for m in (setup.drafter, setup.target) if m is not None},
+                                   setup.text_kv)
         self._recaches: dict[int, int] = {}  # re-cache forwards by the block whose conditioning they serve
 
     def _kv(self, role: str, block: int):

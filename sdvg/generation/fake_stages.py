@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import torch
 
 from sdvg._native import _C
-from sdvg.generation.conditioning import Conditioning
+from sdvg.generation.plan import Conditioning
 from sdvg.generation.native import scheduler_config
 from sdvg.generation.plan import FixedPlan, native_plan
 from sdvg.generation.types import STAGE_NAMES

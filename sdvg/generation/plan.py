@@ -20,10 +20,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from sdvg._native import _C
-from sdvg.generation.conditioning import Conditioning
 from sdvg.generation.routers import Router
 from sdvg.options import GenerationOptions
+
+
+@dataclass(frozen=True, eq=False)
+class Conditioning:
+    """The text a block is made under, as a value: `key` (equal keys <=> equal embeddings, so a role's K/V of it is
+    made once: `calls.TextKVCache`), `prompt` (what a score is judged against), `emb` (the umT5 embedding
+    [1, L, d]). A whole video's is its prompt's (`prepare`); a live session's changes between blocks, blended
+    over a few after a switch (sdvg/live/conditioning.py)."""
+
+    key: tuple
+    prompt: str
+    emb: torch.Tensor
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from sdvg.config import RoleContext
-from sdvg.generation.conditioning import Conditioning
 from sdvg.generation.guard import StageGuard
+from sdvg.generation.plan import Conditioning
 from sdvg.generation.role_model import RoleModel
 from sdvg.generation.schedule import FlowSchedule, counted_steps, strength_steps
 from sdvg.generation.video_memory import cache_spec, check_memory
@@ -73,7 +73,7 @@ class Setup:
     emitted_pixels: "PixelWindow"  # the last emitted pixel frames a recompute role re-encodes
     guard: StageGuard  # the NaN/inf checks of every stage output (both schedulers)
     conditioning: Conditioning  # the prompt's (a whole video's plan gives it to every block)
-    text_kv: dict  # (conditioning key, role) -> the role's K/V of the prompt (`TextKV`'s first entries)
+    text_kv: dict  # (conditioning key, role) -> the role's K/V of the prompt (`calls.TextKVCache`'s first entries)
 
     def observe(self, pixels: torch.Tensor) -> None:
         """Record a block's emitted pixels [1, 3, T, H, W] (call once per block, in order, before the next

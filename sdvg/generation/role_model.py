@@ -1,6 +1,6 @@
 """A role model: one DiT in its role (drafter or target) with its KV cache, its context rule (full or
 recompute) on its device; every forward it runs is counted into the run's counters. The text K/V a
-forward runs under is an argument of each call (the block's conditioning, `sdvg/generation/conditioning.py`):
+forward runs under is an argument of each call (the block's conditioning, `plan.Conditioning`):
 the model holds no prompt. `prepare` (sdvg/generation/prepare.py) builds one per role of a video; both
 schedulers drive them through the stage calls."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Each block's text conditioning in a live session: the prompts encoded once (`PromptBank`, an LRU),
 Krea's blend of an old and a new prompt embedding over a few blocks (`blend_weights`), and the
 per-block table the session's plan reads (`ConditioningTable`): once a block's conditioning is frozen it
-goes into the block's step as a value (`sdvg.generation.conditioning.Conditioning`), so every stage of that
+goes into the block's step as a value (`sdvg.generation.plan.Conditioning`), so every stage of that
 block (draft, target, commits, a recompute role's rebuild, a re-cache) runs under the same.
 
 Krea's rule (krea-ai/realtime-video `release_server.py`, `GenerationSession.interpolate_prompt_embeds`):

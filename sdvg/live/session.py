@@ -18,8 +18,7 @@ import dataclasses
 import threading
 
 from sdvg.generation.calls import StageCalls
-from sdvg.generation.conditioning import Conditioning
-from sdvg.generation.plan import STOP, BlockStep, forced_block, recaching_roles
+from sdvg.generation.plan import STOP, BlockStep, Conditioning, forced_block, recaching_roles
 from sdvg.generation.routers import Router
 from sdvg.generation.run import run_blocks
 from sdvg.generation.video_input import InputEnded
