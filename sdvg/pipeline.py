@@ -31,7 +31,7 @@ import torch
 
 from sdvg._native import build_record, cpu_build_warning
 from sdvg.config import Preset, config_hash, get_preset, torch_dtype
-from sdvg.generation.run import run_blocks
+from sdvg.generation.run import RunContext, run_blocks
 from sdvg.generation.types import BlockRecord, LoopReport, RunStats
 from sdvg.io.video_batch import (OUTPUT_TYPES, PipelineOutput, VideoOutput,  # noqa: F401 (re-exported)
                                  batch_output, convert_frames)
@@ -454,6 +454,25 @@ class SpeculativeVideoPipeline:
             out["fp8_impl"] = role_impls(c, options)
         return out
 
+    def run_context(self, options: GenerationOptions) -> RunContext:
+        """What a run of resolved `options` needs of this pipeline (sdvg/generation/run.py): the components, the
+        stage runners of the options' backend, the memory budget, the provenance of the statistics."""
+        return RunContext(self.components, self.runners(options.backend), self.memory_budget_gib,
+                          self.provenance(options))
+
+    def _live_session(self, prompt: str, options: GenerationOptions, num_blocks: int | None, image=None,
+                      **kwargs) -> "LiveSession":
+        """A live session of `options` (the session's end from `session_options`; a start frame encoded here)."""
+        from sdvg.live import LiveSession
+        from sdvg.live.session import kept_blocks, session_options
+        from sdvg.live.updates import check_prompt
+
+        check_prompt(prompt)  # bad input refused before any work (the session checks them again)
+        kept_blocks(kwargs.get("record_blocks", "auto"), num_blocks)
+        opts, limit = session_options(self.resolve, self.components, options, num_blocks, image is not None)
+        return LiveSession(self.run_context(opts), prompt, opts, num_blocks, limit,
+                           start_latents=self.start_latents(image, opts), start_frame=image, **kwargs)
+
     def resolve(self, options: GenerationOptions) -> GenerationOptions:
         """The options with this pipeline's defaults filled in (num_blocks from the preset, backend,
         quantization); what they ask of the DiTs is checked here, before any work (`fp8.check_roles`)."""
@@ -479,8 +498,6 @@ class SpeculativeVideoPipeline:
         None: all). `start_frame`: an image (a path, a PIL image or uint8 [H, W, 3]) every role sees as clean
         context before block 0 of every segment (Krea's `start_frame`; docs/live.md). The other keywords are those
         of `stream`."""
-        from sdvg.live import LiveSession
-
         unknown = sorted(set(options) - set(OPTION_NAMES))
         if unknown:
             raise TypeError(f"session() got unknown keywords {unknown}; use the options of stream()")
@@ -494,10 +511,10 @@ class SpeculativeVideoPipeline:
             num_blocks = resolved.num_blocks
         elif not input_frames:
             self.input_clip(None, opts)  # strength without an input is refused
-        image = _start_image(start_frame)
-        return LiveSession(self, prompt, opts, num_blocks, input_video=frames, input_frames=input_frames,
-                           input_timeout_s=input_timeout_s, input_queue_frames=input_queue_frames,
-                           input_drop_oldest=input_drop_oldest, record_blocks=record_blocks, start_frame=image)
+        return self._live_session(prompt, opts, num_blocks, _start_image(start_frame), input_video=frames,
+                                  input_frames=input_frames, input_timeout_s=input_timeout_s,
+                                  input_queue_frames=input_queue_frames, input_drop_oldest=input_drop_oldest,
+                                  record_blocks=record_blocks)
 
     def input_clip(self, input_video, options: GenerationOptions, fit_blocks: bool = False,
                    max_bytes: int | None = None, max_pixels: int | None = None) -> tuple[GenerationOptions, object]:
@@ -590,7 +607,7 @@ class SpeculativeVideoPipeline:
         if prompt_schedule is None and isinstance(prompt, ScheduledPrompt):  # the CLI's --prompt-schedule
             prompt, prompt_schedule = None, prompt.schedule
         if prompt_schedule is not None:
-            from sdvg.live import LiveSession, parse_schedule
+            from sdvg.live import parse_schedule
 
             if prompt is not None:
                 raise ValueError("prompt_schedule replaces prompt: give one of them (the schedule's block-0 entry is "
@@ -599,8 +616,8 @@ class SpeculativeVideoPipeline:
             if not isinstance(options, GenerationOptions):
                 raise TypeError(f"options must be a sdvg.GenerationOptions, got {type(options).__name__}")
             opts, frames = self.input_clip(input_video, options)
-            return LiveSession(self, schedule[0][1], options, opts.num_blocks, schedule=schedule, input_video=frames,
-                               start_frame=_start_image(start_frame))
+            return self._live_session(schedule[0][1], options, opts.num_blocks, _start_image(start_frame),
+                                      schedule=schedule, input_video=frames)
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
         if not isinstance(options, GenerationOptions):
@@ -610,11 +627,11 @@ class SpeculativeVideoPipeline:
         image = _start_image(start_frame)
         latents = self.start_latents(image, opts)
         video_input = self.video_input(frames, opts)
-        runners = self.runners(opts.backend)
+        context = self.run_context(opts)
         report = LoopReport()
-        blocks = run_blocks(self.components, prompt, opts, report, runners=runners, threaded=threaded,
-                            memory_budget_gib=self.memory_budget_gib, video_input=video_input, start_latents=latents)
-        stats = RunStats(prompt, self.preset.name, opts, self.provenance(opts))
+        blocks = run_blocks(context, prompt, opts, report, threaded=threaded, video_input=video_input,
+                            start_latents=latents)
+        stats = RunStats(prompt, self.preset.name, opts, context.provenance)
         if frames is not None:
             stats.extra["input_video"] = input_summary(input_video, frames)
         if image is not None:

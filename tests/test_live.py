@@ -224,10 +224,11 @@ def test_stats_keeping_the_last_blocks_fold_the_rest_into_exact_totals(early_exi
                        ("video", "blocks_done"), ("result", "mean_steps"), ("result", "max_steps"),
                        ("result", "exit_roles"), ("result", "stage_totals")):
         assert k[group][key] == a[group][key], key  # quarters: every sum exact in any order
-    with pytest.raises(OptionError, match="record_blocks 0 must be a positive integer"):
-        from sdvg.live import LiveSession
+    from sdvg.live.session import kept_blocks
 
-        LiveSession(None, "a", GenerationOptions(), num_blocks=2, record_blocks=0)
+    assert kept_blocks("auto", 5) is None and kept_blocks("auto", None) == 1000 and kept_blocks(7, None) == 7
+    with pytest.raises(OptionError, match="record_blocks 0 must be a positive integer"):
+        kept_blocks(0, 2)
 
 
 @pytest.mark.slow

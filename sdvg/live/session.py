@@ -20,7 +20,7 @@ import threading
 from sdvg.generation.calls import StageCalls
 from sdvg.generation.plan import STOP, BlockStep, Conditioning, forced_block, recaching_roles
 from sdvg.generation.routers import Router
-from sdvg.generation.run import run_blocks
+from sdvg.generation.run import RunContext, run_blocks
 from sdvg.generation.video_input import InputEnded
 from sdvg.generation.types import LoopReport, RunStats, block_times
 from sdvg.live.conditioning import ConditioningTable, PromptBank
@@ -35,14 +35,30 @@ assert MAX_HELD_COMMITS < min(ConditioningTable.KEEP, StageCalls.STEPS_KEPT)
 RECORD_BLOCKS = 1000  # an unbounded session's default `record_blocks`: the block entries and trace kept
 
 
-def unbounded_horizon(pipe, opts: GenerationOptions, prefix_frames: int = 0) -> int:
+def unbounded_horizon(components, opts: GenerationOptions, prefix_frames: int = 0) -> int:
     """Blocks an unbounded session can reach: a full-context role places block b at absolute frame
     prefix_frames + b * frames_per_block (`prefix_frames`: a start frame's), so the RoPE table bounds it; a
     recompute-only session has no bound (its positions restart at the context length), the caches are sized
     for one table's length anyway."""
-    preset = pipe.preset
-    rope = min(getattr(pipe.components, r).config.rope_max_seq_len for r in opts.roles)
-    return max((rope - prefix_frames) // preset.video.frames_per_block - 1, 1)
+    rope = min(getattr(components, r).config.rope_max_seq_len for r in opts.roles)
+    return max((rope - prefix_frames) // components.preset.video.frames_per_block - 1, 1)
+
+
+def session_options(resolve, components, options: GenerationOptions, num_blocks: int | None,
+                    start_frame: bool = False) -> tuple[GenerationOptions, int | None]:
+    """(a session's resolved options, its last block + 1 or None): `num_blocks` blocks, or with None an unbounded
+    session, whose caches are sized for the blocks a full-context role can reach (`unbounded_horizon`; the session
+    stops there) or, recompute only, for one RoPE table's length (no end). `resolve`: the pipeline's option
+    resolution (`SpeculativeVideoPipeline.resolve`); `start_frame`: a start frame's frames come before block 0."""
+    if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1):
+        raise OptionError(f"num_blocks {num_blocks!r} must be a positive integer, or None for an unbounded session")
+    if num_blocks is not None:
+        return resolve(options.replace(num_blocks=num_blocks)), num_blocks
+    opts = resolve(options.replace(num_blocks=1))
+    check_unbounded(opts)
+    prefix = opts.kv_cache_frames if start_frame else 0
+    opts = resolve(options.replace(num_blocks=unbounded_horizon(components, opts, prefix)))
+    return opts, opts.num_blocks if any(opts.context_mode(r) == "full" for r in opts.roles) else None
 
 
 def check_unbounded(opts: GenerationOptions) -> None:
@@ -55,7 +71,7 @@ def check_unbounded(opts: GenerationOptions) -> None:
                               f"recompute context ({flag}) or a finite num_blocks")
 
 
-def _input_source(pipe, input_video, input_frames: bool, timeout_s, queue_frames: int = 1024,
+def _input_source(preset, input_video, input_frames: bool, timeout_s, queue_frames: int = 1024,
                   drop_oldest: bool = False):
     """(the session's frame source or None, the wait per block): a clip's frames, or frames pushed live (at most
     `queue_frames` waiting; one more is refused, or with `drop_oldest` the oldest makes room)."""
@@ -66,7 +82,7 @@ def _input_source(pipe, input_video, input_frames: bool, timeout_s, queue_frames
         raise OptionError(f"input_frames must be True or False, got {input_frames!r}")
     from sdvg.generation.video_input import ClipFrames, LiveFrames
 
-    v = pipe.preset.video
+    v = preset.video
     if input_video is not None:
         return ClipFrames(input_video, v.height, v.width), float(timeout_s)
     if input_frames:
@@ -86,44 +102,41 @@ def _next_router(router: Router, update: Update) -> Router:
         raise UpdateError(f"the router options would be {values['router']!r} with {exc}") from None
 
 
+def kept_blocks(record_blocks: int | str | None, num_blocks: int | None) -> int | None:
+    """The block entries a session's statistics keep (`record_blocks`): 'auto' is every block of a bounded session
+    (None) and the last RECORD_BLOCKS of an unbounded one; a bad value is refused (OptionError)."""
+    if record_blocks == "auto":
+        return None if num_blocks is not None else RECORD_BLOCKS
+    if record_blocks is not None and (isinstance(record_blocks, bool) or not isinstance(record_blocks, int)
+                                      or record_blocks < 1):
+        raise OptionError(f"record_blocks {record_blocks!r} must be a positive integer (the block entries the "
+                          "statistics keep, the oldest folded into the totals), None (all) or 'auto'")
+    return record_blocks
+
+
 class LiveSession:
     """Iterate to get each `BlockRecord` as soon as it is final; `update(...)` from any thread;
-    `close()` ends it (its `stats` are then final). `num_blocks=None`: unbounded."""
+    `close()` ends it (its `stats` are then final). `pipe.session(...)` makes one: `context` is what its runs
+    need (`RunContext`), `opts` its resolved options and `limit` its end (`session_options`), `num_blocks` the
+    blocks asked (None: unbounded); `start_latents` a start frame's encoded latents (`start_frame`: the image,
+    uint8 [H, W, 3], for the statistics)."""
 
-    def __init__(self, pipe, prompt: str, options: GenerationOptions, num_blocks: int | None = None,
-                 schedule: list | None = None, input_video=None, input_frames: bool = False,
-                 input_timeout_s: float = 30.0, input_queue_frames: int = 1024, input_drop_oldest: bool = False,
-                 record_blocks: int | str | None = "auto", start_frame=None):
+    def __init__(self, context: RunContext, prompt: str, opts: GenerationOptions, num_blocks: int | None = None,
+                 limit: int | None = None, schedule: list | None = None, input_video=None,
+                 input_frames: bool = False, input_timeout_s: float = 30.0, input_queue_frames: int = 1024,
+                 input_drop_oldest: bool = False, record_blocks: int | str | None = "auto", start_latents=None,
+                 start_frame=None):
         check_prompt(prompt)
-        if record_blocks == "auto":  # every block of a bounded session, the last RECORD_BLOCKS of an unbounded one
-            record_blocks = None if num_blocks is not None else RECORD_BLOCKS
-        if record_blocks is not None and (isinstance(record_blocks, bool) or not isinstance(record_blocks, int)
-                                          or record_blocks < 1):
-            raise OptionError(f"record_blocks {record_blocks!r} must be a positive integer (the block entries the "
-                              "statistics keep, the oldest folded into the totals), None (all) or 'auto'")
-        self.record_blocks = record_blocks
-        if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int)
-                                       or num_blocks < 1):
-            raise OptionError(f"num_blocks {num_blocks!r} must be a positive integer, or None for an unbounded session")
-        self.pipe, self.limit = pipe, num_blocks
+        self.record_blocks = record_blocks = kept_blocks(record_blocks, num_blocks)
+        self.context, self.limit, self.opts = context, limit, opts
+        components = context.components
+        self.preset = components.preset
         # lazy target commits the loop may hold: a few, committed oldest first once past it
         self.max_held_commits = MAX_HELD_COMMITS
-        if num_blocks is None:
-            opts = pipe.resolve(options.replace(num_blocks=1))
-            check_unbounded(opts)
-            prefix = opts.kv_cache_frames if start_frame is not None else 0
-            opts = pipe.resolve(options.replace(num_blocks=unbounded_horizon(pipe, opts, prefix)))
-            if any(opts.context_mode(r) == "full" for r in opts.roles):
-                self.limit = opts.num_blocks  # the RoPE table's end: the session stops there
-        else:
-            opts = pipe.resolve(options.replace(num_blocks=num_blocks))
-        self.opts = opts
         self.recaches = opts.recache  # (the plan's) a full-context role re-caches under a new conditioning
-        # a start frame (`start_frame`: uint8 [H, W, 3]): encoded once (refused with the options it cannot go with),
-        # the context of every segment's block 0
-        self._start_latents = pipe.start_latents(start_frame, opts)
-        self.runners = pipe.runners(opts.backend)
-        self.table = ConditioningTable(PromptBank(pipe.components.text_encoder), prompt)
+        # a start frame's latents: the context of every segment's block 0
+        self._start_latents = start_latents
+        self.table = ConditioningTable(PromptBank(components.text_encoder), prompt)
         self._lock = threading.Lock()
         self._started = 0  # session blocks whose conditioning is frozen (drafting may have begun)
         self._pending: list[UpdateAck] = []
@@ -143,10 +156,10 @@ class LiveSession:
         self._stage_device_s: dict[str, float] | None = None
         self._compile: dict | None = None  # backend compile: the segments' compile costs summed
         self._records_live: dict[int, dict] = {}
-        self.stats = RunStats(prompt, pipe.preset.name, opts, pipe.provenance(opts), keep_blocks=record_blocks)
+        self.stats = RunStats(prompt, self.preset.name, opts, context.provenance, keep_blocks=record_blocks)
         self.stats.extra.update(live=True, num_blocks=num_blocks, updates=[], prompts=self.table.prompts)
         self.finished = False
-        self._source, self.input_timeout_s = _input_source(pipe, input_video, input_frames, input_timeout_s,
+        self._source, self.input_timeout_s = _input_source(self.preset, input_video, input_frames, input_timeout_s,
                                                            input_queue_frames, input_drop_oldest)
         self._video = None  # the running segment's VideoInput
         self.input_ended: str | None = None  # why the input ended the session (a live source's timeout)
@@ -230,7 +243,7 @@ class LiveSession:
         return self._source.queued() >= self._frames_needed(block)
 
     def _frames_needed(self, block: int) -> int:
-        v, vae = self.pipe.preset.video, self.pipe.preset.vae
+        v, vae = self.preset.video, self.preset.vae
         return v.pixel_frames(vae, 1) if block == 0 else vae.temporal_stride * v.frames_per_block
 
     def _acknowledge(self, update: Update, block: int | None) -> UpdateAck:
@@ -344,11 +357,10 @@ class LiveSession:
                 from sdvg.generation.video_input import VideoInput
                 from sdvg.models.vae_encoder import StreamingVAEEncoder
 
-                self._video = VideoInput(self._source, StreamingVAEEncoder(self.pipe.components.vae.vae),
-                                         self.pipe.preset.video.frames_per_block, self.input_timeout_s)
-            for record in run_blocks(self.pipe.components, prompt, opts, report, runners=self.runners,
-                                     memory_budget_gib=self.pipe.memory_budget_gib, plan=self,
-                                     video_input=self._video, start_latents=self._start_latents):
+                self._video = VideoInput(self._source, StreamingVAEEncoder(self.context.components.vae.vae),
+                                         self.preset.video.frames_per_block, self.input_timeout_s)
+            for record in run_blocks(self.context, prompt, opts, report, plan=self, video_input=self._video,
+                                     start_latents=self._start_latents):
                 record.live = self._records_live.pop(record.index)
                 record.live["recache_forwards"] = record.recache_forwards
                 self._recache_forwards += record.live["recache_forwards"]
@@ -410,8 +422,8 @@ class LiveSession:
             self.stats.extra["input_ended"] = self.input_ended
         if input_frames_pushed := getattr(self._source, "pushed", None):
             self.stats.extra["input_video"] = {"source": "live", "frames": int(input_frames_pushed),
-                                               "height": self.pipe.preset.video.height,
-                                               "width": self.pipe.preset.video.width}
+                                               "height": self.preset.video.height,
+                                               "width": self.preset.video.width}
 
     def __enter__(self) -> "LiveSession":
         return self
