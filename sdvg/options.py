@@ -3,7 +3,9 @@
 Each option is declared once, with its default and help, in one of two halves: `MethodOptions`
 (what video you get: mode, tau, router, aggregation, contexts, forced block, early exit) or
 `RunOptions` (how it runs: scheduler, backend, run-ahead, graphs, stage timing, fast VAE, FP8).
-`GenerationOptions` is both as one flat keyword set, and everything else derives from it:
+`GenerationOptions` is both as one flat keyword set, and everything else derives from it. The halves
+group the declaration by meaning; every layer takes the whole `GenerationOptions` (no layer reads one
+half only; docs/api.md, "Generation options"):
 
 - the API keywords of `SpeculativeVideoPipeline.__call__` / `.stream` (written out by hand for
   readable signatures, defaults read from `DEFAULTS`; `tests/test_options.py` checks they match);
