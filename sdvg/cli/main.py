@@ -1,5 +1,5 @@
 """The parser of every command and the dispatch: parse, run the command's `run(args, load_pipeline)`,
-turn its errors into the exit statuses the README promises."""
+turn its errors into the exit statuses docs/cli.md promises."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +14,7 @@ from sdvg.names import did_you_mean
 # In the order `sdvg --help` lists them.
 COMMANDS = (generate, config, memory, download, sweep, calibrate, calibrate_exit, train_exit_head, serve)
 
-# Exit statuses (README): 0 done; 2 bad arguments or input files (found before or while loading: an
+# Exit statuses (docs/cli.md): 0 done; 2 bad arguments or input files (found before or while loading: an
 # option, a path, a prompts file, a checkpoint, a config); 1 a runtime failure (a device, the disk, the
 # encoder); 128 + the signal when interrupted: 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP.
 EXIT_BAD_INPUT, EXIT_RUNTIME = 2, 1

@@ -1,5 +1,5 @@
 """Which failures are bad input (exit 2) and which are runtime failures (exit 1), for errors whose class
-alone does not say (README, "Exit statuses"). Torch-free; nothing here imports the modules it names."""
+alone does not say (docs/cli.md, "Exit statuses"). Torch-free; nothing here imports the modules it names."""
 from __future__ import annotations
 
 # Errors about a file or folder the user gave (an engine folder stale, corrupt or missing a stage):
