@@ -100,3 +100,13 @@ def tiny_onnx_build(tmp_path_factory):
                            "--out", str(out)], capture_output=True, text=True, timeout=1200,
                           cwd=Path(__file__).resolve().parents[1])
     return SimpleNamespace(out=out, proc=proc)
+
+
+@pytest.fixture
+def no_model_load(request, monkeypatch):
+    """The requesting test module's `LOAD_PIPELINE` (what its `_main` hands the CLI as the pipeline loader) fails the
+    test if called: the CLI must refuse the input before it loads a model."""
+    def boom(args):
+        raise AssertionError("a model was loaded before the inputs were checked")
+
+    monkeypatch.setattr(request.module, "LOAD_PIPELINE", boom)

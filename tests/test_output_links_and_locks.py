@@ -18,20 +18,11 @@ PROMPT = "a paper boat on a rainy street"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-# What `_main` loads a pipeline with: None is the CLI's own loader; fixtures swap in a stand-in.
-LOAD_PIPELINE = None
+LOAD_PIPELINE = None  # what `_main` loads a pipeline with (None: the CLI's own); `no_model_load` (conftest) swaps it
 
 
 def _main(*argv) -> int:
     return cli.main(list(argv), load_pipeline=LOAD_PIPELINE)
-
-
-@pytest.fixture
-def no_model_load(monkeypatch):
-    def boom(args):
-        raise AssertionError("a model was loaded before the inputs were checked")
-
-    monkeypatch.setattr(sys.modules[__name__], "LOAD_PIPELINE", boom)
 
 
 # ------------------------------------------------------------------ 1. planted symlinks
