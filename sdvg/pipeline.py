@@ -461,16 +461,17 @@ class SpeculativeVideoPipeline:
                           self.provenance(options))
 
     def _live_session(self, prompt: str, options: GenerationOptions, num_blocks: int | None, image=None,
-                      **kwargs) -> "LiveSession":
-        """A live session of `options` (the session's end from `session_options`; a start frame encoded here)."""
+                      record_blocks: int | str | None = "auto", **kwargs) -> "LiveSession":
+        """A live session of `options` (the session's end from `session_options`; a start frame encoded here). The
+        prompt and `record_blocks` are checked here, before any work."""
         from sdvg.live import LiveSession
         from sdvg.live.session import kept_blocks, session_options
         from sdvg.live.updates import check_prompt
 
-        check_prompt(prompt)  # bad input refused before any work (the session checks them again)
-        kept_blocks(kwargs.get("record_blocks", "auto"), num_blocks)
+        check_prompt(prompt)
+        kept = kept_blocks(record_blocks, num_blocks)
         opts, limit = session_options(self.resolve, self.components, options, num_blocks, image is not None)
-        return LiveSession(self.run_context(opts), prompt, opts, num_blocks, limit,
+        return LiveSession(self.run_context(opts), prompt, opts, num_blocks, limit, record_blocks=kept,
                            start_latents=self.start_latents(image, opts), start_frame=image, **kwargs)
 
     def resolve(self, options: GenerationOptions) -> GenerationOptions:

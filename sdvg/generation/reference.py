@@ -132,7 +132,8 @@ def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, rep
                     if not drafter.context.recompute:
                         drafter.cache.commit()  # this loop moves the write pointer
                 if target is not None:
-                    pending.append((b, x_b, "target" in step.recache and decision in ("accepted", "draft")))
+                    # an accepted block's target re-cache is still to make (a target-made block's came before its denoise)
+                    pending.append((b, x_b, "target" in step.recache and accepted))
                     if not (opts.lazy_target_commit and accepted and opts.mode == "sdvg"):
                         commit_target(pending)
                     elif held_limit is not None and len(pending) > held_limit:

@@ -24,7 +24,7 @@ from sdvg.generation.run import RunContext, run_blocks
 from sdvg.generation.video_input import InputEnded
 from sdvg.generation.types import LoopReport, RunStats, block_times
 from sdvg.live.conditioning import ConditioningTable, PromptBank
-from sdvg.live.updates import Update, UpdateAck, UpdateError, check_prompt
+from sdvg.live.updates import Update, UpdateAck, UpdateError
 from sdvg.options import GenerationOptions, OptionError
 
 
@@ -118,16 +118,16 @@ class LiveSession:
     """Iterate to get each `BlockRecord` as soon as it is final; `update(...)` from any thread;
     `close()` ends it (its `stats` are then final). `pipe.session(...)` makes one: `context` is what its runs
     need (`RunContext`), `opts` its resolved options and `limit` its end (`session_options`), `num_blocks` the
-    blocks asked (None: unbounded); `start_latents` a start frame's encoded latents (`start_frame`: the image,
+    blocks asked (None: unbounded), `record_blocks` the block entries its statistics keep (`kept_blocks`; the
+    pipeline checks it and the prompt before any work); `start_latents` a start frame's encoded latents (`start_frame`: the image,
     uint8 [H, W, 3], for the statistics)."""
 
     def __init__(self, context: RunContext, prompt: str, opts: GenerationOptions, num_blocks: int | None = None,
                  limit: int | None = None, schedule: list | None = None, input_video=None,
                  input_frames: bool = False, input_timeout_s: float = 30.0, input_queue_frames: int = 1024,
-                 input_drop_oldest: bool = False, record_blocks: int | str | None = "auto", start_latents=None,
+                 input_drop_oldest: bool = False, record_blocks: int | None = None, start_latents=None,
                  start_frame=None):
-        check_prompt(prompt)
-        self.record_blocks = record_blocks = kept_blocks(record_blocks, num_blocks)
+        self.record_blocks = record_blocks
         self.context, self.limit, self.opts = context, limit, opts
         components = context.components
         self.preset = components.preset
