@@ -57,6 +57,12 @@ class RoleModel:
         may move it back) or the frames recorded (recompute)."""
         return self.recorded_frames if self.context.recompute else self.cache.committed_frames
 
+    @property
+    def kept_clean_frames(self) -> list[int]:
+        """The latent frames (ascending) whose clean latents this role keeps now (full context, `keep_clean`: the
+        stability verifier's history, a re-cache's input); for observation: which frames a long run still holds."""
+        return sorted(self._clean_frames)
+
     def frame_of(self, block: int) -> int:
         """Block `block`'s first latent frame: after the start frame's frames, if any."""
         return self.prefix_frames + block * self.frames_per_block

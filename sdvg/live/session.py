@@ -173,6 +173,22 @@ class LiveSession:
             self._acknowledge(item, block)
         self._blocks = self._run()
 
+    @property
+    def segment_report(self) -> LoopReport | None:
+        """The running segment's `LoopReport` (None before the first block and between segments), for
+        observation: its loop fills it when the segment ends (counters, trace, the native scheduler's final
+        times of the blocks it kept), just before the session folds it into its totals and lets it go. A caller
+        that keeps it keeps that segment's KV caches."""
+        return self._report
+
+    @property
+    def queued_input_frames(self) -> int:
+        """Pushed input frames no block has read yet (a session started with input_frames=True; 0 otherwise):
+        the backlog of a live video-to-video client."""
+        from sdvg.generation.video_input import LiveFrames
+
+        return self._source.queued() if isinstance(self._source, LiveFrames) else 0
+
     # ------------------------------------------------------------------ updates
     def update(self, prompt: str | None = None, interp_blocks: int | None = None, seed: int | None = None,
                reset: bool = False, tau: float | None = None, router: str | None = None,
