@@ -87,8 +87,8 @@ REASONS = {
     ("check_active",): "early exit: the active tokens' bounds read on the host (a data-dependent set)",
     ("early_exit",): "early exit: the verifier's data-dependent decision read on the host",
     ("kv_cache",): "sparse KV write: token positions read on the host per layer (now built once on the device)",
-    ("stages.py", "visible_cache_index"): "static stages: the visible-cache index copied per forward (now kept "
-                                          "on the device)",
+    ("engines/modules.py", "visible_cache_index"): "DiT engines: the visible-cache index copied per forward (now "
+                                                   "kept on the device)",
     ("to_uint8_frames",): "the finished block's frames handed to the caller on the host: the output itself, "
                           "once per block",
     (" emit",): "the finished block's latents handed to the caller on the host: the output itself, once per "

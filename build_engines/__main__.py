@@ -1,15 +1,15 @@
 """python -m build_engines --preset tiny --format onnx --verify --out engines/
 
 Loads the pipeline exactly as `sdvg generate` does (the same preset, checkpoint and device flags),
-derives every stage signature on the meta device (`sdvg.engines.signatures`), exports each stage
-to ONNX and, for --format tensorrt, builds it into an engine; for --format torch-tensorrt the DiT
-stages go through torch.export and torch-tensorrt instead (the others as for tensorrt). Every
+derives every engine signature on the meta device (`sdvg.engines.signatures`), exports each engine
+module to ONNX and, for --format tensorrt, builds it into a TensorRT plan; for --format torch-tensorrt
+the DiT engines go through torch.export and torch-tensorrt instead (the others as for tensorrt). Every
 artifact goes into the engine cache under a key of its config, weights, shapes, precision, device
-and library versions.
+and library versions. `--stages` selects engine families (the flag keeps its name).
 
-One stage at a time (`build_engines/plan.py`): export, free the example inputs, move a DiT stage's
+One engine at a time (`build_engines/plan.py`): export, free the example inputs, move a DiT engine's
 torch DiT to the host, build, delete the ONNX file and its `.data` (right after TensorRT has parsed
-them), move the DiT back. `--dry-run` prints that plan's disk, GPU and host-memory peaks per stage
+them), move the DiT back. `--dry-run` prints that plan's disk, GPU and host-memory peaks per engine
 from the configs alone (meta device, no TensorRT) against `--gpu-gib` / `--disk-gib` /
 `--host-gib` (one H200 machine: 139 / 64 / 128); a real build checks the same plan against those
 limits and this machine's free disk and GPU memory before it loads anything."""
@@ -61,19 +61,20 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
                     help="default: the preset's precision (the API's torch_dtype)")
     ap.add_argument("--num-blocks", type=_positive, default=None,
-                    help="longest video the cached DiT stages' profiles cover, in blocks (default: the preset's; "
+                    help="longest video the cached DiT engines' profiles cover, in blocks (default: the preset's; "
                          "ONNX files take any length)")
     ap.add_argument("--kv-cache-frames", type=_positive, default=None,
-                    help="recompute context length the context-forward stages are built for (default: the preset's)")
+                    help="recompute context length the context-forward engines are built for (default: the preset's)")
     ap.add_argument("--format", choices=BUILD_FORMATS, default="tensorrt",
                     help="onnx (the onnxruntime backend), tensorrt (the tensorrt backend) or torch-tensorrt (the "
-                         "torch-tensorrt backend: DiT stages through torch-tensorrt, the others TensorRT engines)")
-    ap.add_argument("--verify", action="store_true", help="run every exported stage in onnxruntime against eager")
+                         "torch-tensorrt backend: DiT engines through torch-tensorrt, the others TensorRT plans)")
+    ap.add_argument("--verify", action="store_true", help="run every exported engine in onnxruntime against eager")
     ap.add_argument("--timing-cache", type=Path, default=None)
-    ap.add_argument("--stages", default="all", help="comma list of drafter_dit,target_dit,vae_decode,reward")
+    ap.add_argument("--stages", default="all",
+                    help="engine families to build, a comma list of drafter_dit,target_dit,vae_decode,reward (default all)")
     ap.add_argument("--out", type=Path, default=Path("engines"))
     ap.add_argument("--dry-run", action="store_true",
-                    help="print the per-stage build plan (disk, GPU and host-memory peaks, from the configs on the "
+                    help="print the per-engine build plan (disk, GPU and host-memory peaks, from the configs on the "
                          "meta device) against the limits and exit; needs no TensorRT and loads no weights")
     ap.add_argument("--workspace-gib", type=_gib, default=8.0, help="TensorRT builder workspace limit (default 8)")
     for kind, what in (("gpu", "GPU memory"), ("disk", "disk under --out"), ("host", "host memory")):
@@ -87,13 +88,13 @@ def plan_for(args, wanted):
     """(build plan, limits from the flags) of this command line, from the configs alone."""
     from build_engines.plan import build_plan, flag_limits
     from sdvg.config import get_preset
-    from sdvg.engines.signatures import STAGE_NAMES, preset_signatures
+    from sdvg.engines.signatures import ENGINE_FAMILIES, preset_signatures
 
     preset = get_preset(args.preset)
     if args.precision:
         preset = preset.replace(precision=args.precision)
     sigs = preset_signatures(preset, args.num_blocks, args.kv_cache_frames,
-                             families=tuple(f for f in STAGE_NAMES if f in wanted))
+                             families=tuple(f for f in ENGINE_FAMILIES if f in wanted))
     fmt = "tensorrt" if args.format == "torch-tensorrt" else args.format
     plan = build_plan(preset, sigs, fmt, args.device, args.target_device, args.workspace_gib)
     return plan, flag_limits(args.gpu_gib, args.disk_gib, args.host_gib)
@@ -145,15 +146,15 @@ def load_pipeline(args):
 
 
 def main(argv=None) -> int:
-    from sdvg.engines.signatures import STAGE_NAMES
+    from sdvg.engines.signatures import ENGINE_FAMILIES
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
-    wanted = set(STAGE_NAMES) if args.stages == "all" else {w.strip() for w in args.stages.split(",") if w.strip()}
-    unknown = sorted(wanted - set(STAGE_NAMES))
+    wanted = set(ENGINE_FAMILIES) if args.stages == "all" else {w.strip() for w in args.stages.split(",") if w.strip()}
+    unknown = sorted(wanted - set(ENGINE_FAMILIES))
     if unknown or not wanted:  # checked before anything is built
-        print(f"error: unknown stage(s) {', '.join(unknown) or '(none given)'} in --stages; the stages are "
-              f"{', '.join(STAGE_NAMES)} (or all)", file=sys.stderr)
+        print(f"error: unknown engine famil{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown) or '(none given)'} "
+              f"in --stages; the engine families are {', '.join(ENGINE_FAMILIES)} (or all)", file=sys.stderr)
         return 2
 
     from build_engines.plan import check_plan, format_plan, measured_limits
@@ -179,7 +180,7 @@ def main(argv=None) -> int:
     with lock_engine_folder(args.out):  # a second build into this folder is refused before anything loads
         from build_engines.export import VERIFY_TOLERANCE, export_onnx, export_opset, verify_onnx
         from sdvg.engines.cache import EngineCache
-        from sdvg.engines.signatures import component_signatures, stage_key, stage_spec
+        from sdvg.engines.signatures import component_signatures, engine_key, engine_spec
         from sdvg.engines.tensorrt import import_tensorrt
 
         if args.format != "onnx":
@@ -197,7 +198,7 @@ def main(argv=None) -> int:
         comps = load_pipeline(args).components
         print(f"loaded preset {args.preset!r} ({comps.preset.precision}) in {time.perf_counter() - t0:.1f} s", flush=True)
         sigs = component_signatures(comps, args.num_blocks, args.kv_cache_frames,
-                                    families=tuple(f for f in STAGE_NAMES if f in wanted))
+                                    families=tuple(f for f in ENGINE_FAMILIES if f in wanted))
         missing = sorted(wanted - {s.family for s in sigs})
         if missing and args.stages != "all":
             print(f"error: the pipeline has no {', '.join(missing)} (no model loaded for it)", file=sys.stderr)
@@ -207,15 +208,15 @@ def main(argv=None) -> int:
         opset, why = export_opset()
         print(f"ONNX opset {opset} ({why})", flush=True)
         failed = []
-        for sig in sigs:  # one stage at a time: nothing of a stage outlives its iteration but its cache entry
+        for sig in sigs:  # one engine at a time: nothing of an engine outlives its iteration but its cache entry
             t0 = time.perf_counter()
-            spec = stage_spec(comps, sig)
+            spec = engine_spec(comps, sig)
             dit = getattr(comps, sig.family[: -len("_dit")]) if sig.family.endswith("_dit") else None
             if args.format == "torch-tensorrt" and dit is not None:
                 from sdvg.engines.torch_trt import build_program
 
                 program = build_program(spec.module, sig, spec.inputs, args.out / "torch_trt" / sig.name / "program.ep")
-                dest = cache.store(stage_key(sig, comps, "torch-tensorrt"), program, rebuild_command(argv))
+                dest = cache.store(engine_key(sig, comps, "torch-tensorrt"), program, rebuild_command(argv))
                 del spec, program
                 print(f"{sig.name}: torch-tensorrt program {dest} in {time.perf_counter() - t0:.1f} s", flush=True)
                 continue
@@ -230,16 +231,16 @@ def main(argv=None) -> int:
             if args.format != "onnx":
                 from build_engines.trt import build_engine
 
-                key = stage_key(sig, comps, "tensorrt")  # the weights fingerprint while the weights are in place
+                key = engine_key(sig, comps, "tensorrt")  # the weights fingerprint while the weights are in place
                 device = spec.device
-                del spec  # the example inputs (a cached target stage's: GBs) go before the builder runs
+                del spec  # the example inputs (a cached target engine's: GBs) go before the builder runs
                 with off_device(dit.model, device) if dit is not None else contextlib.nullcontext():
                     plan_path = build_engine(onnx_path, onnx_path.with_suffix(".plan"), sig, args.timing_cache,
                                              args.workspace_gib, delete_onnx_after_parse=True)
                 dest = cache.store(key, plan_path, rebuild_command(argv))
                 msg += f"; engine {dest} (ONNX file deleted)"
             else:
-                dest = cache.store(stage_key(sig, comps, "onnx"), onnx_path, rebuild_command(argv))
+                dest = cache.store(engine_key(sig, comps, "onnx"), onnx_path, rebuild_command(argv))
                 msg += f"; {dest}"
             print(msg, flush=True)
         if failed:

@@ -1,4 +1,4 @@
-"""ONNX export of the stages (dynamo exporter) and onnxruntime verification against eager."""
+"""ONNX export of the engine modules (dynamo exporter) and onnxruntime verification against eager."""
 from __future__ import annotations
 
 import warnings
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from sdvg.engines.signatures import StageSpec
+from sdvg.engines.signatures import EngineSpec
 
 # Max |onnxruntime - eager| / max(1, max |eager|) accepted by --verify, per precision.
 VERIFY_TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 5e-2}
@@ -52,7 +52,7 @@ def export_opset() -> tuple[int, str]:
     return ATTENTION_OPSET, f"onnx {onnx.__version__}, onnxruntime {onnxruntime.__version__}"
 
 
-def export_onnx(stage: StageSpec, path: Path, opset: int | None = None) -> Path:
+def export_onnx(engine: EngineSpec, path: Path, opset: int | None = None) -> Path:
     """torch.onnx.export with the dynamo exporter (the TorchScript exporter fails on rms_norm), the
     signature's dynamic dimensions kept dynamic, at `opset` (default `export_opset()`: 23, one
     `Attention` node per attention). Weights past 2 GB go to `<path>.data` beside it."""
@@ -63,8 +63,8 @@ def export_onnx(stage: StageSpec, path: Path, opset: int | None = None) -> Path:
     with torch.no_grad(), warnings.catch_warnings():
         # every layer buffer shares the cache_tokens dimension; the exporter says so once per buffer
         warnings.filterwarnings("ignore", message=".*shares the same shape constraints.*")
-        program = torch.onnx.export(stage.module, stage.inputs, dynamo=True, input_names=stage.input_names,
-                                    output_names=stage.output_names, dynamic_shapes=stage.signature.dynamic_shapes(),
+        program = torch.onnx.export(engine.module, engine.inputs, dynamo=True, input_names=engine.input_names,
+                                    output_names=engine.output_names, dynamic_shapes=engine.signature.dynamic_shapes(),
                                     opset_version=opset, optimize=True, verbose=False)
     program.save(str(path))
     del program  # the exported program holds host copies of initializers
@@ -77,24 +77,24 @@ def eager_outputs(module, inputs) -> list[torch.Tensor]:
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
-def verify_onnx(stage: StageSpec, path: Path) -> float:
+def verify_onnx(engine: EngineSpec, path: Path) -> float:
     """Max |onnxruntime - eager| / max(1, max |eager|) over all outputs, at the example inputs and,
-    for a stage with dynamic dimensions, at their lower bounds: on the stage's CUDA device where
+    for an engine with dynamic dimensions, at their lower bounds: on the engine's CUDA device where
     onnxruntime has the CUDA execution provider, else on the CPU one (which runs fp32 graphs only)."""
-    from sdvg.engines.onnxruntime import ORTStage, import_onnxruntime
+    from sdvg.engines.onnxruntime import ORTEngine, import_onnxruntime
 
-    device = stage.device
+    device = engine.device
     if device.type == "cuda" and "CUDAExecutionProvider" not in import_onnxruntime().get_available_providers():
         device = torch.device("cpu")
-    run = ORTStage(path, stage.signature, device)
-    cases = [stage.inputs]
-    if stage.signature.dynamic:
-        cases.append(stage.signature.example_inputs(stage.device, seed=1, which="min"))
+    run = ORTEngine(path, engine.signature, device)
+    cases = [engine.inputs]
+    if engine.signature.dynamic:
+        cases.append(engine.signature.example_inputs(engine.device, seed=1, which="min"))
     err = 0.0
     for inputs in cases:
         got = run(*inputs)
         got = list(got) if isinstance(got, tuple) else [got]
-        for g, w in zip(got, eager_outputs(stage.module, inputs)):
+        for g, w in zip(got, eager_outputs(engine.module, inputs)):
             w = w.detach().float().cpu()
             err = max(err, float((g.float() - w).abs().max()) / max(1.0, float(w.abs().max())))
     return err

@@ -1,22 +1,22 @@
-"""The build plan of `python -m build_engines`: what each stage's build needs on the disk, on the GPU
+"""The build plan of `python -m build_engines`: what each engine's build needs on the disk, on the GPU
 and in host memory, computed on the meta device from the configs alone (no weights, no TensorRT),
 and the check that refuses a build before any work when a limit is too small.
 
-One stage is built at a time, in the signatures' order:
+One engine is built at a time, in the signatures' order:
 
-1. export: the stage module (its weights where the pipeline put them) to ONNX, example inputs at the
-   first profile's opt shape on the stage's device; the ONNX file and its `.data` hold the
+1. export: the engine module (its weights where the pipeline put them) to ONNX, example inputs at the
+   first profile's opt shape on the engine's device; the ONNX file and its `.data` hold the
    weights once (W);
-2. before `build_engine`: the example inputs are freed and a DiT stage's torch DiT goes to the host
+2. before `build_engine`: the example inputs are freed and a DiT engine's torch DiT goes to the host
    (`torch.cuda.empty_cache()` after), so the builder's copy of the weights is the only one on
    the GPU;
 3. TensorRT parses the ONNX file (the parser keeps the weights in host memory: W), the file is
    deleted, the builder times tactics with every I/O tensor at the largest profile shapes and its
    workspace, and returns the serialized plan in host memory (W again), written to disk through a
    memoryview;
-4. the DiT goes back to the GPU for the next stage.
+4. the DiT goes back to the GPU for the next engine.
 
-Estimates (stated with each number): an ONNX file's and a plan's size are the stage's weight
+Estimates (stated with each number): an ONNX file's and a plan's size are the engine's weight
 bytes (strongly typed: the plan keeps the graph's dtypes; kernels and the graph add megabytes),
 the builder's device memory is its weights + the I/O tensors at the profiles' upper bounds + the
 workspace limit. Activations inside the builder come out of the workspace.
@@ -35,23 +35,23 @@ GIB = 2**30
 # One H200 machine as this project is lent it: GPU memory, disk, host memory (GiB).
 H200_LIMITS = {"gpu": 139.0, "disk": 64.0, "host": 128.0}
 FIXES = {
-    "disk": "free disk space under --out, point --out at a larger disk, or build fewer stages at a time "
+    "disk": "free disk space under --out, point --out at a larger disk, or build fewer engine families at a time "
             "(--stages) and move each folder's plans away",
-    "gpu": "build on a larger GPU, lower --workspace-gib, or build a smaller --num-blocks (the cached stages' "
+    "gpu": "build on a larger GPU, lower --workspace-gib, or build a smaller --num-blocks (the cached engines' "
            "largest I/O tensors)",
-    "host": "build on a machine with more host memory, or build the DiT stages one family at a time (--stages)",
+    "host": "build on a machine with more host memory, or build the DiT engines one family at a time (--stages)",
 }
 
 
 @dataclass(frozen=True)
-class StagePlan:
+class EnginePlan:
     name: str
     family: str
     device: str
-    weights: int  # bytes of the stage's weights: its ONNX file, its plan, the builder's device copy
+    weights: int  # bytes of the engine's weights: its ONNX file, its plan, the builder's device copy
     io_max: int  # bytes of every input and output at the profiles' upper bounds
     inputs_opt: int  # bytes of the example inputs the export makes (first profile's opt shape)
-    disk_peak: int  # plans built before + this stage's ONNX file or plan (never both: deleted after parse)
+    disk_peak: int  # plans built before + this engine's ONNX file or plan (never both: deleted after parse)
     gpu_peak: int  # on `device`: max(export, build)
     host_peak: int
     gpu_how: str
@@ -68,7 +68,7 @@ def _params(module) -> int:
 
 
 def family_weights(preset: Preset) -> dict[str, int]:
-    """Bytes of the weights each stage family's module holds (meta device): a DiT, the VAE's decoder
+    """Bytes of the weights each engine family's module holds (meta device): a DiT, the VAE's decoder
     (post_quant_conv + decoder: what `VAEDecodeStep` exports), ImageReward."""
     from sdvg.models.memory import component_params
     from sdvg.models.vae import build_vae
@@ -98,8 +98,8 @@ def resident_weights(preset: Preset, drafter_device: str, target_device: str) ->
 
 
 def build_plan(preset: Preset, signatures, fmt: str = "tensorrt", drafter_device: str = "cuda:0",
-               target_device: str | None = None, workspace_gib: float = 8.0) -> list[StagePlan]:
-    """The per-stage plan of building `signatures` (in order) in format `fmt` (see the module docstring)."""
+               target_device: str | None = None, workspace_gib: float = 8.0) -> list[EnginePlan]:
+    """The per-engine plan of building `signatures` (in order) in format `fmt` (see the module docstring)."""
     target_device = str(target_device or drafter_device)
     weights = family_weights(preset)
     resident = resident_weights(preset, drafter_device, target_device)
@@ -133,10 +133,10 @@ def build_plan(preset: Preset, signatures, fmt: str = "tensorrt", drafter_device
             host_how = (f"{'DiT moved off the GPU ' + format(moved / GIB, '.1f') + ' + ' if dit else ''}parsed weights "
                         f"{w / GIB:.1f} + serialized plan {w / GIB:.1f}")
             disk = stored + w
-            disk_how = f"plans before {stored / GIB:.1f} + this stage's ONNX file, then its plan {w / GIB:.1f}"
+            disk_how = f"plans before {stored / GIB:.1f} + this engine's ONNX file, then its plan {w / GIB:.1f}"
             stored += w
-        out.append(StagePlan(sig.name, sig.family, device, w, io_max, inputs_opt, disk, gpu, host, gpu_how, host_how,
-                             disk_how))
+        out.append(EnginePlan(sig.name, sig.family, device, w, io_max, inputs_opt, disk, gpu, host, gpu_how, host_how,
+                              disk_how))
     return out
 
 
@@ -171,8 +171,8 @@ def measured_limits(limits: dict[str, Limit], out: Path, devices=()) -> dict[str
     return limits
 
 
-def check_plan(plan: list[StagePlan], limits: dict[str, Limit]) -> list[str]:
-    """One line per limit a stage exceeds: the stage, the number that does not fit, the limit and the fix."""
+def check_plan(plan: list[EnginePlan], limits: dict[str, Limit]) -> list[str]:
+    """One line per limit an engine exceeds: the engine, the number that does not fit, the limit and the fix."""
     problems = []
     for kind, attr in (("disk", "disk_peak"), ("gpu", "gpu_peak"), ("host", "host_peak")):
         worst = max(plan, key=lambda s: getattr(s, attr), default=None)
@@ -180,14 +180,14 @@ def check_plan(plan: list[StagePlan], limits: dict[str, Limit]) -> list[str]:
             continue
         need, lim = getattr(worst, attr), limits[kind]
         if need > lim.nbytes:
-            problems.append(f"{kind}: stage {worst.name} needs {need / GIB:.1f} GiB at its peak, over {lim.source} "
+            problems.append(f"{kind}: engine {worst.name} needs {need / GIB:.1f} GiB at its peak, over {lim.source} "
                             f"({lim.nbytes / GIB:.1f} GiB) by {(need - lim.nbytes) / GIB:.1f} GiB; fix: {FIXES[kind]}")
     return problems
 
 
-def format_plan(plan: list[StagePlan], limits: dict[str, Limit], fmt: str) -> list[str]:
-    lines = [f"build plan ({fmt}, one stage at a time; GiB; estimates from the configs on the meta device):",
-             f"  {'stage':<24} {'device':<8} {'weights':>8} {'I/O max':>8} {'disk':>7} {'GPU':>7} {'host':>7}"]
+def format_plan(plan: list[EnginePlan], limits: dict[str, Limit], fmt: str) -> list[str]:
+    lines = [f"build plan ({fmt}, one engine at a time; GiB; estimates from the configs on the meta device):",
+             f"  {'engine':<24} {'device':<8} {'weights':>8} {'I/O max':>8} {'disk':>7} {'GPU':>7} {'host':>7}"]
     for s in plan:
         lines.append(f"  {s.name:<24} {s.device:<8} {s.weights / GIB:8.2f} {s.io_max / GIB:8.2f} "
                      f"{s.disk_peak / GIB:7.1f} {s.gpu_peak / GIB:7.1f} {s.host_peak / GIB:7.1f}")

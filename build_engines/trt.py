@@ -1,14 +1,14 @@
 """TensorRT 11 engine build (optional extra: `pip install 'sdvg[tensorrt]'`).
 
 Networks are strongly typed (TensorRT 11 has no FP16/INT8 builder flags): the precision of an
-engine is the precision of the exported graph. A stage with dynamic dimensions (a cached DiT
-stage's visible and cache tokens) gets one optimisation profile per context mode
-(`StageSignature.profile_bounds`: the first tuned for the shape the preset runs, e.g. a recompute
+engine is the precision of the exported graph. An engine with dynamic dimensions (a cached DiT
+engine's visible and cache tokens) gets one optimisation profile per context mode
+(`EngineSignature.profile_bounds`: the first tuned for the shape the preset runs, e.g. a recompute
 target's 4,680 visible tokens at real size; the second for the full-history context). The runtime
 lives in `sdvg.engines.tensorrt`.
 
 Disk and host memory: the ONNX file and its `.data` are deleted as soon as the parser has read
-them (`delete_onnx=True`: the parser owns a copy of the weights), so a stage's ONNX file and its
+them (`delete_onnx=True`: the parser owns a copy of the weights), so an engine's ONNX file and its
 plan never lie on the disk together; the plan is written from TensorRT's host buffer through a
 memoryview (no second host copy).
 """
@@ -45,7 +45,7 @@ def add_profiles(trt, builder, network, config, signature) -> int:
             if t.name in graph_inputs and any(isinstance(d, str) for d in t.shape):
                 profile.set_shape(t.name, *(t.dims(b) for b in bounds))
         if config.add_optimization_profile(profile) < 0:
-            raise RuntimeError(f"TensorRT refused optimisation profile {index} of stage {signature.name!r} "
+            raise RuntimeError(f"TensorRT refused optimisation profile {index} of engine {signature.name!r} "
                                f"({signature.profile_bounds()[index]})")
         count += 1
     return count

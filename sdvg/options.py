@@ -88,7 +88,7 @@ MODE_ROLES: dict[str, tuple[str, ...]] = {"sdvg": ("drafter", "target"), "target
 # The run options that only the eager backend runs, and why (checked in one place: `backend_conflicts`).
 EAGER_ONLY: dict[str, str] = {
     "cuda_graphs": "compile: its compiled regions are not captured in graphs; engines run their own",
-    "fast_vae": "compile decodes through its own compiled fast VAE; the engine backends run their own VAE stage",
+    "fast_vae": "compile decodes through its own compiled fast VAE; the engine backends run their own VAE engine",
 }
 
 
@@ -315,7 +315,7 @@ class RunOptions:
                                      "regions, the VAE decode and the reward model through torch.compile; "
                                      "--compile-mode, --compile-cache), tensorrt "
                                      "(engines; needs --engines) or onnxruntime (the ONNX files of build_engines "
-                                     "--format onnx; needs --engines) or torch-tensorrt (DiT stages from build_engines "
+                                     "--format onnx; needs --engines) or torch-tensorrt (DiT engines from build_engines "
                                      "--format torch-tensorrt, the others TensorRT; needs --engines); default: the "
                                      "pipeline's", BACKENDS)
     quantization: str | None = _opt(None, "run the DiTs' transformer-block linears (attention q/k/v/out, the FFN) "
@@ -479,11 +479,11 @@ def backend_conflicts(opts, backend: str | None) -> list[str]:
     out = []
     if opts.quantization not in (None, "none") and backend not in FP8_BACKENDS:
         out.append(f"quantization {opts.quantization!r} runs the DiTs' linears in FP8, which only the "
-                   f"{' and '.join(FP8_BACKENDS)} backends run (the {backend} stages hold the weights they were built "
+                   f"{' and '.join(FP8_BACKENDS)} backends run (the {backend} engines hold the weights they were built "
                    "from); use backend eager (--backend eager) or drop --quantization")
     if opts.early_exit != "none":
         out.append(f"early_exit {opts.early_exit!r} runs a sparse forward over the active tokens, which only the "
-                   f"{', '.join(EXIT_BACKENDS)} backend runs (the {backend} stages have static token counts); use "
+                   f"{', '.join(EXIT_BACKENDS)} backend runs (the {backend} backend's token counts are static); use "
                    "backend eager (--backend eager) for early exit")
     for name, why in EAGER_ONLY.items():
         if getattr(opts, name):

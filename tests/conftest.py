@@ -91,10 +91,10 @@ def text(dit):
 @pytest.fixture(scope="session")
 def tiny_onnx_build(tmp_path_factory):
     """`python -m build_engines --preset tiny --format onnx --verify --out FOLDER` run once per session, as a
-    real process: every tiny stage exported (export_onnx), checked against eager in onnxruntime (verify_onnx)
+    real process: every tiny engine exported (export_onnx), checked against eager in onnxruntime (verify_onnx)
     and stored in the engine cache. `.out`: the folder; `.proc`: the finished process (its stdout has one
-    verification line per stage). Read-only for the tests (copy it to change it): test_stages,
-    test_engines and test_onnxruntime_backend share it instead of exporting every stage each."""
+    verification line per engine). Read-only for the tests (copy it to change it): test_engine_modules,
+    test_engines and test_onnxruntime_backend share it instead of exporting every engine each."""
     out = tmp_path_factory.mktemp("onnx-engines")
     proc = subprocess.run([sys.executable, "-m", "build_engines", "--preset", "tiny", "--format", "onnx", "--verify",
                            "--out", str(out)], capture_output=True, text=True, timeout=1200,

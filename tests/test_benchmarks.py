@@ -73,12 +73,12 @@ def test_latency_budget_keeps_what_was_measured(tmp_path):
 
 
 @pytest.mark.slow
-def test_stages_benchmark_writes_every_stage(tmp_path):
+def test_stages_benchmark_writes_every_engine(tmp_path):
     import stages
 
     res = stages.main(["--preset", "tiny", "--repeats", "1", "--backends", "eager", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "stages.json").read_text())
-    # one stage of each family at its steady-state shape (a cached DiT step, the 12-frame reward)
+    # one engine of each family at its steady-state shape (a cached DiT step, the 12-frame reward)
     assert list(data["stages"]) == ["drafter_dit_3f_cached", "target_dit_3f_cached", "vae_decode", "reward_12f"] \
         == list(res["stages"])
     assert all(row["eager_s"] > 0 and "compile_s" not in row for row in data["stages"].values())

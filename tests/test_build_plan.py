@@ -31,7 +31,7 @@ def test_real_size_dry_run_fits_one_h200(capsys):
             re.findall(r"^  (\w+)\s+cuda:0\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", out, re.M)}
     assert list(rows) == ["drafter_dit_3f", "drafter_dit_3f_cached", "target_dit_3f", "target_dit_3f_cached",
                           "vae_decode", "reward_9f", "reward_12f"]
-    # one stage at a time, the ONNX file deleted after parse: the disk holds the plans so far + one stage's weights
+    # one engine at a time, the ONNX file deleted after parse: the disk holds the plans so far + one engine's weights
     weights = [r[0] for r in rows.values()]
     disks = [r[2] for r in rows.values()]
     assert disks == pytest.approx([sum(weights[:i + 1]) for i in range(len(weights))], abs=0.1)
@@ -44,13 +44,13 @@ def test_real_size_dry_run_fits_one_h200(capsys):
     assert "peak disk    60.2 GiB" in out and "peak gpu     74.4 GiB" in out and "peak host    79.8 GiB" in out
 
 
-@pytest.mark.parametrize("flag,kind,stage", [("--disk-gib", "disk", "reward_12f"), ("--gpu-gib", "gpu",
-                                                                                     "target_dit_3f_cached"),
-                                             ("--host-gib", "host", "target_dit_3f")])
-def test_a_limit_too_small_is_refused_with_the_number_and_the_fix(capsys, flag, kind, stage):
+@pytest.mark.parametrize("flag,kind,engine", [("--disk-gib", "disk", "reward_12f"), ("--gpu-gib", "gpu",
+                                                                                      "target_dit_3f_cached"),
+                                              ("--host-gib", "host", "target_dit_3f")])
+def test_a_limit_too_small_is_refused_with_the_number_and_the_fix(capsys, flag, kind, engine):
     code, out, err = _dry(capsys, flag, "40")
     assert code == 2 and "DOES NOT FIT" in out
-    assert re.search(rf"error: {kind}: stage {stage} needs [\d.]+ GiB at its peak, over {flag} 40 \(40.0 GiB\) by "
+    assert re.search(rf"error: {kind}: engine {engine} needs [\d.]+ GiB at its peak, over {flag} 40 \(40.0 GiB\) by "
                      rf"[\d.]+ GiB; fix: ", err), err
     assert build_plan.FIXES[kind] in err
 
@@ -61,7 +61,7 @@ def test_a_real_build_is_refused_before_loading(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(main, "load_pipeline", lambda args: pytest.fail("the pipeline was loaded"))
     code = cli(["--preset", "tiny", "--format", "onnx", "--gpu-gib", "139", "--host-gib", "0.001",
                 "--out", str(tmp_path / "engines")])
-    assert code == 2 and "error: host: stage" in capsys.readouterr().err
+    assert code == 2 and "error: host: engine" in capsys.readouterr().err
     assert not (tmp_path / "engines").exists()
     limits = build_plan.measured_limits(build_plan.flag_limits(139, 1e9, 128), tmp_path / "new" / "folder")
     assert limits["disk"].source.startswith("free disk at ") and limits["disk"].nbytes < 1e9 * GIB
@@ -74,7 +74,7 @@ def test_limits_must_be_positive(capsys):
 
 
 # ------------------------------------------------------------------------------ profiles
-def test_cached_stages_have_a_profile_per_context_mode():
+def test_cached_engines_have_a_profile_per_context_mode():
     preset = get_preset("real-size")
     by = {s.name: s for s in preset_signatures(preset)}
     tgt, dr = by["target_dit_3f_cached"], by["drafter_dit_3f_cached"]
@@ -137,15 +137,15 @@ def test_attention_exports_as_one_node_at_opset_23_and_decomposed_at_18(tmp_path
 
 
 @pytest.mark.slow
-def test_tiny_cached_stage_at_opset_23_has_one_attention_per_attention_and_verifies(tiny_pipe, tmp_path):
+def test_tiny_cached_engine_at_opset_23_has_one_attention_per_attention_and_verifies(tiny_pipe, tmp_path):
     onnx = pytest.importorskip("onnx")
     pytest.importorskip("onnxruntime")
     from build_engines.export import VERIFY_TOLERANCE, export_onnx, verify_onnx
-    from sdvg.engines.signatures import stage_spec
+    from sdvg.engines.signatures import engine_spec
 
     comps = tiny_pipe.components
     sig = dit_signature(comps.preset, "target", 3, True, comps.target.dtype)
-    spec = stage_spec(comps, sig)
+    spec = engine_spec(comps, sig)
     path = export_onnx(spec, tmp_path / "model.onnx", 23)
     model = onnx.load(str(path))
     assert [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")] == [23]

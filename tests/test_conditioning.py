@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sdvg.config import ConfigError, DiTConfig, TextEncoderConfig, get_preset
-from sdvg.engines.stages import DiTStep, dit_forward_static
+from sdvg.engines.modules import DiTStep, dit_forward_static
 from sdvg.models.dit import CausalWanDiT, block_causal_mask, timestep_sinusoid
 from sdvg.models.kv_cache import KVCacheSpec
 

@@ -1,4 +1,4 @@
-"""Every tensor a model or a stage module reads moves with `.to()`: each component and each static stage
+"""Every tensor a model or an engine module reads moves with `.to()`: each component and each engine
 module, moved to the meta device, keeps no tensor on the CPU (its parameters, its buffers and the tensors
 its modules hold as plain attributes), and holds no plain tensor attribute where a buffer belongs, but for
 the host-side tables listed in `HOST_SIDE` with their reason."""
@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from sdvg.engines.stages import DiTStep, RewardStep, VAEDecodeStep
+from sdvg.engines.modules import DiTStep, RewardStep, VAEDecodeStep
 from sdvg.models.exit_head import ExitHead, ExitHeadConfig
 
 # (class, attribute) -> why that plain tensor attribute stays on the host when its module moves

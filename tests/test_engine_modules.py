@@ -1,4 +1,4 @@
-"""Static stage modules against the eager path, in-place K/V writes, ONNX export parity, the
+"""Engine modules (static shapes) against the eager path, in-place K/V writes, ONNX export parity, the
 compiled backend."""
 import numpy as np
 import pytest
@@ -9,15 +9,15 @@ from torch.utils._pytree import tree_leaves
 from sdvg.config import KVWindow
 from sdvg.models.dit import block_causal_mask
 from sdvg.models.kv_cache import KVCacheSpec
-from sdvg.engines.stages import (DiTStep, RewardStep, VAEDecodeStep, dit_forward_static, dit_stage_mask,
-                                 text_tensors, vae_cache_is_steady, vae_decode_static)
+from sdvg.engines.modules import (DiTStep, RewardStep, VAEDecodeStep, dit_engine_mask, dit_forward_static,
+                                  text_tensors, vae_cache_is_steady, vae_decode_static)
 
 TPF, FPB = 16, 3  # the tiny preset's tokens per latent frame and frames per block
 
 
 @pytest.mark.parametrize("window,blocks", [(KVWindow(), 3), (KVWindow(4, 1, 2), 5)], ids=["full", "ring-window"])
 def test_dit_step_equals_cached_forward(tiny_pipe, window, blocks):
-    """The stage gathers the visible cached tokens in frame order (a ring window's too) and attends over
+    """The DiT engine gathers the visible cached tokens in frame order (a ring window's too) and attends over
     them and the block only: the same keys in the same order as the eager forward, so bitwise equal."""
     c = tiny_pipe.components
     dit = c.target
@@ -40,9 +40,9 @@ def test_dit_step_equals_cached_forward(tiny_pipe, window, blocks):
 
 
 @pytest.mark.parametrize("before,frames", [(0, 3), (0, 6), (0, 5), (3, 3)])
-def test_context_forward_through_the_static_stage(tiny_pipe, before, frames):
+def test_context_forward_through_the_dit_engine(tiny_pipe, before, frames):
     """A recompute context forward (several clean frames at once, block-causal in groups of 3) through
-    the stage equals the eager masked forward; a mask other than the stage's own is refused."""
+    the DiT engine equals the eager masked forward; a mask other than the engine's own is refused."""
     c = tiny_pipe.components
     dit = c.target
     text = dit.encode_text(c.text_encoder.encode("a fox"))
@@ -58,7 +58,7 @@ def test_context_forward_through_the_static_stage(tiny_pipe, before, frames):
     x = torch.randn(1, 16, frames, 8, 8, generator=g)
     t = torch.zeros(1, frames)
     mask = block_causal_mask(None, FPB, TPF, num_frames=before + frames)[before * TPF:]
-    want = dit_stage_mask(frames, before, TPF, FPB)
+    want = dit_engine_mask(frames, before, TPF, FPB)
     assert (mask.all() if want is None else torch.equal(mask, want))
     a = dit(x, t, text, cache=eager_cache, attn_mask=mask)
     s = dit_forward_static(step, dit, x, t, text, None, static_cache, TPF, attn_mask=mask, frames_per_block=FPB)
@@ -98,7 +98,7 @@ def assert_in_place_step(run_step, cache):
 
 
 def test_static_step_writes_the_block_in_place(tiny_pipe):
-    """The cache goes into the stage as its layer buffers (views, no copy) and the block's K/V are
+    """The cache goes into the DiT engine as its layer buffers (views, no copy) and the block's K/V are
     copied into the pending slots: the buffer keeps its address and nothing cache-sized is allocated."""
     c = tiny_pipe.components
     dit = c.target
@@ -147,24 +147,24 @@ def test_reward_step_equals_scorer(tiny_pipe):
 
 
 @pytest.mark.slow
-def test_onnx_export_of_every_stage_matches_eager(tiny_pipe, tiny_onnx_build):
-    """Every stage's ONNX file as export_onnx wrote it (the session's one `build_engines --format onnx`
-    run, conftest's `tiny_onnx_build`, exports each stage with it) run in onnxruntime against eager here."""
+def test_onnx_export_of_every_engine_matches_eager(tiny_pipe, tiny_onnx_build):
+    """Every engine's ONNX file as export_onnx wrote it (the session's one `build_engines --format onnx`
+    run, conftest's `tiny_onnx_build`, exports each engine with it) run in onnxruntime against eager here."""
     from build_engines.export import verify_onnx
     from sdvg.engines.cache import EngineCache
-    from sdvg.engines.signatures import component_signatures, stage_key, stage_spec
+    from sdvg.engines.signatures import component_signatures, engine_key, engine_spec
 
     assert tiny_onnx_build.proc.returncode == 0, tiny_onnx_build.proc.stderr
     cache = EngineCache(tiny_onnx_build.out)
     errors = {}
     for sig in component_signatures(tiny_pipe.components):
-        st = stage_spec(tiny_pipe.components, sig)
+        st = engine_spec(tiny_pipe.components, sig)
         # the file exported for these very weights, shapes and precision (the cache validates the key and file)
-        onnx_file = cache.load(stage_key(sig, tiny_pipe.components, "onnx"), "python -m build_engines --preset tiny")
+        onnx_file = cache.load(engine_key(sig, tiny_pipe.components, "onnx"), "python -m build_engines --preset tiny")
         errors[st.name] = verify_onnx(st, onnx_file)
     assert set(errors) == {"drafter_dit_3f", "drafter_dit_3f_cached", "target_dit_3f", "target_dit_3f_cached",
                            "vae_decode", "reward_9f", "reward_12f"}
-    # measured: DiT stages 2.6e-7 to 4.1e-7, VAE 2.1e-6, reward 7.8e-7
+    # measured: DiT engines 2.6e-7 to 4.1e-7, VAE 2.1e-6, reward 7.8e-7
     assert max(errors.values()) < 1e-4, errors
 
 

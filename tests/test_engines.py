@@ -117,12 +117,12 @@ def _cli(*args):
 @pytest.mark.slow
 def test_cli_onnx_verify_and_cache(tiny_onnx_build, tmp_path, capsys):
     """The real command, one process (conftest's `tiny_onnx_build`: `python -m build_engines --preset tiny
-    --format onnx --verify --out DIR`, run once for the session): every stage verified and stored."""
+    --format onnx --verify --out DIR`, run once for the session): every engine verified and stored."""
     r = tiny_onnx_build.proc
     assert r.returncode == 0, r.stderr
     names = ["drafter_dit_3f", "drafter_dit_3f_cached", "reward_12f", "reward_9f", "target_dit_3f",
              "target_dit_3f_cached", "vae_decode"]
-    assert r.stdout.count("(ok, tolerance 1e-04)") == 7  # one line a stage (a cached DiT stage checked at two sizes)
+    assert r.stdout.count("(ok, tolerance 1e-04)") == 7  # one line an engine (a cached DiT engine checked at two sizes)
     for name in names:
         assert re.search(rf"^{name}: exported in .*onnxruntime vs eager max error .* \(ok, tolerance 1e-04\)",
                          r.stdout, re.M), (name, r.stdout)
@@ -132,7 +132,7 @@ def test_cli_onnx_verify_and_cache(tiny_onnx_build, tmp_path, capsys):
         m = json.loads(path.read_text())
         assert m["key"]["artifact"] == "onnx"
         assert m["rebuild_command"].startswith("python -m build_engines --preset tiny")
-    # --stages takes several families, and the build plan holds their stages only (the export of a --stages
+    # --stages takes several engine families, and the build plan holds their engines only (the export of a --stages
     # subset: test_onnxruntime_backend's checkpoint test)
     from build_engines.__main__ import main
 

@@ -1,4 +1,4 @@
-"""The onnxruntime stage backend: the ONNX files `python -m build_engines --format onnx` exports, run
+"""The onnxruntime engine backend: the ONNX files `python -m build_engines --format onnx` exports, run
 on the CPU execution provider through the validated engine cache. A whole tiny video through them
 equals eager (the engine path's executable oracle without TensorRT); a tampered, foreign or
 other-precision folder is refused as for TensorRT."""
@@ -20,13 +20,13 @@ from sdvg.models.kv_cache import KVCacheSpec  # noqa: E402
 
 # onnxruntime vs eager over a whole video, per precision: latents (max abs), frames (uint8 steps),
 # ImageReward scores (max abs). fp32 measured on the tiny preset: latents 1.7e-6, scores 4e-7. The
-# fp16/bf16 rows (CUDA execution provider, not run on CPU) follow --verify's per-stage tolerances.
+# fp16/bf16 rows (CUDA execution provider, not run on CPU) follow --verify's per-engine tolerances.
 ORT_TOLERANCE = {
     "fp32": {"latents": 1e-4, "frames": 1, "scores": 1e-4},
     "fp16": {"latents": 5e-2, "frames": 4, "scores": 2e-2},
     "bf16": {"latents": 1e-1, "frames": 8, "scores": 5e-2},
 }
-# Every test here needs the ONNX export of every tiny stage (or builds engines itself): the whole suite only.
+# Every test here needs the ONNX export of every tiny engine (or builds engines itself): the whole suite only.
 pytestmark = pytest.mark.slow
 
 KW = dict(num_blocks=3, seed=1, router="pattern", pattern=(False, True, False))
@@ -34,7 +34,7 @@ KW = dict(num_blocks=3, seed=1, router="pattern", pattern=(False, True, False))
 
 @pytest.fixture(scope="module")
 def engines(tiny_onnx_build):
-    """Every tiny stage exported once for the session (`python -m build_engines --format onnx --verify`,
+    """Every tiny engine exported once for the session (`python -m build_engines --format onnx --verify`,
     conftest's `tiny_onnx_build`); read-only here (a test that alters it works on a copy)."""
     assert tiny_onnx_build.proc.returncode == 0, tiny_onnx_build.proc.stderr
     return tiny_onnx_build.out
@@ -55,7 +55,7 @@ def _close(eager, ort, tol):
             assert a["score"] == pytest.approx(b["score"], abs=tol["scores"])
 
 
-def test_engine_folder_holds_every_stage(engines):
+def test_engine_folder_holds_every_engine(engines):
     names = sorted(m.parent.name.rsplit("-", 1)[0] for m in engines.glob("*/manifest.json"))
     assert names == ["drafter_dit_3f", "drafter_dit_3f_cached", "reward_12f", "reward_9f", "target_dit_3f",
                      "target_dit_3f_cached", "vae_decode"]
@@ -74,7 +74,7 @@ def test_video_through_onnxruntime_equals_eager(tiny_pipe, ort_pipe, mode):
 
 
 def test_recompute_context_through_onnxruntime(tiny_pipe, ort_pipe):
-    """The stage set covers a recompute target (context forward at 3 frames, denoising over 3 visible
+    """The engine set covers a recompute target (context forward at 3 frames, denoising over 3 visible
     frames in a 6-frame cache): the video equals eager."""
     eager = tiny_pipe("a red fox", mode="target", target_context="recompute", **KW)
     ort = ort_pipe("a red fox", mode="target", target_context="recompute", **KW)
@@ -83,7 +83,7 @@ def test_recompute_context_through_onnxruntime(tiny_pipe, ort_pipe):
 
 
 def test_static_step_through_onnxruntime_writes_in_place(tiny_pipe, engines):
-    from test_stages import assert_in_place_step
+    from test_engine_modules import assert_in_place_step
 
     c = tiny_pipe.components
     runners = StageRunners(c, "onnxruntime", engines)
@@ -140,12 +140,12 @@ def test_folder_for_other_weights_or_precision_is_refused(engines):
     _foreign(half, ["precision: built for 'fp32', needed 'fp16'", "--precision fp16"])
 
 
-def test_missing_stage_names_the_build_flags(tiny_pipe, engines):
+def test_missing_engine_names_the_build_flags(tiny_pipe, engines):
     runners = StageRunners(tiny_pipe.components, "onnxruntime", engines)
     with pytest.raises(MissingEngineError, match="--kv-cache-frames 6"):  # a 6-frame recompute context forward
-        runners._dit_stage("target", 6, False)
+        runners._dit_engine("target", 6, False)
     with pytest.raises(MissingEngineError) as e:
-        runners._reward_stage(5)
+        runners._reward_engine(5)
     assert "'reward_5f'" in str(e.value)
     with pytest.raises(ValueError) as e:
         StageRunners(tiny_pipe.components, "onnxruntime")
@@ -177,20 +177,20 @@ def test_engines_built_from_checkpoints_load_for_the_same_checkpoints_only(tmp_p
     flags = {s: [a for role, p in paths[s].items() for a in (f"--{role.replace('_', '-')}", str(p))] for s in paths}
     out = tmp_path / "engines"
     assert build(["--preset", "tiny", *flags[0], "--format", "onnx", "--stages", "reward", "--out", str(out)]) == 0
-    # --stages builds the stages asked for and no others
+    # --stages builds the engine families asked for and no others
     assert sorted(m.parent.name.rsplit("-", 1)[0] for m in out.glob("*/manifest.json")) == ["reward_12f", "reward_9f"]
 
-    def reward_stage(seed):
+    def reward_engine(seed):
         pipe = SpeculativeVideoPipeline.from_pretrained("tiny", **paths[seed], drafter_device="cpu",
                                                         backend="onnxruntime", engines=out)
-        return pipe.runners()._reward_stage(12)
+        return pipe.runners()._reward_engine(12)
 
-    assert reward_stage(0) is not None
+    assert reward_engine(0) is not None
     with pytest.raises(StaleEngineError, match="weights_hash") as err:
-        reward_stage(1)
+        reward_engine(1)
     cmd = str(err.value).split("rebuild with: ", 1)[1]
     assert all(f in shlex.split(cmd) for f in flags[1])
     argv = shlex.split(cmd)
     assert argv[:3] == ["python", "-m", "build_engines"]
-    assert build(argv[3:] + ["--stages", "reward"]) == 0  # the command, restricted to the stage under test
-    assert reward_stage(1) is not None
+    assert build(argv[3:] + ["--stages", "reward"]) == 0  # the command, restricted to the engine family under test
+    assert reward_engine(1) is not None

@@ -242,5 +242,5 @@ def test_every_backend_has_one_registry_entry():
     from sdvg.options import BACKENDS
 
     assert tuple(REGISTRY) == BACKENDS
-    # eager and compile run the eager loop (compile: its hot parts compiled); the engine backends static stages
+    # eager and compile run the eager loop (compile: its hot parts compiled); the engine backends run engines
     assert [name for name, b in REGISTRY.items() if not b.static] == ["eager", "compile"]

@@ -243,11 +243,11 @@ def test_ctrl_c_before_the_first_block_leaves_no_video(tmp_path):
 
 
 # ------------------------------------------------------------------ engines and exit statuses
-def test_unknown_engine_stage_is_refused(tmp_path, capsys):
+def test_unknown_engine_family_is_refused(tmp_path, capsys):
     from build_engines.__main__ import main as build
 
     assert build(["--stages", "bogus,vae_decode", "--format", "onnx", "--out", str(tmp_path)]) == 2
-    assert "unknown stage(s) bogus" in capsys.readouterr().err
+    assert "unknown engine family bogus in --stages" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
 
 

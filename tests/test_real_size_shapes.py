@@ -52,8 +52,8 @@ def test_real_size_streaming_vae_decode_on_meta():
     assert frames == [1 + 4 * (fpb - 1), 4 * fpb, 4 * fpb]  # 9, then 12 per block
 
 
-# ------------------------------------------------------------------ engine stage signatures
-REAL_STAGES = {  # name: (largest tensor at the profiles' upper bounds, its name)
+# ------------------------------------------------------------------ engine signatures
+REAL_ENGINES = {  # name: (largest tensor at the profiles' upper bounds, its name)
     "drafter_dit_3f": (215_654_400, "new_k"),  # [30, 1, 12, 4680, 128]
     "drafter_dit_3f_cached": (215_654_400, "new_k"),  # kv_l [2, 1, 12, <=42120, 128]: 129 M
     "target_dit_3f": (958_464_000, "new_k"),  # [40, 1, 40, 4680, 128]
@@ -64,8 +64,8 @@ REAL_STAGES = {  # name: (largest tensor at the profiles' upper bounds, its name
 }
 
 
-def test_real_size_stage_signatures_on_meta():
-    """Every engine stage of the real-size preset (both context modes, the preset's 9 blocks), from the
+def test_real_size_engine_signatures_on_meta():
+    """Every engine of the real-size preset (both context modes, the preset's 9 blocks), from the
     configs on the meta device (no weights, no real tensor: how long it takes is measured nowhere here, as
     no test times anything): no tensor reaches 2^31 elements, the cache goes in one layer at a time and is
     read over the visible tokens only."""
@@ -75,12 +75,12 @@ def test_real_size_stage_signatures_on_meta():
     vae_cache_structure.cache_clear()
     sigs = preset_signatures(PRESET)
     by_name = {s.name: s for s in sigs}
-    assert list(by_name) == list(REAL_STAGES)
+    assert list(by_name) == list(REAL_ENGINES)
     table = []
     for s in sigs:
         top = s.sizes("max")
         biggest = max(s.inputs + s.outputs, key=lambda t: t.numel(top))
-        assert (biggest.numel(top), biggest.name) == REAL_STAGES[s.name], (s.name, biggest)
+        assert (biggest.numel(top), biggest.name) == REAL_ENGINES[s.name], (s.name, biggest)
         assert s.max_elements() <= MAX_ELEMENTS
         for t in s.inputs:
             table.append((s.name, t.name, t.shape, t.dtype, t.nbytes(top)))
@@ -92,7 +92,7 @@ def test_real_size_stage_signatures_on_meta():
     kv = [t for t in tgt.inputs if t.name.startswith("kv_")]
     assert len(kv) == 40 and kv[0].shape == (2, 1, 40, CACHE_TOKENS, 128) and kv[0].dtype == "bfloat16"
     assert kv[0].nbytes(tgt.sizes("max")) == 2 * 40 * 42120 * 128 * 2  # one layer's K and V: 0.86 GB
-    whole_cache = 40 * 2 * 40 * 42120 * 128  # what the old stage took as one input: 8.6e9 elements
+    whole_cache = 40 * 2 * 40 * 42120 * 128  # what the old engine took as one input: 8.6e9 elements
     assert whole_cache > MAX_ELEMENTS and all(t.numel(tgt.sizes("max")) < whole_cache / 20 for t in tgt.inputs)
     assert [t.name for t in by_name["target_dit_3f"].inputs] == ["latents", "t_freq", "text_k", "text_v", "cos",
                                                                  "sin"]

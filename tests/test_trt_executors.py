@@ -19,8 +19,8 @@ import torch
 from sdvg.engines import tensorrt as trt_tensorrt
 from sdvg.engines import torch_trt, trt_cuda
 from sdvg.engines.cache import CorruptEngineError, EngineCache, EngineKey, StaleEngineError
-from sdvg.engines.executor import ExecutorOptions, StageExecutor, open_executor
-from sdvg.engines.signatures import StageSignature, TensorSig, dit_signature, stage_key, stage_spec, vae_signature
+from sdvg.engines.executor import EngineExecutor, ExecutorOptions, open_executor
+from sdvg.engines.signatures import EngineSignature, TensorSig, dit_signature, engine_key, engine_spec, vae_signature
 
 CMD = "python -m build_engines --preset tiny --format torch-tensorrt --out engines"
 
@@ -43,21 +43,21 @@ def test_executor_options(tiny_preset):
     assert not ExecutorOptions(runtime="cuda-python").graph_for(static)
 
 
-def test_executors_refuse_cpu_devices_dynamic_graphs_and_other_stages(tiny_preset, tmp_path):
+def test_executors_refuse_cpu_devices_dynamic_graphs_and_other_engines(tiny_preset, tmp_path):
     """Refused before any optional library is imported: these hold on a machine without them."""
     static, cached, vae = _sigs(tiny_preset)
     plan = tmp_path / "engine.plan"
     with pytest.raises(ValueError) as e:
-        trt_cuda.TRTCudaStage(plan, static, "cpu")
+        trt_cuda.TRTCudaEngine(plan, static, "cpu")
     assert all(s in str(e.value) for s in ("cuda-python", "not cpu")), e.value
     with pytest.raises(ValueError) as e:
-        trt_cuda.TRTCudaStage(plan, cached, "cuda:0", cuda_graph=True)
+        trt_cuda.TRTCudaEngine(plan, cached, "cuda:0", cuda_graph=True)
     assert all(s in str(e.value) for s in ("visible_tokens", "cache_tokens", "cuda_graph")), e.value
     with pytest.raises(ValueError) as e:
-        torch_trt.TorchTRTStage(tmp_path / "program.ep", static, "cpu")
+        torch_trt.TorchTRTEngine(tmp_path / "program.ep", static, "cpu")
     assert all(s in str(e.value) for s in ("torch-tensorrt", "not cpu")), e.value
     with pytest.raises(ValueError) as e:
-        torch_trt.TorchTRTStage(tmp_path / "program.ep", vae, "cuda:0")
+        torch_trt.TorchTRTEngine(tmp_path / "program.ep", vae, "cuda:0")
     assert "'vae_decode'" in str(e.value)
     with pytest.raises(ValueError) as e:
         open_executor("tflite", plan, static, "cpu")
@@ -165,7 +165,7 @@ def test_cuda_error_helper_with_cuda_python():
 
 
 # --------------------------------------------------------------------------- the cuda-python executor, faked
-SIG = StageSignature("drafter_dit_1f", "drafter_dit", (TensorSig("x", (2, 3), "float32"),),
+SIG = EngineSignature("drafter_dit_1f", "drafter_dit", (TensorSig("x", (2, 3), "float32"),),
                      (TensorSig("y", (2, 3), "float32"),))
 MEMORY = 4096
 
@@ -326,32 +326,32 @@ class _NullDevice:
 def test_cuda_python_executor_stream_ordered_memory(fake_trt, tmp_path):
     cudart, contexts = fake_trt
     (tmp_path / "engine.plan").write_bytes(b"plan")
-    stage = trt_cuda.TRTCudaStage(tmp_path / "engine.plan", SIG, "cuda:0")
-    assert isinstance(stage, StageExecutor) and contexts[0].strategy == "user"
+    engine = trt_cuda.TRTCudaEngine(tmp_path / "engine.plan", SIG, "cuda:0")
+    assert isinstance(engine, EngineExecutor) and contexts[0].strategy == "user"
     x = torch.arange(6.0).reshape(2, 3)
-    assert torch.equal(stage(x), 2 * x + 1)
+    assert torch.equal(engine(x), 2 * x + 1)
     dest = torch.empty(2, 3)
-    assert stage(x + 1, out={"y": dest}) is dest and torch.equal(dest, 2 * x + 3)
+    assert engine(x + 1, out={"y": dest}) is dest and torch.equal(dest, 2 * x + 3)
     with pytest.raises(ValueError) as e:
-        stage(x, out={"y": torch.empty(3, 2)})
+        engine(x, out={"y": torch.empty(3, 2)})
     assert all(s in str(e.value) for s in ("out['y']", "torch.float32", "[2, 3]")), e.value
     names = cudart.names()
     assert names.count("cudaMallocAsync") == 1 and ("cudaMallocAsync", (MEMORY, 11)) in cudart.calls
     # every launch waits for torch's stream and torch's stream waits for it
     assert names.count("cudaStreamWaitEvent") == 2 * contexts[0].runs == 4
-    stage.close()
+    engine.close()
     assert ("cudaFreeAsync", (0xDEAD000, 11)) in cudart.calls and cudart.names()[-1] == "cudaStreamDestroy"
 
 
 def test_cuda_python_executor_graph_replays_static_buffers(fake_trt, tmp_path):
     cudart, contexts = fake_trt
     (tmp_path / "engine.plan").write_bytes(b"plan")
-    stage = trt_cuda.TRTCudaStage(tmp_path / "engine.plan", SIG, "cuda:0", cuda_graph=True)
+    engine = trt_cuda.TRTCudaEngine(tmp_path / "engine.plan", SIG, "cuda:0", cuda_graph=True)
     x = torch.arange(6.0).reshape(2, 3)
-    first = stage(x)
+    first = engine(x)
     assert torch.equal(first, 2 * x + 1)
     ptr = first.data_ptr()
-    second = stage(x * 10)
+    second = engine(x * 10)
     assert second.data_ptr() == ptr and torch.equal(second, 20 * x + 1)  # a view of the static output: no clone
     assert torch.equal(first, second)  # the lifetime rule: the previous result is overwritten by this call
     names = cudart.names()
@@ -359,29 +359,29 @@ def test_cuda_python_executor_graph_replays_static_buffers(fake_trt, tmp_path):
         names.index("cudaGraphInstantiate")
     assert names.count("cudaGraphLaunch") == 2 and contexts[0].runs == 1 and len(cudart.recorded) == 1
     with pytest.raises(ValueError) as e:
-        stage(torch.zeros(3, 2))
+        engine(torch.zeros(3, 2))
     assert all(s in str(e.value) for s in ("input 'x'", "[2, 3]")), e.value
     with pytest.raises(ValueError, match="copy from the returned views"):
-        stage(x, out={"y": torch.empty(2, 3)})
-    stage.close()
+        engine(x, out={"y": torch.empty(2, 3)})
+    engine.close()
     assert {"cudaGraphExecDestroy", "cudaGraphDestroy", "cudaFreeAsync"} <= set(cudart.names())
 
 
 def test_cuda_python_executor_errors(fake_trt, tmp_path):
     cudart, contexts = fake_trt
     (tmp_path / "engine.plan").write_bytes(b"plan")
-    stage = trt_cuda.TRTCudaStage(tmp_path / "engine.plan", SIG, "cuda:0", cuda_graph=True)
+    engine = trt_cuda.TRTCudaEngine(tmp_path / "engine.plan", SIG, "cuda:0", cuda_graph=True)
     contexts[0].fail_in_capture = True  # the launch inside the capture fails: the capture still ends
     with pytest.raises(RuntimeError) as e:
-        stage(torch.zeros(2, 3))
+        engine(torch.zeros(2, 3))
     assert "execute_async_v3" in str(e.value)
     assert cudart.names().count("cudaStreamEndCapture") == 1 and not cudart.capturing
     contexts[0].fail_in_capture = False
     cudart.fail["cudaGraphInstantiate"] = _Err.cudaErrorStreamCaptureInvalidated
     with pytest.raises(trt_cuda.CudaError) as e:
-        stage(torch.zeros(2, 3))
+        engine(torch.zeros(2, 3))
     assert all(s in str(e.value) for s in ("cudaGraphInstantiate", "cudaErrorStreamCaptureInvalidated")), e.value
-    plain = trt_cuda.TRTCudaStage(tmp_path / "engine.plan", SIG, "cuda:0")
+    plain = trt_cuda.TRTCudaEngine(tmp_path / "engine.plan", SIG, "cuda:0")
     cudart.fail["cudaMallocAsync"] = _Err.cudaErrorMemoryAllocation
     with pytest.raises(trt_cuda.CudaError) as e:
         plain(torch.zeros(2, 3))
@@ -391,12 +391,12 @@ def test_cuda_python_executor_errors(fake_trt, tmp_path):
 # --------------------------------------------------------------------------- torch-tensorrt route
 @pytest.mark.slow
 def test_torch_tensorrt_export_step(tiny_pipe):
-    """The DiT stage through torch.export with the dynamic dimensions torch-tensorrt gets: the program's
+    """The DiT engine through torch.export with the dynamic dimensions torch-tensorrt gets: the program's
     inputs are the signature's, its ranges the signature's bounds, its outputs eager's at two lengths."""
     comps = tiny_pipe.components
     sig = dit_signature(comps.preset, "target", 3, True, comps.target.dtype)
-    spec = stage_spec(comps, sig)
-    program = torch_trt.export_stage(spec.module, sig, spec.inputs)
+    spec = engine_spec(comps, sig)
+    program = torch_trt.export_engine(spec.module, sig, spec.inputs)
     user_inputs = [s for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
     assert len(user_inputs) == len(sig.inputs)
     shapes = [n.meta["val"].shape for n in program.graph.nodes if n.op == "placeholder"][-len(sig.inputs):]
@@ -415,7 +415,7 @@ def test_torch_tensorrt_export_step(tiny_pipe):
             got, want = run(*inputs), spec.module(*inputs)
         assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got, want))
     with pytest.raises(ValueError) as e:
-        torch_trt.export_stage(spec.module, vae_signature(comps.preset), spec.inputs)
+        torch_trt.export_engine(spec.module, vae_signature(comps.preset), spec.inputs)
     assert "'vae_decode'" in str(e.value)
 
 
@@ -439,10 +439,10 @@ def test_torch_tensorrt_cache_key_holds_versions(tiny_pipe, tmp_path, monkeypatc
     comps = tiny_pipe.components
     sig = dit_signature(comps.preset, "drafter", 3, False, comps.drafter.dtype)
     monkeypatch.setattr(torch_trt, "torch_trt_version", lambda: "2.13.0")
-    built = stage_key(sig, comps, "torch-tensorrt")
+    built = engine_key(sig, comps, "torch-tensorrt")
     assert (built.torch_version, built.torch_trt_version, built.artifact) == (torch.__version__, "2.13.0",
                                                                               "torch-tensorrt")
-    onnx = stage_key(sig, comps, "onnx")
+    onnx = engine_key(sig, comps, "onnx")
     assert "torch_version" not in onnx.as_json() and "torch_trt_version" not in onnx.as_json()
     old = {k: v for k, v in dataclasses.asdict(onnx).items() if k not in ("torch_version", "torch_trt_version")}
     old["shapes"] = [[n, list(s), t] for n, s, t in onnx.shapes]
@@ -455,7 +455,7 @@ def test_torch_tensorrt_cache_key_holds_versions(tiny_pipe, tmp_path, monkeypatc
     assert dest.name == "program.ep" and cache.load(built, CMD) == dest
     monkeypatch.setattr(torch_trt, "torch_trt_version", lambda: "2.14.0")
     with pytest.raises(StaleEngineError) as err:
-        cache.load(stage_key(sig, comps, "torch-tensorrt"), CMD)
+        cache.load(engine_key(sig, comps, "torch-tensorrt"), CMD)
     assert "torch_trt_version: built for '2.13.0', needed '2.14.0'" in str(err.value)
     assert str(err.value).endswith("rebuild with: " + CMD)
     with pytest.raises(StaleEngineError, match=re.escape(f"torch_version: built for '{torch.__version__}', needed "
@@ -473,7 +473,7 @@ def test_torch_tensorrt_cache_key_holds_versions(tiny_pipe, tmp_path, monkeypatc
 # --------------------------------------------------------------------------- on a GPU with TensorRT
 @pytest.mark.tensorrt
 def test_cuda_python_executor_on_gpu(tmp_path):
-    """A tiny drafter block stage built into a plan, run through cuda-python with and without a CUDA
+    """A tiny drafter block engine built into a plan, run through cuda-python with and without a CUDA
     graph: both equal eager, the graph's outputs keep their address across replays."""
     from build_engines.__main__ import main as build
     from sdvg import SpeculativeVideoPipeline
@@ -482,17 +482,17 @@ def test_cuda_python_executor_on_gpu(tmp_path):
                   "--out", str(tmp_path)]) == 0
     comps = SpeculativeVideoPipeline.from_preset("tiny", device="cuda:0").components
     sig = dit_signature(comps.preset, "drafter", 3, False, comps.drafter.dtype)
-    path = EngineCache(tmp_path).load(stage_key(sig, comps, "tensorrt"), CMD)
-    spec = stage_spec(comps, sig)
+    path = EngineCache(tmp_path).load(engine_key(sig, comps, "tensorrt"), CMD)
+    spec = engine_spec(comps, sig)
     want = spec.module(*spec.inputs)
     for graph in (False, True):
-        stage = trt_cuda.TRTCudaStage(path, sig, "cuda:0", cuda_graph=graph)
-        a = stage(*spec.inputs)
+        engine = trt_cuda.TRTCudaEngine(path, sig, "cuda:0", cuda_graph=graph)
+        a = engine(*spec.inputs)
         ptrs = [t.data_ptr() for t in a]
-        b = stage(*spec.inputs)
+        b = engine(*spec.inputs)
         assert all(torch.allclose(g, w, atol=1e-3) for g, w in zip(b, want))
         assert ([t.data_ptr() for t in b] == ptrs) == graph
-        stage.close()
+        engine.close()
 
 
 @pytest.mark.tensorrt
@@ -526,7 +526,7 @@ def test_pipeline_and_cli_choose_the_executor(tiny_pipe):
 
 
 # --------------------------------------------------------------------------- the torch runtime, faked
-DYN = StageSignature("target_dit_3f_cached", "target_dit", (TensorSig("x", (2, "n"), "float32"),),
+DYN = EngineSignature("target_dit_3f_cached", "target_dit", (TensorSig("x", (2, "n"), "float32"),),
                      (TensorSig("y", (2, "n"), "float32"),), dynamic=(("n", 2, 3, 8),),
                      profiles=(("recompute", (("n", 2, 3, 3),)), ("full", (("n", 2, 6, 8),))))
 
@@ -540,7 +540,7 @@ class _Stream:
 
 
 def _torch_runtime(fake_trt, monkeypatch, current):
-    """TRTStage over the fake engine (y = 2 x + 1 at the bound addresses) with torch's current stream `current`."""
+    """TRTEngine over the fake engine (y = 2 x + 1 at the bound addresses) with torch's current stream `current`."""
     cudart, contexts = fake_trt
     side = _Stream(7)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
@@ -586,15 +586,15 @@ def test_torch_runtime_never_enqueues_on_the_legacy_default_stream(fake_trt, mon
     legacy = _Stream(0)
     side, launched, Ctx = _torch_runtime(fake_trt, monkeypatch, legacy)
     trt = sys.modules["tensorrt"]
-    stage = trt_tensorrt.TRTStage(tmp_path / "engine.plan", SIG, "cpu", scratch=TorchScratch("cpu", "drafter"))
-    stage.context = Ctx("user")
+    engine = trt_tensorrt.TRTEngine(tmp_path / "engine.plan", SIG, "cpu", scratch=TorchScratch("cpu", "drafter"))
+    engine.context = Ctx("user")
     x = torch.arange(6.0).reshape(2, 3)
-    assert torch.equal(stage(x), 2 * x + 1)
+    assert torch.equal(engine(x), 2 * x + 1)
     assert launched == [7] and side.waits == [0] and legacy.waits == [7]  # ordered both ways by the side stream
     assert trt.plans == [b"plan"]  # streamed from the file
     role = _Stream(5)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: role)
-    stage(x)
+    engine(x)
     assert launched == [7, 5] and role.waits == []  # a role stream: enqueued there, nothing added
 
 
@@ -604,8 +604,8 @@ def test_torch_runtime_profiles_and_shared_scratch(fake_trt, monkeypatch, tmp_pa
     (tmp_path / "engine.plan").write_bytes(b"plan")
     side, launched, Ctx = _torch_runtime(fake_trt, monkeypatch, _Stream(5))
     scratch = TorchScratch("cpu", "target")
-    a = trt_tensorrt.TRTStage(tmp_path / "engine.plan", DYN, "cpu", scratch=scratch)
-    b = trt_tensorrt.TRTStage(tmp_path / "engine.plan", DYN, "cpu", scratch=scratch)
+    a = trt_tensorrt.TRTEngine(tmp_path / "engine.plan", DYN, "cpu", scratch=scratch)
+    b = trt_tensorrt.TRTEngine(tmp_path / "engine.plan", DYN, "cpu", scratch=scratch)
     a.context, b.context = Ctx("user"), Ctx("user")
     assert a.context.strategy == "user"
     x3, x6 = torch.ones(2, 3), torch.ones(2, 6)
@@ -681,7 +681,7 @@ def test_a_folder_of_another_tensorrt_is_refused_before_any_work(tiny_pipe, tmp_
     sig = dit_signature(comps.preset, "drafter", 3, False, comps.drafter.dtype)
     art = tmp_path / "engine.plan"
     art.write_bytes(b"plan")
-    cache.store(dataclasses.replace(stage_key(sig, comps, "tensorrt"), trt_version="10.13.0"), art, CMD)
+    cache.store(dataclasses.replace(engine_key(sig, comps, "tensorrt"), trt_version="10.13.0"), art, CMD)
     monkeypatch.setitem(sys.modules, "tensorrt", types.SimpleNamespace(__version__="11.1.0"))
     with pytest.raises(StaleEngineError) as e:
         StageRunners(comps, "tensorrt", tmp_path)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sdvg.config import get_preset
-from sdvg.engines.stages import VAEDecodeStep, vae_decode_static
+from sdvg.engines.modules import VAEDecodeStep, vae_decode_static
 from sdvg.models.vae import StreamingVAEDecoder, build_vae
 
 

@@ -37,7 +37,7 @@ def engines_folder(text: str) -> str:
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text[:200]!r} is a file, not an engine folder; give the folder that "
-                                         "`python -m build_engines --out DIR` wrote (it holds one subfolder per stage)")
+                                         "`python -m build_engines --out DIR` wrote (it holds one subfolder per engine)")
     return text
 
 
@@ -131,7 +131,7 @@ def add_model_args(p: argparse.ArgumentParser, engines: bool = True, loading: bo
                        help="how TensorRT plans run: torch (torch's current stream) or cuda-python (stream-ordered "
                             "engine memory on the executor's own stream; the tensorrt extra)")
         p.add_argument("--trt-cuda-graphs", action="store_true",
-                       help="capture the static DiT stages in CUDA graphs (--trt-runtime cuda-python)")
+                       help="capture the static-shape DiT engines in CUDA graphs (--trt-runtime cuda-python)")
     p.add_argument("--device", "--drafter-device", dest="device", default="cpu", type=device_type,
                    help="drafter, VAE and reward device")
     p.add_argument("--target-device", default=None, type=device_type, help="target device (default: --device)")

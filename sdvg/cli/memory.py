@@ -27,7 +27,7 @@ def add_parser(sub, config: dict | None = None) -> None:
     m.add_argument("--budget-gib", type=real(0, MAX_BUDGET_GIB),
                    help="memory of each device in GiB (a 48 GB card: 44.7)")
     m.add_argument("--backend", choices=("eager", "tensorrt"), default="eager",
-                   help="tensorrt: the DiTs as engines (each stage's own copy of the weights, the torch DiT's kept "
+                   help="tensorrt: the DiTs as engines (each engine's own copy of the weights, the torch DiT's kept "
                         "parts, one scratch buffer per role) instead of the torch weights")
     m.add_argument("--engines", type=Path, default=None,
                    help="with --backend tensorrt: a built engine folder (plan sizes; scratch from TensorRT when it is "

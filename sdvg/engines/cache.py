@@ -1,7 +1,7 @@
-"""The engine cache: one directory per built stage, named by the digest of everything the engine
+"""The engine cache: one directory per built engine, named by the digest of everything the engine
 depends on, with a manifest that is checked before an engine is ever used.
 
-The key holds the stage's config hash and weights fingerprint, its input shapes and dtypes, the
+The key holds the engine's config hash and weights fingerprint, its input shapes and dtypes, the
 precision, the GPU name and compute capability, the TensorRT version and the artifact kind; a
 torch-tensorrt program also the torch and torch-tensorrt versions it was built with (it runs
 inside that torch only). A stale or foreign engine
@@ -13,6 +13,10 @@ load would read it twice). Each load makes the cheap check: the size, the modifi
 the SHA-256 of its first and last MiB (`ends_sha256`) as stored. A file whose modification time
 differs (a copied folder, or a rewritten file) gets the full SHA-256 check, once per load; an
 entry written before these fields existed too.
+
+What is on disk keeps its names: the key's `stage` field (the engine's name, e.g. `target_dit_3f_cached`)
+is a manifest field and part of the digest, and an entry's folder is `<stage>-<digest>`; renaming either
+would orphan every built folder.
 """
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ class EngineCacheError(RuntimeError):
 
 
 class StaleEngineError(EngineCacheError):
-    """An engine exists for the stage but was built for something else."""
+    """An engine of that name exists but was built for something else."""
 
 
 class CorruptEngineError(EngineCacheError):
@@ -49,12 +53,14 @@ class CorruptEngineError(EngineCacheError):
 
 
 class MissingEngineError(EngineCacheError):
-    """No engine was built for the stage."""
+    """No engine of that name was built."""
 
 
 @dataclass(frozen=True)
 class EngineKey:
-    stage: str  # e.g. "target_dit", "drafter_dit", "vae_decode", "reward"
+    # the engine's name (e.g. "target_dit_3f_cached", "vae_decode", "reward_12f"); on-disk name, kept: the field
+    # name is in every manifest and in the digest, and the value names the entry's folder
+    stage: str
     config_hash: str
     weights_hash: str
     shapes: tuple  # ((input name, (dims...), dtype), ...)
@@ -148,7 +154,7 @@ class EngineCache:
         self.root = Path(root)
 
     def entry_dir(self, key: EngineKey) -> Path:
-        return self.root / f"{key.stage}-{key.digest()[:16]}"
+        return self.root / f"{key.stage}-{key.digest()[:16]}"  # on-disk folder name, kept
 
     def store(self, key: EngineKey, artifact: Path, rebuild_command: str) -> Path:
         """Move a built artifact into the cache and write its manifest (atomically). An ONNX file's
@@ -172,7 +178,7 @@ class EngineCache:
         tmp = d / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps(manifest, indent=2))
         os.replace(tmp, d / MANIFEST)
-        log.info("stored the %s engine of stage %r in %s", key.artifact, key.stage, d)
+        log.info("stored the %s engine %r in %s", key.artifact, key.stage, d)
         return dest
 
     def _read_manifest(self, d: Path) -> dict:
@@ -192,17 +198,17 @@ class EngineCache:
 
     def check_trt_version(self, version: str, rebuild_command: str) -> None:
         """Refuse a folder holding TensorRT plans (or torch-tensorrt programs) built with another
-        TensorRT than `version`, from the manifests alone: before any work, not at the first stage."""
+        TensorRT than `version`, from the manifests alone: before any work, not at the first engine."""
         other = {}
         for m in sorted(self.root.glob(f"*/{MANIFEST}")):
             try:
                 key = json.loads(m.read_text())["key"]
             except Exception:
-                continue  # a damaged manifest is refused when its stage loads
+                continue  # a damaged manifest is refused when its engine loads
             if key.get("artifact") in ("tensorrt", "torch-tensorrt") and key.get("trt_version") != version:
-                other.setdefault(key.get("trt_version"), []).append(key.get("stage"))
+                other.setdefault(key.get("trt_version"), []).append(key.get("stage"))  # the manifest's field (kept)
         if other:
-            built = "; ".join(f"TensorRT {v}: {', '.join(stages)}" for v, stages in other.items())
+            built = "; ".join(f"TensorRT {v}: {', '.join(names)}" for v, names in other.items())
             raise StaleEngineError(f"engine folder {self.root} holds plans built with another TensorRT ({built}); this "
                                    f"is TensorRT {version} and a plan runs only with the TensorRT that built it; "
                                    f"rebuild with: {rebuild_command}")
@@ -213,11 +219,11 @@ class EngineCache:
         if not (d / MANIFEST).is_file():
             others = sorted(p for p in self.root.glob(f"{key.stage}-*") if (p / MANIFEST).is_file())
             if not others:
-                raise MissingEngineError(f"no engine for stage {key.stage!r} in {self.root}; build it with: "
+                raise MissingEngineError(f"no engine {key.stage!r} in {self.root}; build it with: "
                                          f"{rebuild_command}")
             built = EngineKey.from_json(self._read_manifest(others[-1])["key"])
             diffs = key.differences(built)
-            raise StaleEngineError(f"the engine for stage {key.stage!r} in {others[-1]} does not match this "
+            raise StaleEngineError(f"the engine {key.stage!r} in {others[-1]} does not match this "
                                    f"setup ({'; '.join(diffs)}); rebuild with: {rebuild_command}")
         m = self._read_manifest(d)
         built = EngineKey.from_json(m["key"])
@@ -239,7 +245,7 @@ class EngineCache:
                                          f"be {DATA_FILE} inside its own entry; delete {d} and rebuild with: "
                                          f"{rebuild_command}")
             self._check_file(d, d / DATA_FILE, data, rebuild_command)
-        log.info("using the %s engine of stage %r from %s (built %s)", key.artifact, key.stage, d, m.get("created"))
+        log.info("using the %s engine %r from %s (built %s)", key.artifact, key.stage, d, m.get("created"))
         return path
 
     full_checks = 0  # files hashed in full by `load` (the cheap check did not suffice): for tests

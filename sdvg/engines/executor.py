@@ -1,23 +1,23 @@
-"""The stage executor interface: what `StageRunners` (sdvg/generation/backends.py) calls, whatever
-runs the stage.
+"""The engine executor interface: what `StageRunners` (sdvg/generation/backends.py) calls, whatever
+runs the engine.
 
-An executor is built from one validated engine-cache artifact and the stage's signature
-(`sdvg.engines.signatures.StageSignature`) and provides:
+An executor is built from one validated engine-cache artifact and the engine's signature
+(`sdvg.engines.signatures.EngineSignature`) and provides:
 
-* `signature`, `device` — the stage it runs and where;
+* `signature`, `device` — the engine it runs and where;
 * `__call__(*inputs)` — the inputs positionally in the signature's order (tensors on any device and
-  dtype: converted to the stage's when they differ); returns the outputs in the signature's order,
+  dtype: converted to the engine's when they differ); returns the outputs in the signature's order,
   one tensor or a tuple of several;
-* optionally `capture()` — record the stage's launch in a CUDA graph now (static shapes only).
+* optionally `capture()` — record the engine's launch in a CUDA graph now (static shapes only).
 
 The executors, one per artifact kind (`open_executor`):
 
 | artifact | executor | runs with |
 |---|---|---|
-| `onnx` | `onnxruntime.ORTStage` | onnxruntime (CPU or CUDA execution provider) |
-| `tensorrt` | `tensorrt.TRTStage` (runtime `torch`) | TensorRT on torch's current stream |
-| `tensorrt` | `trt_cuda.TRTCudaStage` (runtime `cuda-python`) | TensorRT on its own stream, CUDA graphs |
-| `torch-tensorrt` | `torch_trt.TorchTRTStage` | a torch-tensorrt exported program (DiT stages) |
+| `onnx` | `onnxruntime.ORTEngine` | onnxruntime (CPU or CUDA execution provider) |
+| `tensorrt` | `tensorrt.TRTEngine` (runtime `torch`) | TensorRT on torch's current stream |
+| `tensorrt` | `trt_cuda.TRTCudaEngine` (runtime `cuda-python`) | TensorRT on its own stream, CUDA graphs |
+| `torch-tensorrt` | `torch_trt.TorchTRTEngine` | a torch-tensorrt exported program (DiT engines) |
 
 Every import of an optional library happens when an executor is built, never when sdvg is imported.
 """
@@ -33,8 +33,8 @@ from sdvg.options import TRT_RUNTIMES as RUNTIMES  # how a TensorRT plan is driv
 
 
 @runtime_checkable
-class StageExecutor(Protocol):
-    signature: object  # StageSignature
+class EngineExecutor(Protocol):
+    signature: object  # EngineSignature
     device: torch.device
 
     def __call__(self, *inputs: torch.Tensor): ...
@@ -44,12 +44,12 @@ class StageExecutor(Protocol):
 class ExecutorOptions:
     """How the engine executors of a `StageRunners` run.
 
-    `runtime`: `torch` (TRTStage) or `cuda-python` (TRTCudaStage) for TensorRT plans.
-    `cuda_graph`: capture each static-shape DiT stage without cached frames in a CUDA graph
+    `runtime`: `torch` (TRTEngine) or `cuda-python` (TRTCudaEngine) for TensorRT plans.
+    `cuda_graph`: capture each static-shape DiT engine without cached frames in a CUDA graph
     (cuda-python runtime only); its outputs are views of the graph's static buffers, valid until
-    that stage's next call (the sampler consumes the flow and `KVCache.write` copies the new K/V
-    before then). The cached DiT stage (dynamic), the VAE stage (its cache tensors are kept across
-    calls) and the reward stage run without a graph.
+    that engine's next call (the sampler consumes the flow and `KVCache.write` copies the new K/V
+    before then). The cached DiT engine (dynamic), the VAE engine (its cache tensors are kept across
+    calls) and the reward engine run without a graph.
     `release_torch_weights`: once a role's first TensorRT or torch-tensorrt DiT engine has loaded,
     the torch DiT weights the engines replace are dropped (`sdvg.engines.release`), so the model is
     resident once; the eager backend then refuses that DiT."""
@@ -66,7 +66,7 @@ class ExecutorOptions:
                              "stream through cuda-python)")
 
     def graph_for(self, signature) -> bool:
-        """Whether the stage of `signature` runs from a CUDA graph under these options."""
+        """Whether the engine of `signature` runs from a CUDA graph under these options."""
         return self.cuda_graph and signature.family.endswith("_dit") and not signature.dynamic
 
 
@@ -76,19 +76,19 @@ def open_executor(artifact: str, path: Path, signature, device, options: Executo
     shared TensorRT scratch memory (`sdvg.engines.scratch`, of the options' runtime)."""
     options = options or ExecutorOptions()
     if artifact == "onnx":
-        from sdvg.engines.onnxruntime import ORTStage
+        from sdvg.engines.onnxruntime import ORTEngine
 
-        return ORTStage(path, signature, device)
+        return ORTEngine(path, signature, device)
     if artifact == "tensorrt":
         if options.runtime == "cuda-python":
-            from sdvg.engines.trt_cuda import TRTCudaStage
+            from sdvg.engines.trt_cuda import TRTCudaEngine
 
-            return TRTCudaStage(path, signature, device, cuda_graph=options.graph_for(signature), scratch=scratch)
-        from sdvg.engines.tensorrt import TRTStage
+            return TRTCudaEngine(path, signature, device, cuda_graph=options.graph_for(signature), scratch=scratch)
+        from sdvg.engines.tensorrt import TRTEngine
 
-        return TRTStage(path, signature, device, scratch=scratch)
+        return TRTEngine(path, signature, device, scratch=scratch)
     if artifact == "torch-tensorrt":
-        from sdvg.engines.torch_trt import TorchTRTStage
+        from sdvg.engines.torch_trt import TorchTRTEngine
 
-        return TorchTRTStage(path, signature, device)
+        return TorchTRTEngine(path, signature, device)
     raise ValueError(f"unknown engine artifact {artifact!r}; the artifacts are onnx, tensorrt, torch-tensorrt")

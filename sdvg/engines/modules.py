@@ -1,11 +1,11 @@
-"""Stage modules with static shapes: what gets exported, compiled or built into engines.
+"""Engine modules: the modules with static shapes that get exported, compiled or built into engines.
 
 * `DiTStep` — one DiT forward of F new latent frames (a denoising step at t > 0, the commit at
   t = 0, or a recompute context forward over several clean frames): inputs the new frames, their
   per-frame timestep sinusoid (computed in float64 outside the graph, as Wan does, and fed in as
   fp32: TensorRT has no float64), the prompt's cross-attention K/V and the frames' RoPE tables,
   then, when cached frames are visible, the token index of the visible cached frames and each
-  layer's K/V buffer as it lies in the cache (`KVCache.layer_buffer`, no copy). The stage gathers
+  layer's K/V buffer as it lies in the cache (`KVCache.layer_buffer`, no copy). The engine gathers
   the visible tokens itself and attends over them and the new frames only (never over the whole
   capacity); outputs the flow and the new frames' K/V, which the caller writes into the pending
   slots of the cache. No input holds more than one layer's buffer (the 14B target's whole cache is
@@ -15,8 +15,8 @@
   first frames run eagerly), so cache slots can be ping-ponged for snapshot/restore.
 * `RewardStep` — preprocessed frames and the prompt's token ids/mask -> per-frame scores.
 
-Each equals the eager path (tests/test_stages.py). Their signatures (names, shapes, dtypes, the
-dynamic dimensions of a cached DiT stage) live in `sdvg.engines.signatures`.
+Each equals the eager path (tests/test_engine_modules.py). Their signatures (names, shapes, dtypes, the
+dynamic dimensions of a cached DiT engine) live in `sdvg.engines.signatures`.
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ def new_frames_mask(frames: int, tokens_per_frame: int, frames_per_block: int | 
     return block_causal_mask(None, frames_per_block, tokens_per_frame, num_frames=frames)
 
 
-def dit_stage_mask(frames: int, visible_frames: int, tokens_per_frame: int, frames_per_block: int | None):
-    """The attention mask a DiT stage applies ([S_new, S_visible + S_new] bool, True = attend): every
+def dit_engine_mask(frames: int, visible_frames: int, tokens_per_frame: int, frames_per_block: int | None):
+    """The attention mask a DiT engine applies ([S_new, S_visible + S_new] bool, True = attend): every
     visible cached token, and the new frames block-causally (`new_frames_mask`); None = no mask."""
     m = new_frames_mask(frames, tokens_per_frame, frames_per_block)
     if m is None:
@@ -62,7 +62,7 @@ class DiTStep(nn.Module):
         0 = K, 1 = V) -> flow [1, C, F, H, W], new_k/new_v [L, 1, H, S, D]."""
         num_layers = text_k.shape[0]
         if cache and len(cache) != num_layers + 1:
-            raise ValueError(f"a cached DiT stage takes cache_index and {num_layers} layer buffers, got "
+            raise ValueError(f"a cached DiT engine takes cache_index and {num_layers} layer buffers, got "
                              f"{len(cache)} cache inputs")
         index, buffers = (cache[0], cache[1:]) if cache else (None, ())
         S, F = cos.shape[0], latents.shape[2]
@@ -93,8 +93,8 @@ def text_tensors(text: TextKV) -> tuple[torch.Tensor, torch.Tensor]:
 
 def visible_cache_index(cache, tokens_per_frame: int) -> torch.Tensor | None:
     """Buffer positions [N_vis] (int64, on the cache's device, built once per slot list and kept there) of the
-    visible *committed* tokens in frame order (the pending block's slots excluded: a stage appends the block's fresh K/V itself),
-    or None when no committed frame is visible."""
+    visible *committed* tokens in frame order (the pending block's slots excluded: an engine appends the block's
+    fresh K/V itself), or None when no committed frame is visible."""
     committed = len(cache.visible_frames()) - cache.pending_frames  # pending frames come last
     slots = cache.visible_slots()[:committed]
     if not slots:
@@ -107,13 +107,13 @@ def visible_cache_index(cache, tokens_per_frame: int) -> torch.Tensor | None:
 @torch.no_grad()
 def dit_forward_static(step, dit: CausalWanDiT, latents, timesteps, text: TextKV, frame_offset: int | None, cache,
                        tokens_per_frame: int, attn_mask=None, frames_per_block: int | None = None, text_kv=None):
-    """The cached DiT forward through a static stage (`step`: a DiTStep, compiled or not, or an
-    engine runner with its signature): same contract as `dit(..., cache=cache, attn_mask=...)`,
+    """The cached DiT forward through a DiT engine (`step`: a DiTStep, compiled or not, or an
+    engine executor with its signature): same contract as `dit(..., cache=cache, attn_mask=...)`,
     `frame_offset` included (None: the cache's write position; another value is an error).
 
-    The stage reads the cache's layer buffers in place and the new frames' K/V are copied into the
-    pending slots (`KVCache.write`): no copy of the cache is made. `attn_mask` must be the stage's
-    own (`dit_stage_mask` with `frames_per_block`: block-causal new frames, every visible cached
+    The engine reads the cache's layer buffers in place and the new frames' K/V are copied into the
+    pending slots (`KVCache.write`): no copy of the cache is made. `attn_mask` must be the engine's
+    own (`dit_engine_mask` with `frames_per_block`: block-causal new frames, every visible cached
     token), e.g. a recompute context forward's; another mask is refused. `text_kv` is the stacked
     (text_k, text_v) of `text` when the caller keeps it."""
     _, _, nF, H, W = latents.shape
@@ -122,12 +122,12 @@ def dit_forward_static(step, dit: CausalWanDiT, latents, timesteps, text: TextKV
     index = visible_cache_index(cache, tokens_per_frame)
     visible = 0 if index is None else index.shape[0] // tokens_per_frame
     if attn_mask is not None:
-        want = dit_stage_mask(nF, visible, tokens_per_frame, frames_per_block)
+        want = dit_engine_mask(nF, visible, tokens_per_frame, frames_per_block)
         shape = (nF * tokens_per_frame, (visible + nF) * tokens_per_frame)
         ok = tuple(attn_mask.shape) == shape and (bool(attn_mask.all()) if want is None
                                                    else torch.equal(attn_mask.cpu().bool(), want))
         if not ok:
-            raise ValueError(f"the static DiT stages take no free attention mask: they attend to every visible "
+            raise ValueError(f"the DiT engines take no free attention mask: they attend to every visible "
                              f"cached frame and block-causally (groups of {frames_per_block} frames) among the "
                              f"{nF} new ones; this {list(attn_mask.shape)} mask differs; use backend 'eager'")
     cos, sin = dit.rope(frame_offset, nF, H, W, latents.device)
@@ -178,7 +178,7 @@ def vae_cache_is_steady(cache) -> bool:
 @torch.no_grad()
 def vae_decode_static(step, decoder, latents, cache):
     """`decoder.decode` with the steady-state frames through `step` (a VAEDecodeStep, compiled or an
-    engine runner); the first frames of a video run eagerly."""
+    engine executor); the first frames of a video run eagerly."""
     outs = []
     for i in range(latents.shape[2]):
         frame = latents[:, :, i:i + 1]

@@ -1,4 +1,4 @@
-"""onnxruntime stage runtime: the ONNX files `python -m build_engines --format onnx` exports, run
+"""onnxruntime engine runtime: the ONNX files `python -m build_engines --format onnx` exports, run
 through the same validated engine cache as TensorRT engines (`--backend onnxruntime`).
 
 The CPU execution provider runs a CPU pipeline (the engine path's executable oracle on machines
@@ -26,24 +26,24 @@ def import_onnxruntime():
 
 
 def providers_for(device: torch.device) -> list[str]:
-    """The execution providers of a stage on `device`: CUDA's on a CUDA device, else the CPU's."""
+    """The execution providers of an engine on `device`: CUDA's on a CUDA device, else the CPU's."""
     ort = import_onnxruntime()
     device = torch.device(device)
     if device.type == "cuda":
         if "CUDAExecutionProvider" not in ort.get_available_providers():
-            raise RuntimeError(f"the stage runs on {device} but this onnxruntime has no CUDA execution provider "
+            raise RuntimeError(f"the engine runs on {device} but this onnxruntime has no CUDA execution provider "
                                f"(providers: {', '.join(ort.get_available_providers())}); install onnxruntime-gpu, "
                                "or run the pipeline on the CPU (--device cpu) with engines built for it")
         return [("CUDAExecutionProvider", {"device_id": device.index or 0}), "CPUExecutionProvider"]
     if device.type != "cpu":
-        raise RuntimeError(f"backend 'onnxruntime' runs stages on cpu or cuda devices, not {device}")
+        raise RuntimeError(f"backend 'onnxruntime' runs engines on cpu or cuda devices, not {device}")
     return ["CPUExecutionProvider"]
 
 
-class ORTStage:
-    """An ONNX stage called like the module it was exported from (positional inputs in the
+class ORTEngine:
+    """An ONNX engine called like the module it was exported from (positional inputs in the
     signature's order; inputs the exporter dropped as unused are skipped). Returns the outputs (a
-    tuple when there are several) as torch tensors on the stage's device."""
+    tuple when there are several) as torch tensors on the engine's device."""
 
     def __init__(self, path: Path, signature, device: torch.device, threads: int | None = None):
         ort = import_onnxruntime()
@@ -62,13 +62,13 @@ class ORTStage:
             hint = ("; onnxruntime's CPU execution provider runs fp32 graphs (this one takes "
                     f"{', '.join(dtypes)}): build with --precision fp32, or run on a GPU with onnxruntime-gpu"
                     if "CUDAExecutionProvider" not in names and set(dtypes) - {"float32", "int64"} else "")
-            raise RuntimeError(f"onnxruntime cannot load stage {signature.name!r} from {path} with "
+            raise RuntimeError(f"onnxruntime cannot load engine {signature.name!r} from {path} with "
                                f"{', '.join(names)} ({type(exc).__name__}: {exc}){hint}") from exc
         graph_inputs = {i.name for i in self.session.get_inputs()}
         self.inputs = [t for t in signature.inputs if t.name in graph_inputs]
         missing = graph_inputs - {t.name for t in signature.inputs}
         if missing:
-            raise RuntimeError(f"{path} takes inputs {sorted(missing)} that stage {signature.name!r} does not have; "
+            raise RuntimeError(f"{path} takes inputs {sorted(missing)} that engine {signature.name!r} does not have; "
                                "rebuild the engine folder")
         self._all = signature.input_names
         self._where = ("cuda", self.device.index or 0) if self.device.type == "cuda" else ("cpu", 0)
@@ -88,7 +88,7 @@ class ORTStage:
                 if isinstance(d, str):
                     sizes[d] = n
             if tuple(a.shape) != t.dims({**sizes}):
-                raise ValueError(f"stage {self.signature.name!r}: input {t.name!r} must be {list(t.shape)}, got "
+                raise ValueError(f"engine {self.signature.name!r}: input {t.name!r} must be {list(t.shape)}, got "
                                  f"{list(a.shape)}")
             keep.append(a)
             binding.bind_input(t.name, *self._where, _ONNX_TYPES[a.dtype], tuple(a.shape), a.data_ptr())

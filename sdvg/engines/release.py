@@ -1,7 +1,7 @@
 """Dropping the torch DiT weights that a role's TensorRT engines replace, so that a 14B target is
 resident once (in its engines), not twice.
 
-What the engine stages do not cover stays: the text embedder and every block's cross-attention
+What the engines do not cover stays: the text embedder and every block's cross-attention
 K/V projections (`CausalWanDiT.encode_text`, once per prompt), the time embedding (its dtype is
 read by `timestep_freqs`), `proj_out` (the DiT's dtype and device are read from it). Everything
 else (patch embedding, the blocks' self-attention, cross-attention queries and outputs, FFNs,

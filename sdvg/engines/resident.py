@@ -1,13 +1,13 @@
 """What a pipeline on the tensorrt backend keeps resident, per device (`sdvg memory --backend tensorrt`).
 
-Each DiT stage is its own engine with its own copy of the weights (TensorRT shares no weights
-between plans): a role with a block stage and a cached stage holds its weights twice in engines.
-Once a role's engines load, the torch DiT keeps only what the stages do not cover (the text
+Each DiT engine holds its own copy of the weights (TensorRT shares no weights between plans): a
+role with a block engine and a cached engine holds its weights twice in engines. Once a role's
+engines load, the torch DiT keeps only what the engines do not cover (the text
 embedder, the cross-attention K/V projections, the time embedding, `proj_out`:
 `sdvg.engines.release`). The VAE and ImageReward keep their torch weights (the first latent frames
 of a video decode eagerly) beside their engines.
 
-Engine weights: the plan files' sizes when `engines` (a built folder) is given, else the stage
+Engine weights: the plan files' sizes when `engines` (a built folder) is given, else the engine
 count times the weight bytes (a plan holds the graph's weights in their dtype; kernels add MBs).
 Scratch: TensorRT's own number (`engine.device_memory_size_v2`, the largest over the profiles)
 when TensorRT is installed and the folder is given; one buffer per role (the largest of its
@@ -38,7 +38,8 @@ def kept_dit_params(cfg) -> int:
 
 
 def _folder_plans(engines: Path) -> dict[str, list[tuple[str, int, Path]]]:
-    """family -> [(stage, plan bytes, plan path)] of the TensorRT plans in a built folder (manifests only)."""
+    """engine family -> [(engine name, plan bytes, plan path)] of the TensorRT plans in a built folder (manifests
+    only; an engine's name is its key's `stage` field, the on-disk name kept)."""
     out: dict[str, list] = {}
     for m in sorted(Path(engines).glob("*/manifest.json")):
         try:
@@ -48,10 +49,11 @@ def _folder_plans(engines: Path) -> dict[str, list[tuple[str, int, Path]]]:
             continue
         if key.get("artifact") != "tensorrt":
             continue
-        family = next((f for f in ROLE_OF if key["stage"] == f or key["stage"].startswith(f + "_")
-                       or (f == "reward" and key["stage"].startswith("reward_"))), None)
+        name = key["stage"]  # on-disk field name, kept
+        family = next((f for f in ROLE_OF if name == f or name.startswith(f + "_")
+                       or (f == "reward" and name.startswith("reward_"))), None)
         if family is not None:
-            out.setdefault(family, []).append((key["stage"], int(d["size"]), m.parent / d["file"]))
+            out.setdefault(family, []).append((name, int(d["size"]), m.parent / d["file"]))
     return out
 
 
@@ -75,7 +77,7 @@ def _scratch_bytes(plans) -> int | None:
 
 def engine_items(preset: Preset, roles, signatures, drafter_device: str, target_device: str,
                  engines: str | Path | None = None) -> list[MemoryItem]:
-    """The tensorrt backend's resident items (see the module docstring); `signatures`: the stages a
+    """The tensorrt backend's resident items (see the module docstring); `signatures`: the engines a
     build makes for this run (`preset_signatures`), used when no folder is given."""
     elem = torch.empty((), dtype=torch_dtype(preset.precision)).element_size()
     params = component_params(preset)
@@ -95,11 +97,11 @@ def engine_items(preset: Preset, roles, signatures, drafter_device: str, target_
         plans = folder.get(family)
         if plans:
             nbytes = sum(size for _, size, _ in plans)
-            how = " + ".join(f"{stage} {size / 2**30:.2f} GiB" for stage, size, _ in plans) + " (plan files)"
+            how = " + ".join(f"{name} {size / 2**30:.2f} GiB" for name, size, _ in plans) + " (plan files)"
         else:
-            stages = [s.name for s in signatures if s.family == family]
-            nbytes = len(stages) * weights[family]
-            how = (f"{len(stages)} engines ({', '.join(stages)}) x {weights[family] / 2**30:.2f} GiB of weights "
+            names = [s.name for s in signatures if s.family == family]
+            nbytes = len(names) * weights[family]
+            how = (f"{len(names)} engines ({', '.join(names)}) x {weights[family] / 2**30:.2f} GiB of weights "
                    "(estimate)")
         items.append(MemoryItem(device, f"{role} engine weights", nbytes, how))
         scratch = _scratch_bytes(plans) if plans else None

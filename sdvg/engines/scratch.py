@@ -1,14 +1,14 @@
 """The scratch memory of TensorRT execution contexts: one buffer per role, shared by its contexts.
 
 Every execution context is created `USER_MANAGED`: TensorRT allocates no activation memory of its
-own. A role's stages (a drafter's block stage and its cached stage, say) run one after another on
+own. A role's engines (a drafter's block engine and its cached engine, say) run one after another on
 the role's stream, so one buffer serves them all: sized for the largest need seen so far (grown,
 never shrunk), rebound (`context.set_device_memory`) before every launch since a growth moves it.
 `StageRunners` keeps one per role and device (`drafter`, `target`, `vae`, `reward`).
 
-* `TorchScratch` (the `torch` runtime, `TRTStage`): the buffer comes from torch's caching allocator
+* `TorchScratch` (the `torch` runtime, `TRTEngine`): the buffer comes from torch's caching allocator
   on the stream the launch goes to, so its reuse is ordered by that stream.
-* `CudaScratch` (the `cuda-python` runtime, `TRTCudaStage`): `cudaMallocAsync` / `cudaFreeAsync` on
+* `CudaScratch` (the `cuda-python` runtime, `TRTCudaEngine`): `cudaMallocAsync` / `cudaFreeAsync` on
   the role's own non-blocking stream, which every executor of the role launches on.
 """
 from __future__ import annotations

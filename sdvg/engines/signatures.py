@@ -1,21 +1,21 @@
-"""Stage signatures: every static stage of a pipeline (name, input and output names, shapes and
-dtypes, the bounds of its dynamic dimensions), derived from the configs alone on the meta device
-(nothing is allocated: the real-size set takes a fraction of a second), and the engine-cache key.
+"""Engine signatures: every engine of a pipeline (name, input and output names, shapes and dtypes,
+the bounds of its dynamic dimensions), derived from the configs alone on the meta device (nothing
+is allocated: the real-size set takes a fraction of a second), and the engine-cache key.
 
-The stages of a pipeline (`preset_signatures` / `component_signatures`):
+The engines of a pipeline (`preset_signatures` / `component_signatures`):
 
 * `<role>_dit_<F>f` — a DiT forward of F new frames with no cached frame visible: block 0, or a
   recompute context forward (F = its context length, block-causal among its frames).
 * `<role>_dit_<F>f_cached` — a DiT forward of F new frames over the visible cached frames. Two
   dynamic dimensions: `visible_tokens` (the visible cached tokens, a multiple of the tokens per
   frame) and `cache_tokens` (the capacity of the cache buffers, whatever the number of blocks or
-  the context mode). One stage serves every block of a full context and every denoising step of a
+  the context mode). One engine serves every block of a full context and every denoising step of a
   recompute context.
 * `vae_decode` — one steady-state latent frame through the VAE decoder.
 * `reward_<N>f` — ImageReward over the N frames of a block (block 0 has fewer frames).
 
-The families `drafter_dit`, `target_dit`, `vae_decode` and `reward` (`STAGE_NAMES`) name what
-`python -m build_engines --stages` selects.
+The engine families `drafter_dit`, `target_dit`, `vae_decode` and `reward` (`ENGINE_FAMILIES`) name
+what `python -m build_engines --stages` selects (the flag keeps its name).
 """
 from __future__ import annotations
 
@@ -29,11 +29,11 @@ import torch
 from sdvg._native import _C
 from sdvg.config import Preset, RoleContext, config_hash, torch_dtype
 from sdvg.engines.cache import EngineKey, weights_fingerprint
-from sdvg.engines.stages import DiTStep, RewardStep, VAEDecodeStep
+from sdvg.engines.modules import DiTStep, RewardStep, VAEDecodeStep
 from sdvg.models.kv_cache import KVCacheSpec
 
-STAGE_NAMES: tuple[str, ...] = ("drafter_dit", "target_dit", "vae_decode", "reward")  # the families --stages selects
-VISIBLE_TOKENS, CACHE_TOKENS = "visible_tokens", "cache_tokens"  # the dynamic dimensions of a cached DiT stage
+ENGINE_FAMILIES: tuple[str, ...] = ("drafter_dit", "target_dit", "vae_decode", "reward")  # what --stages selects
+VISIBLE_TOKENS, CACHE_TOKENS = "visible_tokens", "cache_tokens"  # the dynamic dimensions of a cached DiT engine
 MAX_ELEMENTS = 2**31 - 1  # what one engine tensor may hold (TensorRT's int32 volume)
 
 
@@ -58,8 +58,8 @@ class TensorSig:
 
 
 @dataclass(frozen=True)
-class StageSignature:
-    name: str  # e.g. target_dit_3f_cached
+class EngineSignature:
+    name: str  # e.g. target_dit_3f_cached (the engine-cache key's `stage` field: on-disk, see cache.py)
     family: str  # drafter_dit | target_dit | vae_decode | reward
     inputs: tuple[TensorSig, ...]
     outputs: tuple[TensorSig, ...]
@@ -101,7 +101,7 @@ class StageSignature:
                 return i
         ranges = "; ".join(f"{label}: " + ", ".join(f"{d} {lo}..{hi}" for d, lo, _, hi in dims)
                            for label, dims in self.profile_bounds())
-        raise ValueError(f"stage {self.name!r}: {sizes} is outside every optimisation profile ({ranges}); rebuild "
+        raise ValueError(f"engine {self.name!r}: {sizes} is outside every optimisation profile ({ranges}); rebuild "
                          "the engines with a larger --num-blocks or the --kv-cache-frames this video runs")
 
     def shapes(self) -> tuple:
@@ -134,7 +134,7 @@ class StageSignature:
         return tuple(out)
 
     def dynamic_shapes(self):
-        """`dynamic_shapes` for torch.export / torch.onnx.export of the stage module's forward."""
+        """`dynamic_shapes` for torch.export / torch.onnx.export of the engine module's forward."""
         if not self.dynamic:
             return None
         dims = {name: torch.export.Dim(name, min=lo, max=hi) for name, lo, _, hi in self.dynamic}
@@ -145,7 +145,7 @@ class StageSignature:
 
 
 # ---------------------------------------------------------------------------------------- DiT
-def dit_stage_name(role: str, frames: int, cached: bool) -> str:
+def dit_engine_name(role: str, frames: int, cached: bool) -> str:
     return f"{role}_dit_{frames}f" + ("_cached" if cached else "")
 
 
@@ -162,7 +162,7 @@ class ModeBounds:
 
 @dataclass(frozen=True)
 class ContextBounds:
-    """What a role's stages must cover for `num_blocks` blocks under both context modes."""
+    """What a role's engines must cover for `num_blocks` blocks under both context modes."""
 
     frames: tuple[int, ...]  # new-frame counts of the uncached forwards (block 0, context forwards)
     max_visible_frames: int  # most committed frames a forward sees
@@ -207,7 +207,7 @@ def context_bounds(preset: Preset, role: str, num_blocks: int | None = None,
 
 
 def dit_profiles(bounds: ContextBounds, tokens_per_frame: int) -> tuple:
-    """The optimisation profiles of a cached DiT stage: one per context mode (the role's own first, its
+    """The optimisation profiles of a cached DiT engine: one per context mode (the role's own first, its
     opt the shape the preset runs: a recompute target's whole context, a full context's middle
     block), each ((visible_tokens, min, opt, max), (cache_tokens, min, opt, max)); bounds without
     modes (a benchmark's one shape) give one profile at their upper bounds."""
@@ -224,8 +224,8 @@ def dit_profiles(bounds: ContextBounds, tokens_per_frame: int) -> tuple:
 
 
 def dit_signature(preset: Preset, role: str, frames: int, cached: bool, dtype=None,
-                  bounds: ContextBounds | None = None) -> StageSignature:
-    """One DiT stage of `role` (see the module docstring); `bounds` set the dynamic dimensions'
+                  bounds: ContextBounds | None = None) -> EngineSignature:
+    """One DiT engine of `role` (see the module docstring); `bounds` set the dynamic dimensions'
     ranges (default: the preset's blocks under both context modes)."""
     cfg = getattr(preset, role)
     dt = _dtype_name(dtype or torch_dtype(preset.precision))
@@ -244,7 +244,7 @@ def dit_signature(preset: Preset, role: str, frames: int, cached: bool, dtype=No
         b = bounds or context_bounds(preset, role)
         if b.max_visible_frames < 1:
             raise ValueError(f"{role}: no forward sees a cached frame with these bounds ({b}); a one-block video "
-                             "needs no cached stage")
+                             "needs no cached engine")
         profiles = dit_profiles(b, tpf)
         first = dict((d, opt) for d, _, opt, _ in profiles[0][1])
         dynamic = tuple((d, min(p[1][i][1] for p in profiles), first[d], max(p[1][i][3] for p in profiles))
@@ -253,13 +253,13 @@ def dit_signature(preset: Preset, role: str, frames: int, cached: bool, dtype=No
         inputs += [TensorSig(f"kv_{i}", (2, 1, H, CACHE_TOKENS, D), dt) for i in range(L)]
     outputs = (TensorSig("flow", (1, cfg.out_channels, frames, lh, lw), dt),
                TensorSig("new_k", (L, 1, H, S, D), dt), TensorSig("new_v", (L, 1, H, S, D), dt))
-    return StageSignature(dit_stage_name(role, frames, cached), f"{role}_dit", tuple(inputs), outputs, dynamic,
+    return EngineSignature(dit_engine_name(role, frames, cached), f"{role}_dit", tuple(inputs), outputs, dynamic,
                           frames, cached, profiles if len(profiles) > 1 else ())
 
 
 def dit_signatures(preset: Preset, role: str, dtype=None, num_blocks: int | None = None,
-                   kv_cache_frames: int | None = None) -> list[StageSignature]:
-    """Every DiT stage `role` needs for `num_blocks` blocks under a full or a recompute context."""
+                   kv_cache_frames: int | None = None) -> list[EngineSignature]:
+    """Every DiT engine `role` needs for `num_blocks` blocks under a full or a recompute context."""
     b = context_bounds(preset, role, num_blocks, kv_cache_frames)
     out = [dit_signature(preset, role, f, False, dtype, b) for f in b.frames]
     if b.max_visible_frames:
@@ -283,14 +283,14 @@ def vae_cache_structure(vae, latent_hw: tuple[int, int]) -> tuple[int, tuple, tu
     return len(cache.entries), slots, tuple(pixels)
 
 
-def vae_signature(preset: Preset, dtype=None) -> StageSignature:
+def vae_signature(preset: Preset, dtype=None) -> EngineSignature:
     dt = _dtype_name(dtype or torch_dtype(preset.precision))
     lh, lw = preset.video.latent_hw(preset.vae)
     _, slots, pixels = vae_cache_structure(preset.vae, (lh, lw))
     inputs = (TensorSig("latent_frame", (1, preset.vae.z_dim, 1, lh, lw), "float32"),
               *(TensorSig(f"cache_in_{i}", shape, dt) for i, shape in slots))
     outputs = (TensorSig("pixels", pixels, "float32"), *(TensorSig(f"cache_out_{i}", shape, dt) for i, shape in slots))
-    return StageSignature("vae_decode", "vae_decode", inputs, outputs)
+    return EngineSignature("vae_decode", "vae_decode", inputs, outputs)
 
 
 def vae_tensor_slots(preset: Preset) -> tuple[int, list[int]]:
@@ -306,20 +306,20 @@ def reward_frame_counts(preset: Preset) -> tuple[int, ...]:
     return tuple(sorted({first, later}))
 
 
-def reward_signature(preset: Preset, frames: int, dtype=None) -> StageSignature:
+def reward_signature(preset: Preset, frames: int, dtype=None) -> EngineSignature:
     r = preset.reward
     dt = _dtype_name(dtype or torch_dtype(preset.precision))
     inputs = (TensorSig("images", (frames, 3, r.image_size, r.image_size), dt),
               TensorSig("ids", (1, r.max_text_len), "int64"), TensorSig("mask", (1, r.max_text_len), "int64"))
-    return StageSignature(f"reward_{frames}f", "reward", inputs, (TensorSig("scores", (frames,), "float32"),),
+    return EngineSignature(f"reward_{frames}f", "reward", inputs, (TensorSig("scores", (frames,), "float32"),),
                           frames=frames)
 
 
 # ------------------------------------------------------------------------------------ the set
 def preset_signatures(preset: Preset, num_blocks: int | None = None, kv_cache_frames: int | None = None,
-                      dtypes: dict | None = None, families=STAGE_NAMES) -> list[StageSignature]:
-    """Every stage of `preset` for `num_blocks` blocks (default: the preset's) under both context
-    modes, on the meta device. `dtypes` maps a family to its dtype (default: the preset's precision)."""
+                      dtypes: dict | None = None, families=ENGINE_FAMILIES) -> list[EngineSignature]:
+    """Every engine of `preset` for `num_blocks` blocks (default: the preset's) under both context
+    modes, on the meta device. `dtypes` maps an engine family to its dtype (default: the preset's precision)."""
     dtypes = dtypes or {}
     out = []
     for role in ("drafter", "target"):
@@ -343,19 +343,19 @@ def component_dtypes(comps) -> dict:
 
 
 def component_families(comps) -> tuple[str, ...]:
-    return tuple(f for f in STAGE_NAMES if f in component_dtypes(comps))
+    return tuple(f for f in ENGINE_FAMILIES if f in component_dtypes(comps))
 
 
 def component_signatures(comps, num_blocks: int | None = None, kv_cache_frames: int | None = None,
-                         families=STAGE_NAMES) -> list[StageSignature]:
-    """The stages of a pipeline's components (their dtypes; the models not loaded left out)."""
+                         families=ENGINE_FAMILIES) -> list[EngineSignature]:
+    """The engines of a pipeline's components (their dtypes; the models not loaded left out)."""
     fams = tuple(f for f in families if f in component_families(comps))
     return preset_signatures(comps.preset, num_blocks, kv_cache_frames, component_dtypes(comps), fams)
 
 
 # ------------------------------------------------------------------------- modules and keys
 def family_parts(comps, family: str):
-    """(device, config, weights module) of a stage family in `comps`."""
+    """(device, config, weights module) of an engine family in `comps`."""
     p = comps.preset
     if family.endswith("_dit"):
         role = family[: -len("_dit")]
@@ -366,10 +366,10 @@ def family_parts(comps, family: str):
         return comps.vae.device, p.vae, comps.vae.vae
     if family == "reward":
         return comps.scorer.device, p.reward, comps.scorer.model
-    raise ValueError(f"unknown stage family {family!r}; the families are {', '.join(STAGE_NAMES)}")
+    raise ValueError(f"unknown engine family {family!r}; the engine families are {', '.join(ENGINE_FAMILIES)}")
 
 
-def stage_module(comps, sig: StageSignature) -> torch.nn.Module:
+def engine_module(comps, sig: EngineSignature) -> torch.nn.Module:
     if sig.family.endswith("_dit"):
         dit = getattr(comps, sig.family[: -len("_dit")])
         return DiTStep(dit, comps.preset.video.frames_per_block).eval()
@@ -380,10 +380,10 @@ def stage_module(comps, sig: StageSignature) -> torch.nn.Module:
 
 
 @dataclass
-class StageSpec:
-    """A stage ready to export: its signature, module and example inputs on its device."""
+class EngineSpec:
+    """An engine ready to export: its signature, module and example inputs on its device."""
 
-    signature: StageSignature
+    signature: EngineSignature
     module: torch.nn.Module
     inputs: tuple
     device: torch.device
@@ -409,33 +409,33 @@ class StageSpec:
         return config_hash(self.config) if dataclasses.is_dataclass(self.config) else str(self.config)
 
 
-def stage_spec(comps, sig: StageSignature, seed: int = 0, which: str = "opt") -> StageSpec:
-    """The stage of `sig` over `comps` with example inputs (random values on the stage's device; the
-    reward stage gets a real prompt's token ids and mask)."""
+def engine_spec(comps, sig: EngineSignature, seed: int = 0, which: str = "opt") -> EngineSpec:
+    """The engine of `sig` over `comps` with example inputs (random values on the engine's device; the
+    reward engine gets a real prompt's token ids and mask)."""
     device, config, weights = family_parts(comps, sig.family)
     inputs = sig.example_inputs(device, seed, which)
     if sig.family == "reward":
         tok = comps.scorer.tokens("a calibration prompt")
         inputs = (inputs[0], tok.ids, tok.mask)
-    return StageSpec(sig, stage_module(comps, sig), inputs, device, config, weights)
+    return EngineSpec(sig, engine_module(comps, sig), inputs, device, config, weights)
 
 
-def dit_stage(comps, role: str, visible_frames: int = 0) -> StageSpec:
-    """The block stage of `role` with `visible_frames` committed frames visible (benchmarks)."""
+def dit_engine_spec(comps, role: str, visible_frames: int = 0) -> EngineSpec:
+    """The block engine of `role` with `visible_frames` committed frames visible (benchmarks)."""
     p = comps.preset
     fpb = p.video.frames_per_block
     sig = dit_signature(p, role, fpb, visible_frames > 0, getattr(comps, role).dtype,
                         ContextBounds((fpb,), visible_frames, visible_frames + fpb) if visible_frames else None)
-    return stage_spec(comps, sig)
+    return engine_spec(comps, sig)
 
 
-def vae_stage(comps) -> StageSpec:
-    return stage_spec(comps, vae_signature(comps.preset, comps.vae.dtype))
+def vae_engine_spec(comps) -> EngineSpec:
+    return engine_spec(comps, vae_signature(comps.preset, comps.vae.dtype))
 
 
-def reward_stage(comps, frames: int | None = None) -> StageSpec:
-    return stage_spec(comps, reward_signature(comps.preset, frames or reward_frame_counts(comps.preset)[-1],
-                                              comps.scorer.dtype))
+def reward_engine_spec(comps, frames: int | None = None) -> EngineSpec:
+    return engine_spec(comps, reward_signature(comps.preset, frames or reward_frame_counts(comps.preset)[-1],
+                                               comps.scorer.dtype))
 
 
 def device_identity(device: torch.device) -> tuple[str, str]:
@@ -446,8 +446,8 @@ def device_identity(device: torch.device) -> tuple[str, str]:
     return "cpu", "none"
 
 
-def stage_key(sig: StageSignature, comps, artifact: str, weights_hash: str | None = None) -> EngineKey:
-    """Everything the stage's engine depends on (see `sdvg.engines.cache`); `weights_hash`: the
+def engine_key(sig: EngineSignature, comps, artifact: str, weights_hash: str | None = None) -> EngineKey:
+    """Everything the engine depends on (see `sdvg.engines.cache`); `weights_hash`: the
     weights fingerprint when the caller kept it (the weights may be released since)."""
     from sdvg.engines.tensorrt import trt_version
     from sdvg.engines.torch_trt import torch_trt_version
@@ -459,6 +459,7 @@ def stage_key(sig: StageSignature, comps, artifact: str, weights_hash: str | Non
     if artifact == "torch-tensorrt":  # the program runs inside the torch it was built with
         versions = dict(torch_version=torch.__version__, torch_trt_version=torch_trt_version())
     whash = weights_hash or weights_fingerprint(weights)
+    # `stage=`: the key's field name is written into every manifest and hashed into the digest (on-disk name, kept)
     return EngineKey(stage=sig.name, config_hash=chash, weights_hash=whash, shapes=sig.shapes(),
                      precision=comps.preset.precision, gpu_name=gpu, compute_capability=cc,
                      trt_version=trt_version() if artifact != "onnx" else "none", artifact=artifact, **versions)

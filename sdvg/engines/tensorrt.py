@@ -2,7 +2,7 @@
 `python -m build_engines`.
 
 The runtime binds every I/O tensor with `set_tensor_address` (the KV cache's layer buffers by
-address, no copy), selects the optimisation profile that holds a cached DiT stage's shapes and sets
+address, no copy), selects the optimisation profile that holds a cached DiT engine's shapes and sets
 them per call, runs with `execute_async_v3` on the caller's current CUDA stream (the scheduler's
 role stream) — never on the legacy default stream: called there, it runs on a stream of its own,
 ordered after and before it by events. The cuda-python executor (`trt_cuda`) adds stream-ordered
@@ -93,7 +93,7 @@ def open_engine(plan_path: Path, signature, strategy=None):
     inputs = {n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT}
     outputs = {n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT}
     if outputs != set(signature.output_names):
-        raise RuntimeError(f"engine {plan_path} has outputs {sorted(outputs)}, stage {signature.name!r} "
+        raise RuntimeError(f"engine {plan_path} has outputs {sorted(outputs)}, its signature {signature.name!r} "
                            f"{signature.output_names}; rebuild the engine folder")
     used = [t for t in signature.inputs if t.name in inputs]  # exporters may drop unused inputs
     return trt, runtime, engine, context, used, list(signature.output_names)
@@ -133,19 +133,19 @@ def select_profile(context, signature, feeds, current: int, stream: int) -> int:
         return 0
     index = signature.profile_for(dynamic_sizes(signature, feeds))
     if index != current and not context.set_optimization_profile_async(index, stream):
-        raise RuntimeError(f"TensorRT could not select optimisation profile {index} of stage {signature.name!r}")
+        raise RuntimeError(f"TensorRT could not select optimisation profile {index} of engine {signature.name!r}")
     return index
 
 
 def scratch_bytes(engine, context, signature) -> int:
     """Scratch memory the context needs for the shapes set now: `update_device_memory_size_for_shapes()`
-    for a dynamic stage (0 is TensorRT's error value: the shapes are not all set or invalid), the
+    for a dynamic engine (0 is TensorRT's error value: the shapes are not all set or invalid), the
     engine's `device_memory_size_v2` for a static one."""
     if not signature.dynamic:
         return int(engine.device_memory_size_v2)
     need = int(context.update_device_memory_size_for_shapes())
     if need == 0:
-        raise RuntimeError(f"stage {signature.name!r}: update_device_memory_size_for_shapes() returned 0 (TensorRT's "
+        raise RuntimeError(f"engine {signature.name!r}: update_device_memory_size_for_shapes() returned 0 (TensorRT's "
                            "error value: an input shape is not set or lies outside the selected profile); the engine "
                            "cannot run with these shapes")
     return need
@@ -161,13 +161,13 @@ def set_input_shapes(engine, context, feeds: dict[str, torch.Tensor]) -> None:
 LEGACY_DEFAULT_STREAM = 0  # cudaStreamLegacy's handle: torch's default stream when none is set
 
 
-class TRTStage:
-    """A deserialised engine called like the stage module it was built from (positional inputs in the
+class TRTEngine:
+    """A deserialised engine called like the engine module it was built from (positional inputs in the
     signature's order), on torch's current stream with outputs from torch's allocator (a stream of
     its own when torch's current stream is the legacy default one). Dynamic dimensions (a cached DiT
-    stage's visible and cache tokens) select their profile and are set per call; outputs are
+    engine's visible and cache tokens) select their profile and are set per call; outputs are
     allocated per call; the scratch memory is the role's shared buffer (`scratch`, default: one of
-    its own). Stream-ordered engine memory and CUDA graphs: `trt_cuda.TRTCudaStage`."""
+    its own). Stream-ordered engine memory and CUDA graphs: `trt_cuda.TRTCudaEngine`."""
 
     def __init__(self, plan_path: Path, signature, device: torch.device, scratch=None):
         from sdvg.engines.scratch import TorchScratch
@@ -207,7 +207,7 @@ class TRTStage:
             outs.append(o)
         self.scratch.bind(self.context, scratch_bytes(self.engine, self.context, self.signature), stream)
         if not self.context.execute_async_v3(stream.cuda_stream):
-            raise RuntimeError(f"TensorRT execute_async_v3 failed for stage {self.signature.name!r}")
+            raise RuntimeError(f"TensorRT execute_async_v3 failed for engine {self.signature.name!r}")
         if stream is not current:
             current.wait_stream(stream)
             for t in (*feeds.values(), *outs):  # used on the side stream: not reused before it is done

@@ -1,12 +1,12 @@
-"""torch-tensorrt: the second build route for the DiT stages (`python -m build_engines --format
+"""torch-tensorrt: the second build route for the DiT engines (`python -m build_engines --format
 torch-tensorrt`, optional extra `pip install 'sdvg[torch-tensorrt]'`) and its executor.
 
-Build: the DiT stage module (`DiTStep`) goes through `torch.export` with the signature's dynamic
-dimensions (`export_stage`: runs anywhere, tested here), then `torch_tensorrt.dynamo.compile` with
+Build: the DiT engine module (`DiTStep`) goes through `torch.export` with the signature's dynamic
+dimensions (`export_engine`: runs anywhere, tested here), then `torch_tensorrt.dynamo.compile` with
 one `torch_tensorrt.Input` per input over the signature's min/opt/max bounds (`trt_inputs`; the
-cached stage's `cache_tokens` shared by every layer buffer), and `torch_tensorrt.save` writes the
+cached engine's `cache_tokens` shared by every layer buffer), and `torch_tensorrt.save` writes the
 exported program (`program.ep`). The engine cache keys it by TensorRT, torch and torch-tensorrt
-versions as well (`stage_key`): a program is tied to the torch it was built with.
+versions as well (`engine_key`): a program is tied to the torch it was built with.
 
 torch-tensorrt pins the torch it is built for (2.14.0 needs torch >= 2.14, < 2.15): installing it
 next to another torch replaces that torch. requirements-torch-tensorrt.txt pins the pair.
@@ -39,16 +39,16 @@ def torch_trt_version() -> str:
         return "none"
 
 
-def check_dit_stage(signature) -> None:
+def check_dit_engine(signature) -> None:
     if not signature.family.endswith("_dit"):
-        raise ValueError(f"the torch-tensorrt route builds DiT stages only, not {signature.name!r} (the VAE and "
-                         "reward stages go through ONNX and TensorRT)")
+        raise ValueError(f"the torch-tensorrt route builds DiT engines only, not {signature.name!r} (the VAE and "
+                         "reward engines go through ONNX and TensorRT)")
 
 
-def export_stage(module: torch.nn.Module, signature, inputs) -> torch.export.ExportedProgram:
-    """`torch.export` of a DiT stage module at `inputs` with the signature's dynamic dimensions: what
+def export_engine(module: torch.nn.Module, signature, inputs) -> torch.export.ExportedProgram:
+    """`torch.export` of a DiT engine module at `inputs` with the signature's dynamic dimensions: what
     torch-tensorrt compiles."""
-    check_dit_stage(signature)
+    check_dit_engine(signature)
     with torch.no_grad():
         return torch.export.export(module, tuple(inputs), dynamic_shapes=signature.dynamic_shapes())
 
@@ -71,10 +71,10 @@ def trt_inputs(torch_tensorrt, signature) -> list:
 
 
 def build_program(module: torch.nn.Module, signature, inputs, path: Path) -> Path:
-    """Export, compile and save one DiT stage as a torch-tensorrt exported program at `path`."""
+    """Export, compile and save one DiT engine as a torch-tensorrt exported program at `path`."""
     tt = import_torch_tensorrt()
     require_cuda(inputs[0].device, "torch-tensorrt")
-    program = export_stage(module, signature, inputs)
+    program = export_engine(module, signature, inputs)
     specs = trt_inputs(tt, signature)
     # no use_explicit_typing: torch-tensorrt 2.14 removed it (its networks are strongly typed: the
     # exported program's dtypes are the engine's)
@@ -85,12 +85,12 @@ def build_program(module: torch.nn.Module, signature, inputs, path: Path) -> Pat
     return path
 
 
-class TorchTRTStage:
-    """A torch-tensorrt exported program called like the DiT stage module it was built from
+class TorchTRTEngine:
+    """A torch-tensorrt exported program called like the DiT engine module it was built from
     (positional inputs in the signature's order; runs on torch's current stream)."""
 
     def __init__(self, path: Path, signature, device):
-        check_dit_stage(signature)
+        check_dit_engine(signature)
         self.signature = signature
         self.device = require_cuda(device, "a torch-tensorrt program")
         tt = import_torch_tensorrt()

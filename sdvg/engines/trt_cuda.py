@@ -3,14 +3,14 @@ stream and allocator do not give.
 
 * Stream-ordered engine memory: the execution context is created `USER_MANAGED`; its scratch memory
   (`engine.device_memory_size_v2`, or `context.update_device_memory_size_for_shapes()` for the
-  shapes of a dynamic stage; 0 there is refused) is the role's `scratch.CudaScratch`: one buffer
+  shapes of a dynamic engine; 0 there is refused) is the role's `scratch.CudaScratch`: one buffer
   from `cudaMallocAsync` on the role's stream, shared by the role's executors, grown when a larger
   shape needs more, freed with `cudaFreeAsync` when its owner closes it (an executor opened without
   one owns a private one).
 * The role's non-blocking stream (the scratch's), ordered after torch's current stream (the
   scheduler's role stream) by an event before every launch, and torch's stream after it by an
   event after.
-* A CUDA graph of the engine call (`cuda_graph=True`, static-shape stages only; a dynamic stage is
+* A CUDA graph of the engine call (`cuda_graph=True`, static-shape engines only; a dynamic engine is
   refused): captured on that stream with `cudaStreamBeginCapture` / `cudaStreamEndCapture` /
   `cudaGraphInstantiate`, bound to static input and output buffers allocated once, replayed with
   `cudaGraphLaunch`. Each call copies its inputs into the static input buffers (skipped when an
@@ -67,8 +67,8 @@ def check(cudart, result, call: str):
     return values[0] if len(values) == 1 else tuple(values)
 
 
-class TRTCudaStage:
-    """A TensorRT plan run through cuda-python (see the module docstring); called like the stage
+class TRTCudaEngine:
+    """A TensorRT plan run through cuda-python (see the module docstring); called like the engine
     module it was built from, positional inputs in the signature's order."""
 
     def __init__(self, plan_path: Path, signature, device, cuda_graph: bool = False,
@@ -77,7 +77,7 @@ class TRTCudaStage:
         self.device = require_cuda(device, "the cuda-python TensorRT executor")
         if cuda_graph and signature.dynamic:
             dims = ", ".join(d[0] for d in signature.dynamic)
-            raise ValueError(f"stage {signature.name!r} has dynamic dimensions ({dims}): a CUDA graph is captured "
+            raise ValueError(f"engine {signature.name!r} has dynamic dimensions ({dims}): a CUDA graph is captured "
                              "for one static shape; run it without cuda_graph")
         self.cuda_graph = cuda_graph
         self.cudart = cudart = import_cuda_python()
@@ -121,7 +121,7 @@ class TRTCudaStage:
 
     def _launch(self) -> None:
         if not self.context.execute_async_v3(int(self.stream)):
-            raise RuntimeError(f"TensorRT execute_async_v3 failed for stage {self.signature.name!r}")
+            raise RuntimeError(f"TensorRT execute_async_v3 failed for engine {self.signature.name!r}")
 
     # ------------------------------------------------------------------ calls
     def __call__(self, *args, out: dict[str, torch.Tensor] | None = None):
@@ -129,7 +129,7 @@ class TRTCudaStage:
         with torch.cuda.device(self.device):
             if self.cuda_graph:
                 if out:
-                    raise ValueError("a CUDA-graph stage writes its static output buffers; copy from the returned "
+                    raise ValueError("a CUDA-graph engine writes its static output buffers; copy from the returned "
                                      "views instead of passing out=")
                 return self._replay(feeds)
             return self._run(feeds, out or {})
@@ -161,7 +161,7 @@ class TRTCudaStage:
         """Allocate the static buffers (the signature's shapes), bind them, run the engine once (TensorRT
         finishes its deferred set-up outside a capture) and capture one launch in a CUDA graph."""
         if not self.cuda_graph:
-            raise ValueError(f"stage {self.signature.name!r} was opened without cuda_graph")
+            raise ValueError(f"engine {self.signature.name!r} was opened without cuda_graph")
         if self._graph_exec is not None:
             return
         cudart = self.cudart
@@ -197,7 +197,7 @@ class TRTCudaStage:
         for n, t in feeds.items():  # on torch's stream, before the launch waits for it
             buf = self._static_in[n]
             if tuple(t.shape) != tuple(buf.shape):
-                raise ValueError(f"stage {self.signature.name!r}: input {n!r} must be {list(buf.shape)} (the "
+                raise ValueError(f"engine {self.signature.name!r}: input {n!r} must be {list(buf.shape)} (the "
                                  f"captured shape), got {list(t.shape)}")
             if t.data_ptr() != buf.data_ptr():
                 buf.copy_(t, non_blocking=True)

@@ -1,15 +1,15 @@
-"""How stages execute: `eager` (the modules as they are), `compile` (the eager loop with its hot parts
-through torch.compile: sdvg/generation/compile.py), `tensorrt` (engines from the engine cache), `onnxruntime` (the ONNX files of
-`python -m build_engines --format onnx` from the same cache) or `torch-tensorrt` (the DiT stages as
-torch-tensorrt programs of `--format torch-tensorrt`, the other stages as TensorRT engines); engines
-are validated against this setup (config, weights, shapes, precision, device, versions) before they
-run.
+"""How the stage calls' models execute: `eager` (the modules as they are), `compile` (the eager loop
+with its hot parts through torch.compile: sdvg/generation/compile.py), `tensorrt` (engines from the
+engine cache), `onnxruntime` (the ONNX files of `python -m build_engines --format onnx` from the same
+cache) or `torch-tensorrt` (the DiT engines as torch-tensorrt programs of `--format torch-tensorrt`,
+the other engines as TensorRT plans); engines are validated against this setup (config, weights,
+shapes, precision, device, versions) before they run.
 
-Each backend is one entry of `REGISTRY` behind one interface (`make`: a static stage from its module
-or its engine signature); what needs the eager backend is refused in one place, before loading
+Each backend is one entry of `REGISTRY` behind one interface (`make`: an engine from its module or
+its signature); what needs the eager backend is refused in one place, before loading
 (`sdvg.options.backend_conflicts`). A `StageRunners` object is built once per pipeline and backend
 and holds the compiled modules or engine executors (`sdvg.engines.executor`) explicitly, one per
-stage (`sdvg.engines.signatures`), each made when first needed; the loops call `dit_forward`,
+engine (`sdvg.engines.signatures`), each made when first needed; the stage calls run `dit_forward`,
 `decode` and `score` through it."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from sdvg.engines.executor import ExecutorOptions, open_executor
-from sdvg.engines.stages import (DiTStep, RewardStep, VAEDecodeStep, dit_forward_static, text_tensors,
+from sdvg.engines.modules import (DiTStep, RewardStep, VAEDecodeStep, dit_forward_static, text_tensors,
                                  vae_cache_is_steady, vae_decode_static)
 from sdvg.models.dit_block import EAGER_REGIONS
 from sdvg.options import BACKENDS
@@ -37,10 +37,10 @@ class RegionalCompile:
         return runners.compile_settings.compile(make_step().eval(), "reward")
 
 
-class EngineStages:
-    """An engine backend: each static stage an executor of a validated engine-cache artifact. `dit_artifact`
-    holds its DiT stages (and names the `build_engines --format` that builds the folder), `other_artifact`
-    the VAE and reward stages; `libraries()` imports what it runs on, or raises the install message."""
+class EngineBackend:
+    """An engine backend: each engine an executor of a validated engine-cache artifact. `dit_artifact`
+    holds its DiT engines (and names the `build_engines --format` that builds the folder), `other_artifact`
+    the VAE and reward engines; `libraries()` imports what it runs on, or raises the install message."""
 
     static = True
 
@@ -48,16 +48,16 @@ class EngineStages:
         self.dit_artifact, self.other_artifact, self.libraries = dit_artifact, other_artifact, libraries
 
     def make(self, runners: "StageRunners", make_step, signature, dynamic, extra):
-        return runners._engine(signature(), extra)
+        return runners._load_engine(signature(), extra)
 
 
-class EagerStages:
-    """`eager`: the modules as they are (no static stage is ever made)."""
+class EagerBackend:
+    """`eager`: the modules as they are (no engine is ever made)."""
 
     static = False
 
     def make(self, runners, make_step, signature, dynamic, extra):
-        raise AssertionError("the eager backend runs no static stage")
+        raise AssertionError("the eager backend runs no engine")
 
 
 def _tensorrt():
@@ -80,13 +80,13 @@ def _torch_tensorrt():
 
 
 # The registry: one entry per backend of sdvg.options.BACKENDS (tests/test_trt_executors.py checks they match).
-REGISTRY = {"eager": EagerStages(), "compile": RegionalCompile(),
-            "tensorrt": EngineStages("tensorrt", "tensorrt", _tensorrt),
-            "onnxruntime": EngineStages("onnx", "onnx", _onnxruntime),
-            "torch-tensorrt": EngineStages("torch-tensorrt", "tensorrt", _torch_tensorrt)}
-# engine backend -> (artifact of its DiT stages, artifact of its other stages) in the engine cache
+REGISTRY = {"eager": EagerBackend(), "compile": RegionalCompile(),
+            "tensorrt": EngineBackend("tensorrt", "tensorrt", _tensorrt),
+            "onnxruntime": EngineBackend("onnx", "onnx", _onnxruntime),
+            "torch-tensorrt": EngineBackend("torch-tensorrt", "tensorrt", _torch_tensorrt)}
+# engine backend -> (artifact of its DiT engines, artifact of its other engines) in the engine cache
 ENGINE_ARTIFACTS = {name: (b.dit_artifact, b.other_artifact) for name, b in REGISTRY.items()
-                    if isinstance(b, EngineStages)}
+                    if isinstance(b, EngineBackend)}
 BUILD_FORMATS = tuple(dict.fromkeys(dit for dit, _ in ENGINE_ARTIFACTS.values()))  # build_engines --format choices
 
 
@@ -96,7 +96,7 @@ def build_format(backend: str) -> str:
 
 
 def engine_artifact(backend: str, family: str) -> str:
-    """What the engine cache holds for a stage family under an engine backend."""
+    """What the engine cache holds for an engine family under an engine backend."""
     dit, other = ENGINE_ARTIFACTS[backend]
     return dit if family.endswith("_dit") else other
 
@@ -109,7 +109,7 @@ class StageRunners:
                  compile_settings=None, build_flags=(), executor: ExecutorOptions | None = None):
         if backend not in STAGE_BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {STAGE_BACKENDS}")
-        self.comps, self.backend, self.stages_of = comps, backend, REGISTRY[backend]
+        self.comps, self.backend, self.backend_impl = comps, backend, REGISTRY[backend]  # its REGISTRY entry
         self.build_flags = list(build_flags)
         p = comps.preset
         self._fpb = p.video.frames_per_block
@@ -123,7 +123,7 @@ class StageRunners:
             self.compile_settings = compile_settings or CompileSettings()
             self.compile_settings.activate()
             self.regions = compiled_regions(self.compile_settings)
-        self._stages: dict = {}  # stage name -> callable (compiled module or engine)
+        self._engines_made: dict = {}  # engine name -> callable (compiled module or engine executor)
         self._text: dict = {}  # role -> (TextKV, stacked K, stacked V) of its last prompt (one thread per role)
         self._cache = None
         self._weights_hash: dict[str, str] = {}  # family -> weights fingerprint, kept before any release
@@ -134,14 +134,14 @@ class StageRunners:
         self._graphs_on = False  # whether the current video uses them
         self.fast_vae = None  # FastVAEDecode, made by the first video that asks for fast_vae
         self._fast_vae_on = False  # whether the current video uses it
-        if isinstance(self.stages_of, EngineStages):
+        if isinstance(self.backend_impl, EngineBackend):
             if engines is None:
                 raise ValueError(f"backend {backend!r} needs engines=<folder built by python -m build_engines "
                                  f"--format {build_format(backend)}> (CLI: --engines DIR)")
             if Path(engines).exists() and not Path(engines).is_dir():
                 raise ValueError(f"engines={str(engines)!r} is a file, not an engine folder; give the folder that "
                                  f"`python -m build_engines --format {build_format(backend)} --out DIR` wrote")
-            self.stages_of.libraries()
+            self.backend_impl.libraries()
             from sdvg.engines.cache import EngineCache
 
             self.engines = Path(engines)
@@ -153,14 +153,14 @@ class StageRunners:
 
     @property
     def static(self) -> bool:
-        return self.stages_of.static
+        return self.backend_impl.static
 
-    def _stage(self, name: str, make_step, signature, dynamic=False, extra=()):
-        """The static stage `name`, made once by the backend: `make_step()` the module (compile),
-        `signature()` its engine signature (engine backends)."""
-        if name not in self._stages:
-            self._stages[name] = self.stages_of.make(self, make_step, signature, dynamic, extra)
-        return self._stages[name]
+    def _engine(self, name: str, make_step, signature, dynamic=False, extra=()):
+        """The engine `name`, made once by the backend: `make_step()` the module (compile),
+        `signature()` its signature (engine backends)."""
+        if name not in self._engines_made:
+            self._engines_made[name] = self.backend_impl.make(self, make_step, signature, dynamic, extra)
+        return self._engines_made[name]
 
     # ----------------------------------------------------------- CUDA graphs
     def use_graphs(self, on: bool):
@@ -200,24 +200,24 @@ class StageRunners:
                        active=active, hidden=hidden,
                        regions=self.regions if active is None and hidden is None else EAGER_REGIONS)
         if active is not None or hidden is not None:
-            raise ValueError(f"the {self.backend} backend runs static stages: no sparse (early-exit) forward; use "
+            raise ValueError(f"the {self.backend} backend runs engines with static shapes: no sparse (early-exit) forward; use "
                              "backend='eager' for early exit")
         memo = self._text.get(role)
         if memo is None or memo[0] is not text:
             memo = self._text[role] = (text, *text_tensors(text))
 
         def step(*args):
-            return self._dit_stage(role, args[0].shape[2], len(args) > 6)(*args)
+            return self._dit_engine(role, args[0].shape[2], len(args) > 6)(*args)
 
         return dit_forward_static(step, dit, latents, timesteps, text, frame_offset, cache, self._tpf[role],
                                   attn_mask=attn_mask, frames_per_block=self._fpb, text_kv=memo[1:])
 
-    def _dit_stage(self, role: str, frames: int, cached: bool):
-        from sdvg.engines.signatures import dit_signature, dit_stage_name
+    def _dit_engine(self, role: str, frames: int, cached: bool):
+        from sdvg.engines.signatures import dit_engine_name, dit_signature
 
         dit = getattr(self.comps, role)
-        # compile: the cached stage's visible and cache lengths vary (automatic dynamic shapes after the first)
-        return self._stage(dit_stage_name(role, frames, cached), lambda: DiTStep(dit, self._fpb),
+        # compile: the cached engine's visible and cache lengths vary (automatic dynamic shapes after the first)
+        return self._engine(dit_engine_name(role, frames, cached), lambda: DiTStep(dit, self._fpb),
                            lambda: dit_signature(self.comps.preset, role, frames, cached, dit.dtype),
                            dynamic=None if cached else False,
                            extra=() if frames == self._fpb else ("--kv-cache-frames", str(frames)))
@@ -229,18 +229,18 @@ class StageRunners:
             return self._compiled_vae().decode(latents, cache)
         if not self.static:
             return (self.fast_vae if self._fast_vae_on else dec).decode(latents, cache)
-        return vae_decode_static(lambda *args: self._vae_stage(cache)(*args), dec, latents, cache)
+        return vae_decode_static(lambda *args: self._vae_engine(cache)(*args), dec, latents, cache)
 
     def _compiled_vae(self):
         """The compile backend's decode: `FastVAEDecode` with its steady state compiled by these settings."""
-        if "vae_decode" not in self._stages:
+        if "vae_decode" not in self._engines_made:
             from sdvg.generation.fast_vae import FastVAEDecode
 
-            self._stages["vae_decode"] = FastVAEDecode(
+            self._engines_made["vae_decode"] = FastVAEDecode(
                 self.comps.vae, compile_fn=lambda step: self.compile_settings.compile(step, "vae"))
-        return self._stages["vae_decode"]
+        return self._engines_made["vae_decode"]
 
-    def _vae_stage(self, cache):
+    def _vae_engine(self, cache):
         dec = self.comps.vae
 
         def signature():
@@ -252,7 +252,7 @@ class StageRunners:
                                    "from; rebuild the engines")
             return vae_signature(self.comps.preset, dec.dtype)
 
-        return self._stage("vae_decode", lambda: VAEDecodeStep.for_cache(dec, cache), signature)
+        return self._engine("vae_decode", lambda: VAEDecodeStep.for_cache(dec, cache), signature)
 
     # --------------------------------------------------------------- reward
     def score(self, prompt: str, unit_frames):
@@ -262,13 +262,13 @@ class StageRunners:
         tok = sc.tokens(prompt)
         images = sc.preprocess(unit_frames)
         with torch.no_grad():
-            return self._reward_stage(images.shape[0])(images, tok.ids, tok.mask)
+            return self._reward_engine(images.shape[0])(images, tok.ids, tok.mask)
 
-    def _reward_stage(self, frames: int):
+    def _reward_engine(self, frames: int):
         from sdvg.engines.signatures import reward_signature
 
         sc = self.comps.scorer
-        return self._stage(f"reward_{frames}f", lambda: RewardStep(sc),
+        return self._engine(f"reward_{frames}f", lambda: RewardStep(sc),
                            lambda: reward_signature(self.comps.preset, frames, sc.dtype))
 
     def compile_clock(self):
@@ -288,19 +288,19 @@ class StageRunners:
         argv += ["--format", build_format(self.backend), *extra, "--out", str(self.engines)]
         return "python -m build_engines " + " ".join(shlex.quote(a) for a in argv)
 
-    def _engine(self, sig, extra=()):
-        """The validated engine of stage `sig` (refused, with the rebuild command, when stale, foreign,
+    def _load_engine(self, sig, extra=()):
+        """The validated engine of `sig` (refused, with the rebuild command, when stale, foreign,
         damaged or missing), as an executor (`sdvg.engines.executor`) ready to call. A TensorRT
         executor gets its role's shared scratch memory; once a role's first DiT engine has loaded, the
         torch DiT weights it replaces are released (`ExecutorOptions.release_torch_weights`)."""
         from sdvg.engines.cache import weights_fingerprint
-        from sdvg.engines.signatures import family_parts, stage_key
+        from sdvg.engines.signatures import family_parts, engine_key
 
         artifact = engine_artifact(self.backend, sig.family)
         device, _, weights = family_parts(self.comps, sig.family)
         if sig.family not in self._weights_hash:
             self._weights_hash[sig.family] = weights_fingerprint(weights)
-        key = stage_key(sig, self.comps, artifact, self._weights_hash[sig.family])
+        key = engine_key(sig, self.comps, artifact, self._weights_hash[sig.family])
         path = self._cache.load(key, self.rebuild_command(extra))
         scratch = self._role_scratch(sig.family, device) if artifact == "tensorrt" else None
         runner = open_executor(artifact, path, sig, device, self.executor, scratch)
@@ -314,7 +314,7 @@ class StageRunners:
         return runner
 
     def _role_scratch(self, family: str, device):
-        """The scratch memory shared by the TensorRT contexts of `family`'s role (drafter, target, vae,
+        """The scratch memory shared by the TensorRT contexts of engine family `family`'s role (drafter, target, vae,
         reward), for the executors' runtime."""
         role = family[: -len("_dit")] if family.endswith("_dit") else {"vae_decode": "vae"}.get(family, family)
         if role not in self._scratch:

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from sdvg.engines.stages import VAEDecodeStep, vae_decode_static
+from sdvg.engines.modules import VAEDecodeStep, vae_decode_static
 
 # max |fast - plain| of decoded pixels in [-1, 1], per decoder dtype (fp32 measured on the CPU:
 # see tests/test_fast_vae.py; fp16/bf16 follow the onnxruntime table's frames row, 4 and 8 uint8 steps)

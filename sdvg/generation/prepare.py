@@ -169,7 +169,7 @@ def role_dits(comps: Components, opts: GenerationOptions) -> dict:
     """role -> the DiT each role of `opts` runs for this video: the pipeline's, or in FP8 (`opts.fp8_roles()`)
     its FP8 copy (made once, then kept) or itself when it was quantized in place (`fp8.role_dit`). The eager
     loop (backends eager and compile) runs the DiT given here; the engine backends, which build their
-    stages from the pipeline's own, are refused with FP8 (`backend_conflicts`)."""
+    engines from the pipeline's own, are refused with FP8 (`backend_conflicts`)."""
     fp8 = opts.fp8_roles()
     return {role: role_dit(getattr(comps, role), role, role in fp8) for role in opts.roles}
 
@@ -177,8 +177,8 @@ def role_dits(comps: Components, opts: GenerationOptions) -> dict:
 def start_frame_conflict(opts: GenerationOptions) -> str | None:
     """Why a start frame cannot go with `opts` (resolved), or None: what is not built with it yet, or a start frame
     whose frames (`kv_cache_frames`, written by one forward) do not fit a full role's attention window."""
-    if opts.backend not in (None, "eager", "compile"):  # the engines' static stages
-        return (f"start_frame with backend {opts.backend!r}: the static stages are shaped for caches without a start "
+    if opts.backend not in (None, "eager", "compile"):  # the engines' static shapes
+        return (f"start_frame with backend {opts.backend!r}: its engines are shaped for caches without a start "
                 "frame's frames; run it with backend='eager'")
     for role in opts.roles:
         window = opts.role_context(role).window.window_frames

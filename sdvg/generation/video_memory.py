@@ -18,8 +18,8 @@ from sdvg.options import GenerationOptions
 def cache_spec(comps: Components, dit, context: RoleContext, num_blocks: int, slack_frames: int = 0,
                runners=None, prefix_frames: int = 0) -> KVCacheSpec:
     """The KV cache one role gets for a video (what `allocate_cache` allocates and the budget check counts).
-    Every backend uses the same cache: the static stages take the visible cache length as a dynamic
-    dimension (sdvg/engines/stages.py), so both context modes run on all of them."""
+    Every backend uses the same cache: the engines take the visible cache length as a dynamic
+    dimension (sdvg/engines/modules.py), so both context modes run on all of them."""
     return KVCacheSpec.for_context(comps.preset, dit.config, context, num_blocks, slack_frames, prefix_frames)
 
 

@@ -2,7 +2,7 @@
 alone does not say (docs/cli.md, "Exit statuses"). Torch-free; nothing here imports the modules it names."""
 from __future__ import annotations
 
-# Errors about a file or folder the user gave (an engine folder stale, corrupt or missing a stage):
+# Errors about a file or folder the user gave (an engine folder stale, corrupt or missing an engine):
 # raised as RuntimeError subclasses by their modules, but input refusals all the same.
 INPUT_ERROR_CLASSES = ("EngineCacheError",)
 

@@ -1,6 +1,6 @@
 """Small read-only tensors built on the host once and then kept on their device, so that the hot loop
 makes no host copy per forward: the RoPE tables of a block position, the VAE's latent statistics,
-the visible-cache index of a static stage, a recompute context's block-causal mask, the pending
+the visible-cache index of a DiT engine, a recompute context's block-causal mask, the pending
 slots of a sparse KV write.
 
 On a CUDA device an entry is built on the host, pinned and copied with `non_blocking=True` on the

@@ -42,7 +42,7 @@ class KVCacheSpec:
 
     @classmethod
     def for_preset(cls, preset, dit: DiTConfig, num_blocks: int, slack_frames: int = 0) -> "KVCacheSpec":
-        """The cache of a full-history context with the preset's window (the static engine stages' shape)."""
+        """The cache of a full-history context with the preset's window (the engines' static shape)."""
         return cls.for_context(preset, dit, RoleContext("full", window=preset.kv_window), num_blocks, slack_frames)
 
     def layout(self):
