@@ -37,6 +37,13 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
+def source_module(name: str) -> str:
+    """The module that defines the public name `name` (one of `__all__`), without importing it: e.g.
+    "sdvg.pipeline" for "SpeculativeVideoPipeline"; KeyError for a name sdvg does not export. For tools that
+    follow `from sdvg import X` to its module (tests/test_architecture.py's import layers)."""
+    return _LAZY[name]
+
+
 def __getattr__(name: str):
     if name in _LAZY:
         import importlib

@@ -35,6 +35,12 @@ def claim_wait_policy() -> None:
     _policy_before_torch = not torch_loaded or WAIT_POLICY in os.environ
 
 
+def wait_policy_before_torch() -> bool | None:
+    """Whether OpenMP's wait policy was in place before torch loaded OpenMP (sdvg set PASSIVE first, or the user
+    set OMP_WAIT_POLICY): what `host_state` reports; None before `claim_wait_policy` (`import sdvg`) ran."""
+    return _policy_before_torch
+
+
 def hold_spare_team() -> bool:
     """When torch was imported before sdvg with OMP_WAIT_POLICY unset (OpenMP's default policy: waiters
     spin), park one thread that holds an OpenMP team of its own, once per process; True when it is held.

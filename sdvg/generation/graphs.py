@@ -253,6 +253,12 @@ class DiTGraphs:
         self.replays = 0  # forwards served by a replay
         self.eager = 0  # forwards of a graphed role that ran eagerly (mask, gathered slots)
 
+    @property
+    def capture_backends(self) -> dict:
+        """device -> the capture backend that captured its graphs (made by `capture_factory` at the first capture
+        there); a copy, for observation: which backend captured, and on what stream."""
+        return dict(self._captures)
+
     # ---------------------------------------------------------------- caches
     def cache(self, dit, spec, dtype: torch.dtype, device):
         """The KV cache of `spec` for `dit`: allocated once, then rolled back to frame 0 for each video

@@ -97,6 +97,13 @@ class CausalWanDiT(nn.Module):
     def device(self) -> torch.device:
         return self.model.proj_out.weight.device
 
+    @property
+    def angle_table(self) -> torch.Tensor:
+        """The float64 RoPE angle table (`rope_angles`) that `rope` builds each block's cos/sin from: on the host
+        whatever the model's device, never cast, shared by a quantized copy. Read-only; for observation (host
+        memory, what a copy shares)."""
+        return self._angles
+
     # ------------------------------------------------------------------ text
     @torch.no_grad()
     def encode_text(self, text_embeds: torch.Tensor) -> TextKV:
