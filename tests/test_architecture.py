@@ -52,8 +52,8 @@ def imports_of(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             out.add(node.module)
             for a in node.names:
-                if node.module == "sdvg" and a.name in sdvg._LAZY:  # a lazy name: the module it comes from
-                    out.add(sdvg._LAZY[a.name])
+                if node.module == "sdvg" and a.name in sdvg.__all__:  # a lazy name: the module it comes from
+                    out.add(sdvg.source_module(a.name))
                 else:
                     out.add(f"{node.module}.{a.name}")  # `from sdvg import pipeline`
     return out

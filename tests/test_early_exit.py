@@ -360,8 +360,8 @@ def test_stability_history_is_what_the_window_sees(tiny_pipe):
     assert len(frames) == len(want)
     for f, got in zip(want, frames):
         assert torch.equal(got, video[:, :, f:f + 1])
-    assert all(f == 0 or f >= 18 - 6 - 2 * FPB for f in target._clean_frames)  # the rest forgotten
-    assert 1 not in target._clean_frames
+    assert all(f == 0 or f >= 18 - 6 - 2 * FPB for f in target.kept_clean_frames)  # the rest forgotten
+    assert 1 not in target.kept_clean_frames
     assert target.history_tokens(frames).shape == (len(want) * TPF, 64)
 
 

@@ -152,7 +152,7 @@ def test_copy_shares_every_tensor_but_the_quantized_weights(tiny_dits, impl):
         plain = dict(dit.model.named_modules())[name]
         assert dup_modules[name].bias is plain.bias and isinstance(plain.weight, torch.nn.Parameter)
         assert plain.weight.dtype == torch.float32  # the original keeps its model-dtype weights
-    assert dup._angles is dit._angles
+    assert dup.angle_table is dit.angle_table
     assert torch.equal(dit(x, t, text), before)  # the original computes what it did
     assert not torch.equal(dup(x, t, dup.encode_text(emb)), before)
 

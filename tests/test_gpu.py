@@ -133,10 +133,10 @@ def test_cuda_graphs_equal_eager_on_cuda(gpu_pipe):
             graphed = gpu_pipe(prompt, seed=seed, run_ahead=run_ahead, cuda_graphs=True, **kw)
             assert torch.equal(eager.latents, graphed.latents) and np.array_equal(eager.frames, graphed.frames)
     graphs = gpu_pipe.runners().graphs
-    assert all(isinstance(c, CudaGraphCapture) for c in graphs._captures.values()) and graphs.replays > 0
+    assert all(isinstance(c, CudaGraphCapture) for c in graphs.capture_backends.values()) and graphs.replays > 0
     assert graphs.stats()["graphs"] == 4 and graphs.stats()["caches"] == 1
     assert graphs.stats()["captured_late"] == 0  # every block position captured by prepare, none in a lane
-    streams = {c.stream.cuda_stream for c in graphs._captures.values()}
+    streams = {c.stream.cuda_stream for c in graphs.capture_backends.values()}
     assert torch.cuda.current_stream().cuda_stream not in streams  # the persistent capture stream
 
 

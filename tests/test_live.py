@@ -171,10 +171,8 @@ def test_session_refusals_before_any_work(tiny_pipe):
         tiny_pipe.session("a", num_blocks=2, scheduler="reference", temperature=1)
     with pytest.raises(ValueError, match="replaces prompt"):
         tiny_pipe("a", prompt_schedule=[(0, "b")], scheduler="reference")
-    s = tiny_pipe.session("a", num_blocks=2, scheduler="reference")
-    with pytest.raises(UpdateError, match="ends after block 1"):
-        s._acknowledge(Update(prompt="b"), 2)
-    s.close()
+    with pytest.raises(UpdateError, match="ends after block 1"):  # an update past the end, as a schedule gives it
+        tiny_pipe.stream(prompt_schedule=[(0, "a"), (2, "b")], num_blocks=2, scheduler="reference")
 
 
 def test_a_seed_sent_before_the_first_block_seeds_the_first_segment(tiny_pipe, monkeypatch):

@@ -202,28 +202,21 @@ def test_an_unbounded_session_keeps_its_last_blocks_and_exact_totals(tiny_pipe, 
 
 
 @pytest.mark.slow
-def test_the_native_scheduler_keeps_the_records_of_the_last_blocks_only(tiny_pipe, monkeypatch):
+def test_the_native_scheduler_keeps_the_records_of_the_last_blocks_only(tiny_pipe):
     """record_blocks=4 reaches the native scheduler (SchedulerConfig.record_blocks): over a 14-block segment it
     holds the records and spans of the last few blocks only, and the kept entries get their final times."""
-    from sdvg.live import LiveSession
-
-    seen = {}
-    fold = LiveSession._fold_segment
-
-    def recording_fold(self):
-        if self._report is not None and self._report.final_times is not None:
-            seen["final"] = dict(self._report.final_times)
-            seen["span_blocks"] = {span["block"] for span in self._report.trace}
-        fold(self)
-
-    monkeypatch.setattr(LiveSession, "_fold_segment", recording_fold)
     session = tiny_pipe.session("a red fox", num_blocks=None, scheduler="cpp", run_ahead=True, router="pattern",
                                 pattern="0110", record_blocks=4, target_context="recompute",
                                 drafter_cache="full", window_frames=6, sink_frames=3)
+    report = None
     for block in session:
+        if report is None:  # the one segment's report: its loop fills it at the end, then the session folds it
+            report = session.segment_report
         if block.index == 13:
             break
     stats = session.close()
+    assert session.segment_report is None and report is not None and report.final_times is not None
+    seen = {"final": dict(report.final_times), "span_blocks": {span["block"] for span in report.trace}}
     kept = [b["index"] for b in stats.blocks]
     assert kept == [10, 11, 12, 13]
     # the last 4 emitted, and those in flight at close: one queued, one being made, run_ahead_blocks (2) planned

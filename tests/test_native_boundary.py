@@ -174,13 +174,13 @@ def test_both_loops_use_the_native_names():
     assert types.BLOCK_TIME_KEYS == (*_C.STAGE_NAMES, "commit") and types.Counters is _C.Counters
 
 
-def _stages(drafter_cache, target_cache, **options):
+def _stages(drafter_cache, target_cache, score=None, **options):
     """The shared fake, writing into the given caches as a DiT forward does, planning the 5-block video of
-    `options` (default: the random router, which decides without a score)."""
+    `options` (default: the random router, which decides without a score); every draft scored `score`."""
     from sdvg.generation.fake_stages import FakeStages
     from sdvg.options import GenerationOptions
 
-    stages = FakeStages(score=None, options=GenerationOptions(**{"num_blocks": 5, "router": "random", **options}))
+    stages = FakeStages(score=score, options=GenerationOptions(**{"num_blocks": 5, "router": "random", **options}))
     stages.caches = {"drafter": drafter_cache, "target": target_cache}
     return stages
 
@@ -254,8 +254,7 @@ def test_a_stage_method_left_out_is_named():
 def test_decode_and_score_are_told_the_producer_and_block():
     cpu = torch.device("cpu")
     d, t = _cache(), _cache()
-    stages = _stages(d, t, router="pattern", pattern="010", num_blocks=3)
-    stages._score = (1.0, [1.0, 2.0])
+    stages = _stages(d, t, score=(1.0, [1.0, 2.0]), router="pattern", pattern="010", num_blocks=3)
     _C.Scheduler(_config(run_ahead=False, num_blocks=3), stages, d, t, cpu, cpu).run()
     assert stages.producers == [("decode", "target", 0), ("score", "target", 0),  # block 0: forced, no draft
                                 ("decode", "drafter", 1), ("score", "drafter", 1),  # accepted
@@ -268,8 +267,7 @@ def test_every_emitted_field_reaches_python():
     """The scheduler's EmittedBlock: every field read (redrafts included: per block in the stats)."""
     cpu = torch.device("cpu")
     d, t = _cache(), _cache()
-    stages = _stages(d, t, router="pattern", pattern="01001", drafter_context="committed")
-    stages._score = (1.0, [1.0, 2.0])
+    stages = _stages(d, t, score=(1.0, [1.0, 2.0]), router="pattern", pattern="01001", drafter_context="committed")
     s = _C.Scheduler(_config(run_ahead=True, own_context=False), stages, d, t, cpu, cpu)
     s.run()
     fields = {n for n in dir(_C.EmittedBlock) if not n.startswith("_")}

@@ -269,16 +269,16 @@ def test_one_line_prompts_file_follows_the_prompts_file_rule(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_interrupt_leaves_playable_mp4_and_marked_stats(tmp_path, tiny_pipe, monkeypatch):
+    import sdvg.pipeline as pipeline
     from sdvg import cli
     from sdvg.io.video_writer import read_mp4_frames
 
     opts = GenerationOptions(tau=-0.1, num_blocks=4, seed=0)
     complete = cli.run_one(tiny_pipe, PROMPT, opts, tmp_path / "c.mp4", progress=False)
-    orig_run = tiny_pipe.run
+    real_run_blocks = pipeline.run_blocks
 
-    def interrupted_run(prompt, options, threaded=True, **keywords):
-        stream = orig_run(prompt, options, threaded, **keywords)
-        inner = stream._blocks
+    def interrupted_blocks(*args, **keywords):  # the blocks a pipe.run stream iterates: Ctrl-C at the third
+        inner = real_run_blocks(*args, **keywords)
 
         def blocks():
             for i, block in enumerate(inner):
@@ -287,10 +287,9 @@ def test_interrupt_leaves_playable_mp4_and_marked_stats(tmp_path, tiny_pipe, mon
                     raise KeyboardInterrupt
                 yield block
 
-        stream._blocks = blocks()
-        return stream
+        return blocks()
 
-    monkeypatch.setattr(tiny_pipe, "run", interrupted_run)
+    monkeypatch.setattr(pipeline, "run_blocks", interrupted_blocks)
     stats = cli.run_one(tiny_pipe, PROMPT, opts, tmp_path / "i.mp4", progress=False)
     assert stats["video"]["interrupted"] is True and len(stats["blocks"]) == 2 and stats["video"]["frames"] == 9 + 12
     assert set(stats) == set(complete)  # an interrupted run's stats have the same fields

@@ -121,7 +121,7 @@ def test_host_holds_at_most_one_block():
     block = nbytes(model.model.blocks[0])
     assert plain.peak >= nbytes(whole) > 3 * block
     # one block, and the RoPE table the DiT keeps on the host by design
-    assert drawn.peak <= block + model._angles.nbytes, (drawn.peak, block, nbytes(whole))
+    assert drawn.peak <= block + model.angle_table.nbytes, (drawn.peak, block, nbytes(whole))
 
 
 def test_device_init_draws_on_the_device(monkeypatch):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PROBE = ("import os, sdvg.runtime as r; print(os.environ.get('OMP_WAIT_POLICY'), r._policy_before_torch)")
+PROBE = ("import os, sdvg.runtime as r; print(os.environ.get('OMP_WAIT_POLICY'), r.wait_policy_before_torch())")
 
 
 def _probe(code: str, **env) -> str:
@@ -30,7 +30,7 @@ def test_import_sets_the_wait_policy_only_before_torch(code, env, want):
 
 def test_the_command_line_sets_it_before_torch():
     code = ("import sdvg.cli.main, os, sys, sdvg.runtime as r\n"  # the `sdvg` entry point's module
-            "print(os.environ.get('OMP_WAIT_POLICY'), r._policy_before_torch, 'torch' in sys.modules)")
+            "print(os.environ.get('OMP_WAIT_POLICY'), r.wait_policy_before_torch(), 'torch' in sys.modules)")
     assert _probe(code) == "PASSIVE True False"
 
 

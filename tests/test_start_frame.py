@@ -194,8 +194,7 @@ def test_a_batch_encodes_its_start_frame_once(tiny_pipe, monkeypatch):
     calls = []
     encode = start_frame.start_latents
     monkeypatch.setattr(start_frame, "start_latents", lambda *a: calls.append(a[3]) or encode(*a))
-    tiny_pipe._start_memo = None
-    image = _image()
+    image = _image(seed=1206)  # an image no other test encodes: the memo of the shared pipeline cannot hold it yet
     out = tiny_pipe([PROMPT, PROMPT], num_blocks=1, start_frame=image, output_type="uint8", seed=3)
     assert calls == [3]
     alone = tiny_pipe(PROMPT, num_blocks=1, start_frame=image.copy(), output_type="uint8", seed=4)

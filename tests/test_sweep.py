@@ -46,9 +46,17 @@ def test_sweep_records_resume_refusal_and_reports(tmp_path, monkeypatch, capsys)
     from sdvg.generation.routers import Router
     from sdvg.models.text_encoder import TextEncoder
 
-    encoded = []
-    real_encode = TextEncoder._encode
-    monkeypatch.setattr(TextEncoder, "_encode", lambda self, p: encoded.append(p) or real_encode(self, p))
+    encoded = []  # the prompts the encoder ran on: the calls of `encode` not answered from its cache
+    real_encode = TextEncoder.encode
+
+    def encode(self, prompt):
+        miss = prompt not in self.cache
+        emb = real_encode(self, prompt)
+        if miss:
+            encoded.append(prompt)
+        return emb
+
+    monkeypatch.setattr(TextEncoder, "encode", encode)
     pf = _prompts(tmp_path)
     out = tmp_path / "sweep"
     args = _sweep(pf, out, "--taus=-0.7", "--router", "random", "--accept-prob", "0.5", "--aggregation", "mean")

@@ -295,7 +295,7 @@ def test_a_refused_update_with_input_frames_queues_nothing(tiny_pipe):
     frames = _frames(12)
     with pytest.raises(UpdateError, match="tau"):
         session.update(input_frames=frames, tau=float("nan"))
-    assert session._source.queued() == 0 and session.updates == []
+    assert session.queued_input_frames == 0 and session.updates == []
     ack = session.update(input_frames=frames[0])  # one frame [H, W, 3]
-    assert ack.frames == 1 and session._source.queued() == 1
+    assert ack.frames == 1 and session.queued_input_frames == 1
     session.close()

@@ -221,7 +221,7 @@ class CausalWanDiT(nn.Module):
     def forward_with(self, latents, t_freq, text_keys, text_values, cos, sin, attend, active=None,
                      hidden=None, regions: BlockRegions = EAGER_REGIONS) -> torch.Tensor:
         """The DiT body with self-attention keys/values supplied by `attend(layer, k, v) -> (k_all,
-        v_all, mask)`: a KV cache, a full-sequence mask, or static cache tensors (engine stages).
+        v_all, mask)`: a KV cache, a full-sequence mask, or static cache tensors (the DiT engines).
         `t_freq` [B, F, freq_dim] is the timestep sinusoid (`timestep_freqs`).
 
         `active` [A] (checked by the caller) computes those tokens only: each active token is then
