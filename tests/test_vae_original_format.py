@@ -14,7 +14,7 @@ import torch
 from sdvg.config import VAEConfig
 from sdvg.models.vae import StreamingVAEDecoder, build_vae, load_vae_weights
 
-# The converter hard-codes the real Wan2.1 VAE layout (2 residual blocks per stage); keep it, small.
+# The converter hard-codes the real Wan2.1 VAE layout (2 residual blocks per resolution level); keep it, small.
 REAL_LAYOUT_SMALL = VAEConfig(base_dim=8, num_res_blocks=2)
 _RES = {"norm1.gamma": "residual.0.gamma", "conv1": "residual.2", "norm2.gamma": "residual.3.gamma",
         "conv2": "residual.6", "conv_shortcut": "shortcut"}
