@@ -302,7 +302,7 @@ def counting(count: Count):
         return wrapped
 
     patch(StageCalls, "_wait", stage_sync)
-    patch(role_model.RoleModel, "_count", forward_count)
+    patch(role_model.RoleModel, "count_forward", forward_count)
     patch(torch.cuda, "synchronize", stage_sync)
     patch(torch.cuda.Stream, "synchronize", stage_sync)
     patch(torch.cuda.Event, "synchronize", stage_sync)

@@ -461,7 +461,7 @@ class SpeculativeVideoPipeline:
                           self.provenance(options))
 
     def _live_session(self, prompt: str, options: GenerationOptions, num_blocks: int | None, image=None,
-                      record_blocks: int | str | None = "auto", **kwargs) -> "LiveSession":
+                      record_blocks: int | str | None = "auto", batcher=None, **kwargs) -> "LiveSession":
         """A live session of `options` (the session's end from `session_options`; a start frame encoded here). The
         prompt and `record_blocks` are checked here, before any work."""
         from sdvg.live import LiveSession
@@ -471,7 +471,11 @@ class SpeculativeVideoPipeline:
         check_prompt(prompt)
         kept = kept_blocks(record_blocks, num_blocks)
         opts, limit = session_options(self.resolve, self.components, options, num_blocks, image is not None)
-        return LiveSession(self.run_context(opts), prompt, opts, num_blocks, limit, record_blocks=kept,
+        if batcher is not None and opts.scheduler != "reference":
+            raise ValueError(f"a session batched with others (batcher=) runs the reference loop; got "
+                             f"scheduler={opts.scheduler!r}: pass scheduler='reference'")
+        context = dataclasses.replace(self.run_context(opts), batcher=batcher)
+        return LiveSession(context, prompt, opts, num_blocks, limit, record_blocks=kept,
                            start_latents=self.start_latents(image, opts), start_frame=image, **kwargs)
 
     def resolve(self, options: GenerationOptions) -> GenerationOptions:
@@ -485,7 +489,7 @@ class SpeculativeVideoPipeline:
 
     def session(self, prompt: str, num_blocks: int | None = None, input_video=None, input_frames: bool = False,
                 input_timeout_s: float = 30.0, input_queue_frames: int = 1024, input_drop_oldest: bool = False,
-                record_blocks: int | str | None = "auto", start_frame=None, **options) -> "LiveSession":
+                record_blocks: int | str | None = "auto", start_frame=None, batcher=None, **options) -> "LiveSession":
         """A live session (docs/live.md): iterate it for each `BlockRecord`; `session.update(prompt=...,
         interp_blocks=..., seed=..., reset=..., tau=..., router=..., accept_prob=..., pattern=...,
         input_frames=...)` from any thread takes effect at the block it acknowledges; `session.close()` ends
@@ -497,8 +501,10 @@ class SpeculativeVideoPipeline:
         the input is kept. `record_blocks`: the block entries (and their trace) `session.stats` keeps, the
         oldest folded into the totals ('auto': all for a bounded session, the last 1000 for an unbounded one;
         None: all). `start_frame`: an image (a path, a PIL image or uint8 [H, W, 3]) every role sees as clean
-        context before block 0 of every segment (Krea's `start_frame`; docs/live.md). The other keywords are those
-        of `stream`."""
+        context before block 0 of every segment (Krea's `start_frame`; docs/live.md). `batcher`: a
+        `sdvg.generation.batching.StageBatcher` that runs this session's denoising and scoring batched with other
+        sessions' (the server's batched worker; each session's video is its own, as alone; docs/server.md); the
+        session then runs the reference loop. The other keywords are those of `stream`."""
         unknown = sorted(set(options) - set(OPTION_NAMES))
         if unknown:
             raise TypeError(f"session() got unknown keywords {unknown}; use the options of stream()")
@@ -515,7 +521,7 @@ class SpeculativeVideoPipeline:
         return self._live_session(prompt, opts, num_blocks, _start_image(start_frame), input_video=frames,
                                   input_frames=input_frames, input_timeout_s=input_timeout_s,
                                   input_queue_frames=input_queue_frames, input_drop_oldest=input_drop_oldest,
-                                  record_blocks=record_blocks)
+                                  record_blocks=record_blocks, batcher=batcher)
 
     def input_clip(self, input_video, options: GenerationOptions, fit_blocks: bool = False,
                    max_bytes: int | None = None, max_pixels: int | None = None) -> tuple[GenerationOptions, object]:

@@ -1,4 +1,5 @@
-"""The generation worker alone (a fake engine, no server): fair round-robin, one block at a time."""
+"""The generation worker alone (a fake engine, no server): fair turns, one block at a time, under either session
+scheduler (round-robin, or the batched worker's rounds)."""
 from __future__ import annotations
 
 import asyncio
@@ -27,7 +28,8 @@ class FakeEngine:
     def __init__(self, blocks: int):
         self.blocks, self.order, self.running = blocks, [], threading.Lock()
 
-    def start(self, spec, clip=None):  # the Engine.start signature (clip: an input video read off the worker)
+    def start(self, spec, clip=None, batcher=None):  # Engine.start's signature (clip: an input video read off the
+        # worker; batcher: the batched worker's, which a fake generation has no model work for)
         def gen():
             for b in range(self.blocks):
                 assert self.running.acquire(blocking=False), "two generations ran at once"
@@ -49,10 +51,12 @@ class FakeEngine:
         return True
 
 
-def test_worker_takes_turns_round_robin(tmp_path):
+@pytest.mark.parametrize("scheduler", ["round_robin", "batched"])
+def test_worker_takes_turns_round_robin(tmp_path, scheduler):
     engine = FakeEngine(blocks=3)
     metrics = ServeMetrics()
-    manager = SessionManager(engine, ServeConfig(max_sessions=4), metrics, VideoStore(tmp_path, 16, 8))
+    manager = SessionManager(engine, ServeConfig(max_sessions=4, session_scheduler=scheduler), metrics,
+                             VideoStore(tmp_path, 16, 8))
     loop = asyncio.new_event_loop()  # never run: what the worker posts for the sockets just waits there
     try:
         sessions = [Session(f"s{i}", "raw", False, loop, Outbox(8, metrics)) for i in range(4)]

@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from sdvg.io import fps_type
-from sdvg.serve.config import ServeConfig, check_port
+from sdvg.serve.config import SESSION_SCHEDULERS, ServeConfig, check_port
 
 _D = ServeConfig()
 
@@ -50,6 +50,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                                                        "read-only, no dotfiles, no listing")
     p.add_argument("--max-sessions", type=int, default=_D.max_sessions,
                    help=f"generations at once, interleaved block by block (default: {_D.max_sessions})")
+    p.add_argument("--session-scheduler", choices=SESSION_SCHEDULERS, default=_D.session_scheduler,
+                   help="how the worker runs the sessions: 'batched' makes the next block of every runnable session "
+                        "in one round, their denoising and scoring batched (each video bitwise its own); "
+                        f"'round_robin' one session's block at a time (default: {_D.session_scheduler})")
     p.add_argument("--max-queue", type=int, default=_D.max_queue,
                    help=f"sessions that wait for a slot, told their position; more get `busy` "
                         f"(default: {_D.max_queue})")
@@ -126,6 +130,7 @@ def config_of(args, environ=None) -> ServeConfig:
 
     token = resolve_token(args.token, args.token_file, os.environ if environ is None else environ)
     return ServeConfig(host=args.host, port=args.port, token=token, max_sessions=args.max_sessions,
+                       session_scheduler=args.session_scheduler,
                        max_queue=args.max_queue, idle_timeout_s=args.idle_timeout,
                        first_message_timeout_s=args.first_message_timeout, max_pause_s=args.max_pause_s,
                        header_timeout_s=args.header_timeout, max_connections=args.max_connections,

@@ -76,7 +76,7 @@ class StageCalls(_C.StageCalls):
     STEPS_KEPT = 16
 
     def __init__(self, comps: Components, opts: GenerationOptions, setup, block_plan: Plan,
-                 record_trace: bool = False, sink: queue.Queue | None = None, video_input=None):
+                 record_trace: bool = False, sink: queue.Queue | None = None, video_input=None, batcher=None):
         _C.StageCalls.__init__(self)
         self.comps, self.opts, self.setup, self.sink = comps, opts, setup, sink
         self.guard, self.frames_per_block = setup.guard, setup.frames_per_block
@@ -105,6 +105,13 @@ class StageCalls(_C.StageCalls):
         self.text_kv = TextKVCache({m.role: m.dit for m in (setup.drafter, setup.target) if m is not None},
                                    setup.text_kv)
         self._recaches: dict[int, int] = {}  # re-cache forwards by the block whose conditioning they serve
+        # several videos batched together (sdvg/generation/batching.py): the denoising and the scoring go through
+        # the batcher, which runs them with the other videos' of its round (alone outside one); None: here
+        self.batcher = batcher
+        eager = opts.backend == "eager" and not opts.cuda_graphs and opts.early_exit == "none"
+        self.together = {m.role: eager and not m.context.recompute and m.exit_verifier is None
+                         for m in (setup.drafter, setup.target) if m is not None}
+        self.together_scores = opts.backend == "eager"  # the scorer as it is (no compiled or engine reward)
 
     def _kv(self, role: str, block: int):
         """`role`'s cross-attention K/V of block `block`'s conditioning (its step's)."""
@@ -190,13 +197,19 @@ class StageCalls(_C.StageCalls):
             noise = self.video_input.noised(block, noise, model.schedule.sigmas[0], model.device)
         return noise
 
+    def _denoise(self, model, block: int) -> torch.Tensor:
+        """`model` denoises block `block`'s noise under the block's conditioning (with other videos' through the
+        batcher, when there is one)."""
+        noise, kv = self._noise(model, block), self._kv(model.role, block)
+        if self.batcher is not None:
+            return self.batcher.denoise(model, noise, block, self.opts.seed, kv, self.together[model.role])
+        return model.denoise(noise, block, model.frame_of(block), self.opts.seed, kv)
+
     # ---------------------------------------------------------------- stages
     def draft(self, block: int) -> torch.Tensor:
         """The drafter denoises noise_b -> x_hat (its K/V into the pending slot)."""
         def run():
-            drafter = self.setup.drafter
-            x = drafter.denoise(self._noise(drafter, block), block, drafter.frame_of(block), self.opts.seed,
-                                self._kv("drafter", block))
+            x = self._denoise(self.setup.drafter, block)
             if self.setup.target is not None:
                 self.transfer.prefetch(x, self.target_dev)  # an accepted draft goes into the target's cache
             return self.guard.draft(x, block)
@@ -205,9 +218,7 @@ class StageCalls(_C.StageCalls):
     def target(self, block: int) -> torch.Tensor:
         """The target denoises the same noise_b -> x_b."""
         def run():
-            target = self.setup.target
-            x = target.denoise(self._noise(target, block), block, target.frame_of(block), self.opts.seed,
-                               self._kv("target", block))
+            x = self._denoise(self.setup.target, block)
             self.transfer.prefetch(x, self.vae_dev)  # decoded, and committed into the drafter, over there
             return self.guard.target(x, block)
         return self._call("target", self.target_dev, run)
@@ -248,6 +259,9 @@ class StageCalls(_C.StageCalls):
 
         def run():
             def scores(pixels):
+                if self.batcher is not None:
+                    return self.batcher.score(self.comps.scorer, self._score_prompt(block), to_unit_frames(pixels),
+                                              self.together_scores)
                 return self.setup.runners.score(self._score_prompt(block), to_unit_frames(pixels))
             return self.guard.score(scores, frames, self.setup.aggregator, producer, block)
         score, frame_scores = self._call("score", self.vae_dev, run)

@@ -40,20 +40,21 @@ from sdvg.options import GenerationOptions
 def generate_blocks(comps: Components, prompt: str, opts: GenerationOptions, report: LoopReport | None = None,
                     runners=None, memory_budget_gib: float | None = None,
                     exit_verifiers: dict | None = None, plan=None, video_input=None,
-                    start_latents=None) -> Iterator[BlockRecord]:
+                    start_latents=None, batcher=None) -> Iterator[BlockRecord]:
     """Yields each block as soon as its frames are final; `report` is filled at the end.
     `opts` are resolved options (num_blocks set); `memory_budget_gib`, `exit_verifiers`: see `prepare`.
     `plan`: the video's block plan (sdvg/generation/plan.py; None: the `FixedPlan` of `opts`), asked before
     each block whether it is the last, forced, its router and conditioning, or that the video stops here. A live
     session (sdvg/live/session.py) is such a plan (num_blocks then only sizes the caches). `video_input`: video-to-video's
     input (`sdvg.generation.video_input.VideoInput`), None for text-to-video. `start_latents`: a start frame's
-    clean latents before block 0 (`prepare`), None for none."""
+    clean latents before block 0 (`prepare`), None for none. `batcher`: the denoising and scoring go through it,
+    batched with other videos' (sdvg/generation/batching.py); None: alone."""
     counters = Counters()  # the models count their forwards here; this loop counts what it skips
     setup = prepare(comps, prompt, opts, counters, runners=runners, memory_budget_gib=memory_budget_gib,
                     exit_verifiers=exit_verifiers, start_latents=start_latents,
                     keep_clean=plan is not None and plan.recaches)
     plan = plan if plan is not None else FixedPlan(opts, setup.conditioning)
-    calls = StageCalls(comps, opts, setup, plan, record_trace=True, video_input=video_input)
+    calls = StageCalls(comps, opts, setup, plan, record_trace=True, video_input=video_input, batcher=batcher)
     drafter, target = setup.drafter, setup.target
     # target commits not made yet (lazy_target_commit): (block, latents, the target re-caches before it)
     pending: list[tuple[int, torch.Tensor, bool]] = []

@@ -85,7 +85,9 @@ class RoleModel:
         return self.runners.dit_forward(self.role, self.dit, x, t, text_kv, frame0, self.cache,
                                         attn_mask=attn_mask, active=active, hidden=hidden)
 
-    def _count(self):
+    def count_forward(self) -> None:
+        """Counts one forward of this role into the run's counters (`<role>_forwards`); a batched denoising
+        (sdvg/generation/batching.py) counts each of its rows here."""
         setattr(self.counters, self.attr, getattr(self.counters, self.attr) + 1)
 
     def denoise(self, noise: torch.Tensor, block: int, frame0: int, seed: int, text_kv) -> torch.Tensor:
@@ -105,7 +107,7 @@ class RoleModel:
         steps = self.schedule.num_steps
         for i in range(steps):
             x0 = self.x0_at(x, i, position, text_kv)
-            self._count()
+            self.count_forward()
             x = self.renoised(x0, i + 1, block, seed) if i + 1 < steps else x0
         return x
 
@@ -146,7 +148,7 @@ class RoleModel:
         x, record = denoise_with_exit(self, self.exit_verifier, noise, block, position, seed, text_kv,
                                       lambda: self.history_tokens(frames))
         for _ in range(self.schedule.num_steps):
-            self._count()
+            self.count_forward()
         self.exit_records[block] = record
         return x
 
@@ -208,7 +210,7 @@ class RoleModel:
 
         t_freq = dit.timestep_freqs(torch.zeros((1, n), device=device))
         dit.forward_with(x, t_freq, text_kv.keys, text_kv.values, cos, sin, attend)
-        self._count()
+        self.count_forward()
         self.recache_forwards += 1
 
     def history_tokens(self, frames: list[torch.Tensor]) -> torch.Tensor:
@@ -248,7 +250,7 @@ class RoleModel:
         n = x.shape[2]
         mask = context_mask(n, self.frames_per_block, self.tokens_per_frame, self.device)
         self.forward(x, torch.zeros((1, n), device=self.device), 0, text_kv, attn_mask=mask)
-        self._count()
+        self.count_forward()
         self.cache.commit()
         return n
 
@@ -270,7 +272,7 @@ class RoleModel:
             x = latents.to(self.device)
             t = torch.zeros((1, x.shape[2]), device=self.device)
             self.forward(x, t, frame0, text_kv)
-            self._count()
+            self.count_forward()
             if self.keep_clean:  # the stability verifier's history; re-cache's input
                 for j, f in enumerate(latents.detach().float().split(1, dim=2)):
                     self._clean_frames[frame0 + j] = f

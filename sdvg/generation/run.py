@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
+from sdvg.generation.batching import StageBatcher
 from sdvg.generation.native import generate_blocks_native
 from sdvg.generation.plan import Plan
 from sdvg.generation.reference import generate_blocks
@@ -26,12 +27,15 @@ from sdvg.options import GenerationOptions
 class RunContext:
     """What a video's run needs besides its prompt, options and plan: the components, the stage runners of the
     options' backend (`StageRunners`), the memory budget (None: each device's free memory) and what produced it
-    (`provenance`: the statistics' `run` group). `SpeculativeVideoPipeline.run_context(opts)` makes one."""
+    (`provenance`: the statistics' `run` group), and the batcher its model work goes through when it runs batched
+    with other videos (`batching.StageBatcher`; the reference loop only; None: alone).
+    `SpeculativeVideoPipeline.run_context(opts)` makes one."""
 
     components: Components
     runners: object
     memory_budget_gib: float | None
     provenance: dict
+    batcher: StageBatcher | None = None
 
 
 def run_blocks(context: RunContext, prompt: str, opts: GenerationOptions, report: LoopReport | None = None, *,
@@ -43,8 +47,11 @@ def run_blocks(context: RunContext, prompt: str, opts: GenerationOptions, report
     the end; a live plan always runs threaded). The reference loop runs on the calling thread either way."""
     comps, runners, budget = context.components, context.runners, context.memory_budget_gib
     if opts.scheduler == "cpp":
+        if context.batcher is not None:
+            raise ValueError("videos batched together run the reference loop (scheduler='reference'): the native "
+                             "scheduler's lanes run their own threads, which a round of the batcher cannot take turns with")
         return generate_blocks_native(comps, prompt, opts, report, runners=runners, threaded=threaded,
                                       memory_budget_gib=budget, video_input=video_input, plan=plan,
                                       start_latents=start_latents)
     return generate_blocks(comps, prompt, opts, report, runners=runners, memory_budget_gib=budget,
-                           plan=plan, video_input=video_input, start_latents=start_latents)
+                           plan=plan, video_input=video_input, start_latents=start_latents, batcher=context.batcher)

@@ -69,6 +69,21 @@ class TextKV:
     values: list[torch.Tensor]
 
 
+def by_row(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)`, row by row when x holds several videos' rows (`forward_rows`): the operations whose kernel the
+    batch size may change (a Conv3d, a linear over a few rows: the CPU's picks differ at some sizes) run as alone, so
+    that each row equals its video's forward by itself. One row: `module(x)`."""
+    if x.shape[0] == 1:
+        return module(x)
+    return torch.cat([module(row) for row in x.split(1)])
+
+
+class PerRow(list):
+    """What `attend` returns for a batch of videos that each keep their own KV cache: one (k_all, v_all, mask)
+    per batch row ([1, H, S_visible_j, Dh]; the rows' visible lengths may differ), so that each row's attention
+    is its own video's, as alone; every other operation of the forward runs on the whole batch."""
+
+
 class CausalWanDiT(nn.Module):
     def __init__(self, config: DiTConfig):
         super().__init__()
@@ -200,6 +215,34 @@ class CausalWanDiT(nn.Module):
         return self.forward_with(latents, t_freq, text.keys, text.values, cos, sin, attend, active=active,
                                  hidden=hidden, regions=regions)
 
+    @torch.no_grad()
+    def forward_rows(self, latents: torch.Tensor, timesteps: torch.Tensor, text: TextKV, caches: list,
+                     regions: BlockRegions = EAGER_REGIONS) -> torch.Tensor:
+        """Several videos' cached forwards in one call: latents [B, C, F, H, W] and timesteps [B, F] row j being
+        video j's block, text's K/V [B, H, L_text, D] row j its conditioning, `caches[j]` its KV cache (the
+        block starts at that cache's write position, as `forward` with `cache` and `frame_offset=None`) ->
+        flow [B, C, F, H, W]. Each row's RoPE position and self-attention are its own video's (`PerRow`); the
+        linears, norms and cross-attention run batched. Dense forwards without a mask only (no early exit)."""
+        B, _, nF, H, W = latents.shape
+        if len(caches) != B:
+            raise ValueError(f"forward_rows: {len(caches)} caches for {B} rows; give one KV cache per row")
+        offsets = []
+        for cache in caches:
+            offsets.append(cache_frame_offset(None, cache))
+            cache.begin_write(nF)
+        tables = [self.rope(f, nF, H, W, latents.device) for f in offsets]
+        cos, sin = torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables])  # [B, S, Dh/2]
+
+        def attend(layer, k, v):  # k, v [B, H, S, Dh]: row j's K/V into cache j; row j attends to cache j
+            rows = PerRow()
+            for j, cache in enumerate(caches):
+                cache.write(layer, k[j:j + 1], v[j:j + 1])
+                rows.append((*cache.visible(layer), None))
+            return rows
+
+        return self.forward_with(latents, self.timestep_freqs(timesteps), text.keys, text.values, cos, sin, attend,
+                                 regions=regions)
+
     def timestep_freqs(self, timesteps: torch.Tensor) -> torch.Tensor:
         """timesteps [B, F] -> the float64 sinusoid [B, F, freq_dim] cast to the time embedder's dtype
         (fp32): the input of the time-embedding MLP, computed outside any exported graph."""
@@ -236,12 +279,12 @@ class CausalWanDiT(nn.Module):
         gh, gw = H // p_h, W // p_w
         tpf = gh * gw  # tokens per latent frame
         # [B, S, dim], token-major in memory: every block then sees one layout (a compiled region one graph)
-        x = m.patch_embedding(latents.to(self.dtype)).flatten(2).transpose(1, 2).contiguous()
+        x = by_row(m.patch_embedding, latents.to(self.dtype)).flatten(2).transpose(1, 2).contiguous()
 
         emb = m.condition_embedder
         t_freq = t_freq.to(emb.time_embedder.linear_1.weight.dtype)  # Wan's fp64 sinusoid, not timesteps_proj
-        temb = emb.time_embedder(t_freq)  # [B, F, dim]
-        t_mod = emb.time_proj(emb.act_fn(temb).to(emb.time_proj.weight.dtype))  # [B, F, 6*dim]
+        temb = by_row(emb.time_embedder, t_freq)  # [B, F, dim]
+        t_mod = by_row(emb.time_proj, emb.act_fn(temb).to(emb.time_proj.weight.dtype))  # [B, F, 6*dim]
         t_mod = t_mod.unflatten(2, (6, -1)).float()  # [B, F, 6, dim]
         groups, group_len = nF, tpf  # modulation groups (frames) and tokens per group
         if active is not None:  # one group per active token, with its frame's modulation
@@ -272,8 +315,13 @@ class CausalWanDiT(nn.Module):
         visible tokens that `attend` gives."""
         heads = self.config.num_heads
         q, k, v, mod = regions.before_attention(block, x, t_mod, cos, sin, heads, groups, group_len)
-        k, v, mask = attend(layer, k, v)  # [B, H, S_visible, Dh]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, S, Dh]
+        kv = attend(layer, k, v)
+        if isinstance(kv, PerRow):  # videos batched together: each row attends to its own cache
+            o = torch.cat([F.scaled_dot_product_attention(q[j:j + 1], k_j, v_j, attn_mask=m_j)
+                           for j, (k_j, v_j, m_j) in enumerate(kv)])
+        else:
+            k, v, mask = kv  # [B, H, S_visible, Dh]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, S, Dh]
         return regions.after_attention(block, x, o, mod, text_k, text_v, heads, groups, group_len)
 
 

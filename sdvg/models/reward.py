@@ -187,15 +187,19 @@ class ImageRewardModel(nn.Module):
         self.text_encoder = BlipTextModel(text_config(cfg, tokenizer, med_config), add_pooling_layer=False)
         self.mlp = RewardHead(cfg.bert_hidden)
 
-    def forward(self, images: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """images [N, 3, S, S] (preprocessed), ids/mask [1, L] -> normalised scores float32 [N]."""
+    def forward(self, images: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+                rows: list[int] | None = None) -> torch.Tensor:
+        """images [N, 3, S, S] (preprocessed), ids/mask [1, L] (or [N, L]: each image's own prompt) -> normalised
+        scores float32 [N]. `rows`: several videos' frames in one call (sdvg/generation/batching.py), each video's
+        count in order; the head (linears over a few rows, whose kernel the row count may change) then runs per
+        video, as alone."""
         n = images.shape[0]
         image_embeds = self.visual_encoder(pixel_values=images).last_hidden_state  # [N, P, vit_dim]
         # every image token is attended to (the package's all-ones encoder mask adds zeros)
         out = self.text_encoder(input_ids=ids.expand(n, -1), attention_mask=mask.expand(n, -1),
                                 encoder_hidden_states=image_embeds)
         feats = out.last_hidden_state[:, 0, :].float()  # [CLS]
-        raw = self.mlp(feats)
+        raw = self.mlp(feats) if rows is None else torch.cat([self.mlp(f) for f in feats.split(rows)])
         return ((raw - REWARD_MEAN) / REWARD_STD).squeeze(-1).float()
 
 
@@ -339,9 +343,11 @@ class RewardScorer:
         tok = self.tokens(prompt)
         return self.score_images(images, tok.ids, tok.mask)
 
-    def score_images(self, images: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """images [N, 3, S, S] (preprocessed), ids/mask [1, L] -> normalised scores float32 [N]."""
-        return self.model(images, ids, mask)
+    def score_images(self, images: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+                     rows: list[int] | None = None) -> torch.Tensor:
+        """images [N, 3, S, S] (preprocessed), ids/mask [1, L] or [N, L] -> normalised scores float32 [N] (`rows`:
+        see `ImageRewardModel.forward`)."""
+        return self.model(images, ids, mask) if rows is None else self.model(images, ids, mask, rows)
 
 
 def _resample_8bit(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:

@@ -38,7 +38,8 @@ def rope_cos_sin(angles: torch.Tensor, head_dim: int, frame_offset: int, frames:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (2i, 2i+1). x: [B, S, H, D]; cos/sin: [S, D/2] -> [B, S, H, D] in x's dtype.
+    """Rotate channel pairs (2i, 2i+1). x: [B, S, H, D]; cos/sin: [S, D/2], or [B, S, D/2] (one table per batch
+    row: videos at different positions batched together) -> [B, S, H, D] in x's dtype.
 
     Computed in float32 and rounded once into x's dtype. Eagerly, a bf16 x is widened exactly inside
     each product and each rotated channel is rounded straight into the output (`out=`), so no widened
@@ -47,7 +48,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     differentiable) too: the same values."""
     pairs = x.unflatten(-1, (-1, 2))  # [B, S, H, D/2, 2] view
     x1, x2 = pairs[..., 0], pairs[..., 1]
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    c, s = (cos, sin) if cos.dim() == 3 else (cos[None], sin[None])  # [1 or B, S, D/2]
+    c, s = c[:, :, None, :], s[:, :, None, :]
     grad = torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad)
     if torch.compiler.is_compiling() or grad:  # out= is neither traced nor differentiable: the stacked form
         x1, x2 = x1.float(), x2.float()

@@ -13,12 +13,18 @@ def check_port(port: int) -> int:
     return port
 
 
+SESSION_SCHEDULERS = ("batched", "round_robin")  # how the worker runs the sessions (sdvg/serve/sessions.py)
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     token: str | None = None  # required for any bind other than the loopback default (security.check_bind)
     max_sessions: int = 4  # generations in progress at once (interleaved block by block)
+    # how the worker runs them: "batched" (each runnable session's next block in one round, the model work that can
+    # go together batched) or "round_robin" (one session's block at a time); sdvg/serve/sessions.py
+    session_scheduler: str = "batched"
     max_queue: int = 8  # sessions waiting for a slot; one more gets `busy`
     idle_timeout_s: float = 300.0  # no client message while not generating (after completed)
     first_message_timeout_s: float = 30.0  # from the socket's opening to its parameters (refused messages don't count)
@@ -72,6 +78,8 @@ class ServeConfig:
                      "max_connections_per_client", "upload_min_bytes_per_s", "max_input_video_pixels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
+        if self.session_scheduler not in SESSION_SCHEDULERS:
+            raise ValueError(f"session_scheduler {self.session_scheduler!r} must be one of {', '.join(SESSION_SCHEDULERS)}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue {self.max_queue} must be >= 0 (0: refuse when every slot is taken)")
         for name in ("idle_timeout_s", "first_message_timeout_s", "max_pause_s", "header_timeout_s", "upload_deadline_s",

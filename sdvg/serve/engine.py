@@ -195,9 +195,11 @@ class Engine:
         except Exception as exc:  # the reply names the upload, never the server's path of it
             raise type(exc)(str(exc).replace(spec.input_video, "the uploaded video")) from None
 
-    def start(self, spec: SessionSpec, clip: tuple[GenerationOptions, Any] | None = None) -> Iterator:
+    def start(self, spec: SessionSpec, clip: tuple[GenerationOptions, Any] | None = None,
+              batcher=None) -> Iterator:
         """The blocks of one generation (run on the generation worker's thread only). `clip`: the input video
-        `read_input` read (read here when not given)."""
+        `read_input` read (read here when not given). `batcher`: the batched worker's (a live session's model
+        work then goes through it, with the other sessions' of its round)."""
         pipe = self.pipe_at(spec.height, spec.width)
         if self.live:
             keywords = _keywords(spec.options)
@@ -209,7 +211,7 @@ class Engine:
             return pipe.session(spec.prompt, num_blocks=num_blocks, input_video=frames,
                                 input_frames=spec.webcam, input_timeout_s=3600.0,
                                 input_queue_frames=WEBCAM_QUEUE_FRAMES, input_drop_oldest=True,
-                                start_frame=spec.start_frame, **keywords)
+                                start_frame=spec.start_frame, batcher=batcher, **keywords)
         if spec.start_frame is not None:
             return pipe.run(spec.prompt, spec.options, start_frame=spec.start_frame)
         return pipe.run(spec.prompt, spec.options)

@@ -93,6 +93,12 @@ class ServeMetrics:
                                       "by reason", ["reason"], registry=r)
         self.plain_queued = Gauge("sdvg_serve_plain_sessions_queued", "plain (Krea) clients waiting for a slot, "
                                   "told nothing (Krea has no queue)", registry=r)
+        self.round_sessions = Histogram("sdvg_serve_round_sessions", "sessions whose next blocks one round of the "
+                                        "batched worker made together", buckets=(1, 2, 3, 4, 6, 8, 12, 16),
+                                        registry=r)
+        self.batched_calls = Counter("sdvg_serve_batched_calls", "model calls of the batched worker, by kind "
+                                     "(denoise, score) and rows (sessions in the call)", ["kind", "rows"],
+                                     registry=r)
         self._later = self._accepted = 0
 
     def count_refused(self, reason: str) -> None:
@@ -105,6 +111,12 @@ class ServeMetrics:
             self._later += 1
             self._accepted += decision == "accepted"
             self.acceptance.set(self._accepted / self._later)
+
+    def round(self, sessions: int, calls: dict | None = None) -> None:
+        """One round of the batched worker: its sessions and the model calls it made ((kind, rows) -> count)."""
+        self.round_sessions.observe(sessions)
+        for (kind, rows), count in (calls or {}).items():
+            self.batched_calls.labels(kind, str(rows)).inc(count)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

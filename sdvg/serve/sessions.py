@@ -1,10 +1,17 @@
-"""Sessions and the one generation worker that interleaves them block by block.
+"""Sessions and the one generation worker that runs them block by block.
 
 The worker is one thread that owns every generation (the pipeline is not thread-safe across
 videos): between two blocks it applies the commands the sockets queued (start, stop, live updates),
-then runs the next block of the next runnable session in round-robin order, writes it to that
-session's MP4 and hands its frames to the session's socket. A socket never waits for the worker
-and the worker never waits for a socket:
+then runs the next blocks, writes each to its session's MP4 and hands its frames to the session's
+socket. How it picks the next blocks is `ServeConfig.session_scheduler`:
+
+- `batched` (the default): the next block of every runnable session as one round of a `StageBatcher`
+  (sdvg/generation/batching.py): the sessions' denoising and scoring that can go together run as one
+  batch (each session's video bitwise its own, as alone), the rest in turn;
+- `round_robin`: the next block of the next runnable session in turn, alone (the earlier worker, kept
+  for the side-by-side benchmark `benchmarks/serve_load.py`).
+
+A socket never waits for the worker and the worker never waits for a socket:
 
 - at most `max_sessions` generations are admitted (running or paused); the next `max_queue` wait
   in order and are told their position on every change; one more is refused with `busy`;
@@ -27,6 +34,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from sdvg.generation.batching import StageBatcher
 from sdvg.serve.commands import Command, EndRun, InputRead, LiveUpdate, Snapshot, Start
 from sdvg.serve.config import ServeConfig
 from sdvg.serve.encode import encode_block
@@ -184,6 +192,8 @@ class SessionManager:
         self.keys: set[str] = set()  # video keys of open sockets
         self.sockets: set[Session] = set()  # every open socket's session (shutdown closes the idle ones at once)
         self.turn = 0
+        # the batched worker's batcher: one round at a time, at most max_sessions rows in a call
+        self.batcher = StageBatcher(max_rows=cfg.max_sessions) if cfg.session_scheduler == "batched" else None
         self.stopping = False
         self.busy_block = False
         self.thread = threading.Thread(target=self._work, name="sdvg-serve-worker", daemon=True)
@@ -394,11 +404,12 @@ class SessionManager:
             for s, cmd in commands:
                 self._apply(s, cmd)
             with self.cond:
-                pick = self._next()
-            if pick is not None:
-                if self.hook is not None:
+                picks = self._runnable() if self.batcher is not None else [p for p in [self._next()] if p]
+            if self.hook is not None:
+                for pick in picks:
                     self.hook.before_block(pick)
-                self._step(pick)
+            if picks:
+                self._step(picks)
         # shutdown: finish every generation and MP4, tell each socket completed, close it
         with self.cond:
             every = self.active + list(self.queue) + self.closing
@@ -488,7 +499,7 @@ class SessionManager:
     def _begin(self, s: Session, spec: SessionSpec, clip) -> None:
         """The run's generation and MP4 (worker); `clip`: its input video, already read."""
         try:
-            s.generation = self.engine.start(spec, clip)
+            s.generation = self.engine.start(spec, clip, batcher=self.batcher)
             s.writer = self.videos.writer(s.video_key)
         except Exception as exc:  # e.g. a memory budget refusal, an unreadable video
             session_event(s, "failed", at="start", error=type(exc).__name__, why=str(exc)[:80])
@@ -505,12 +516,21 @@ class SessionManager:
             clip = exc
         self.command(s, InputRead(run, spec, clip))
 
-    def _step(self, s: Session) -> None:
-        gen = s.generation
+    def _step(self, sessions: list[Session]) -> None:
+        """The next block of each of `sessions`: one round of the batcher (batched), or the one session's alone."""
         t0 = time.perf_counter()
-        try:
-            block = next(gen)
-        except StopIteration:  # the slot is free before the client hears of the end (it may start again at once)
+        if self.batcher is None:
+            outcomes = [_next_block(s.generation) for s in sessions]
+        else:
+            before = collections.Counter(self.batcher.stats.calls)
+            outcomes = self.batcher.run_round([s.generation.__next__ for s in sessions])
+            self.metrics.round(len(sessions), self.batcher.stats.calls - before)
+        for s, (ok, outcome) in zip(sessions, outcomes):
+            self._took(s, ok, outcome, t0)
+
+    def _took(self, s: Session, ok: bool, outcome, t0: float) -> None:
+        """A session's next block (`ok`), or how its generation ended (StopIteration) or failed."""
+        if not ok and isinstance(outcome, StopIteration):  # the slot is free before the client hears of the end
             session_event(s, "completed", run=s.run, blocks=s.blocks_done, frames=s.frames_done,
                           acceptance=s.accepted / s.later if s.later else None,
                           seconds=time.perf_counter() - s.t_start, dropped_frames=s.outbox.dropped)
@@ -518,13 +538,17 @@ class SessionManager:
             self._finished(s)
             s.post_text(s.completed())
             return
-        except Exception as exc:
-            traceback.print_exc()
+        if not ok:
+            exc = outcome
+            if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: not the session's failure
+                raise exc
+            traceback.print_exception(exc)
             session_event(s, "failed", at=f"block {s.blocks_done}", error=type(exc).__name__, why=str(exc)[:80])
             self._end(s, reason="error")
             self._finished(s)
             s.post_error(f"generation failed at block {s.blocks_done}: {type(exc).__name__}: {exc}", failed=True)
             return
+        block = outcome
         self.metrics.block_latency.observe(time.perf_counter() - t0)
         self.metrics.block(block.index, block.decision)
         frames = block.frames.cpu().numpy()  # uint8 [T, H, W, 3]
@@ -613,6 +637,14 @@ class SessionManager:
             stats["queue_depth"] = s.outbox.frames
             stats["dropped_frames"] = s.outbox.dropped
             s.outbox.text(stats)
+
+
+def _next_block(generation) -> tuple[bool, object]:
+    """(True, the generation's next block), or (False, the exception that ended it: StopIteration at its end)."""
+    try:
+        return True, next(generation)
+    except Exception as exc:  # StopIteration included
+        return False, exc
 
 
 def _described(spec) -> dict:

@@ -1,0 +1,249 @@
+"""Several videos' stage calls batched together: the model work of many live sessions in one call.
+
+Each video keeps its own loop (`reference.py`), its own KV caches, VAE cache, plan and conditioning. A
+`StageBatcher` runs one block of each of several videos as a *round* (`run_round`): every video's loop
+runs on a thread of its own, but only one thread runs at a time (a turn passes from thread to thread, so
+no two loops ever touch a model at once, and the order of everything is fixed by the videos' order, not
+by the operating system). A loop that reaches a call the batcher can batch (`denoise`, `score`) hands
+its request over and waits; once every video of the round waits or has its block, the batcher runs the
+largest group of waiting requests that can go together as one call, gives each video its own rows, and
+the loops go on. Work that cannot be batched runs in its loop's turn, as alone.
+
+What goes together (`DenoiseRequest.key`, `ScoreRequest.key`): the same DiT in the same role, the same
+block shape and schedule, a full context on the eager path without early exit; ImageReward on frames of
+one size. A row's arithmetic is its video's alone: its own RoPE position, its own self-attention over its
+own cache (`CausalWanDiT.forward_rows`), its own noise draws; only the linears, norms, cross-attention
+and the reward model run on the stacked rows. On the CPU that is bitwise the video alone (the tests'
+oracle: `pipe.session` run by itself); where a backend's batched kernels are not batch-invariant, the
+tolerance table of docs/invariants.md applies and the decisions must agree.
+
+Outside a round (a video run by itself) every call runs at once, as `RoleModel.denoise` and the scorer
+would: the batcher changes nothing then.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from sdvg.models.device_constants import to_device_async
+from sdvg.models.dit import TextKV
+from sdvg.generation.noise import gaussian
+
+
+@dataclass(frozen=True)
+class DenoiseRequest:
+    """One video's few-step denoising of a block (`RoleModel.denoise`'s arguments). `together`: whether it may
+    run batched (the stage calls say: eager backend, no CUDA graphs, no early exit, full context)."""
+
+    model: Any  # sdvg.generation.role_model.RoleModel
+    noise: torch.Tensor  # [1, C, F, h, w] float32
+    block: int
+    seed: int
+    text_kv: TextKV
+    together: bool
+
+    @property
+    def key(self) -> tuple | None:
+        if not self.together:
+            return None
+        m = self.model
+        return ("denoise", m.role, id(m.dit), tuple(self.noise.shape), str(m.device), m.schedule.num_steps,
+                tuple(float(t) for t in m.schedule.timesteps))
+
+    def alone(self) -> torch.Tensor:
+        m = self.model
+        return m.denoise(self.noise, self.block, m.frame_of(self.block), self.seed, self.text_kv)
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """One video's ImageReward of a block's frames: `score(prompt, unit_frames)` of the scorer."""
+
+    scorer: Any  # sdvg.models.reward.RewardScorer
+    prompt: str
+    unit_frames: torch.Tensor  # [N, 3, H, W] in [0, 1]
+    together: bool
+
+    @property
+    def key(self) -> tuple | None:
+        if not self.together:
+            return None
+        return ("score", id(self.scorer), tuple(self.unit_frames.shape[1:]), str(self.unit_frames.device))
+
+    def alone(self) -> torch.Tensor:
+        return self.scorer.score(self.prompt, self.unit_frames)
+
+
+def denoise_together(requests: list[DenoiseRequest]) -> list[torch.Tensor]:
+    """The requests' blocks denoised as one batch per step (`forward_rows`): row j is request j's block at its
+    cache's write position under its conditioning, re-noised with its own draws -> each x0 [1, C, F, h, w]."""
+    models = [r.model for r in requests]
+    m0 = models[0]
+    for r in requests:
+        m = r.model
+        if m.frame_of(r.block) != m.committed_frames:
+            raise ValueError(f"{m.role}: block {r.block} starts at frame {m.frame_of(r.block)} but "
+                             f"{m.committed_frames} frames are committed; commit every earlier block first")
+    n = len(requests)
+    x = torch.cat([to_device_async(r.noise, m0.device) for r in requests])  # [n, C, F, h, w]
+    layers = range(len(requests[0].text_kv.keys))
+    text = TextKV([torch.cat([r.text_kv.keys[i] for r in requests]) for i in layers],
+                  [torch.cat([r.text_kv.values[i] for r in requests]) for i in layers])  # each [n, H, L, D]
+    caches = [m.cache for m in models]
+    steps = m0.schedule.num_steps
+    for i in range(steps):
+        t = torch.full((n, x.shape[2]), m0.schedule.timesteps[i], device=m0.device)
+        x0 = m0.schedule.to_x0(x, m0.dit.forward_rows(x, t, text, caches), i)
+        for m in models:
+            m.count_forward()
+        if i + 1 < steps:
+            x = torch.cat([m0.schedule.renoise(x0[j:j + 1], gaussian(x0[j:j + 1].shape, r.seed, r.block, i + 1,
+                                                                     r.model.role, r.model.device), i + 1)
+                           for j, r in enumerate(requests)])
+        else:
+            x = x0
+    return list(x.split(1))
+
+
+def score_together(requests: list[ScoreRequest]) -> list[torch.Tensor]:
+    """The requests' frames scored in one ImageReward call, each frame with its own video's prompt -> each
+    request's normalised scores [N_j]."""
+    scorer = requests[0].scorer
+    images = torch.cat([scorer.preprocess(r.unit_frames) for r in requests])
+    ids, masks = [], []
+    for r in requests:
+        tok = scorer.tokens(r.prompt)
+        count = r.unit_frames.shape[0]
+        ids.append(tok.ids.expand(count, -1))
+        masks.append(tok.mask.expand(count, -1))
+    rows = [r.unit_frames.shape[0] for r in requests]
+    with torch.no_grad():
+        scores = scorer.score_images(images, torch.cat(ids), torch.cat(masks), rows)
+    return list(scores.split(rows))
+
+
+TOGETHER: dict[str, Callable[[list], list]] = {"denoise": denoise_together, "score": score_together}
+
+
+@dataclass
+class _Member:
+    """One video's thread in a round."""
+
+    index: int
+    job: Callable[[], Any]
+    state: str = "ready"  # ready (its turn may come), waiting (a request handed over), done
+    request: Any = None
+    result: Any = None
+    outcome: Any = None  # the job's return value, or the exception it raised
+    failed: bool = False
+
+
+@dataclass
+class BatchStats:
+    """What the batcher ran: calls by (kind, rows), and the rounds."""
+
+    calls: collections.Counter = field(default_factory=collections.Counter)
+    rounds: int = 0
+
+    def rows(self, kind: str) -> int:
+        return sum(size * count for (k, size), count in self.calls.items() if k == kind)
+
+
+class StageBatcher:
+    """Runs rounds of several videos' loops, one thread at a time, and their batchable model work together
+    (module docstring). `max_rows`: the most rows one call takes. One round at a time: `run_round` is called
+    from one thread (the serving worker)."""
+
+    def __init__(self, max_rows: int = 8):
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        self.max_rows = max_rows
+        self.stats = BatchStats()
+        self._cond = threading.Condition()
+        self._turn: _Member | None = None
+        self._local = threading.local()
+
+    # ------------------------------------------------------------ from a video's loop
+    def denoise(self, model, noise: torch.Tensor, block: int, seed: int, text_kv, together: bool) -> torch.Tensor:
+        """`model.denoise(noise, block, frame_of(block), seed, text_kv)`, batched with the round's other videos'
+        denoising of the same kind when `together` (alone outside a round)."""
+        return self._request(DenoiseRequest(model, noise, block, seed, text_kv, together))
+
+    def score(self, scorer, prompt: str, unit_frames: torch.Tensor, together: bool) -> torch.Tensor:
+        """`scorer.score(prompt, unit_frames)`, batched with the round's other scoring when `together`."""
+        return self._request(ScoreRequest(scorer, prompt, unit_frames, together))
+
+    def _request(self, request):
+        member = getattr(self._local, "member", None)
+        if member is None or request.key is None:  # outside a round, or never together: as alone, in this turn
+            return request.alone()
+        with self._cond:
+            member.request, member.state = request, "waiting"
+            self._turn = None
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._turn is member)
+        result, member.result = member.result, None
+        if member.failed:
+            member.failed = False
+            raise result
+        return result
+
+    # ------------------------------------------------------------ the round
+    def run_round(self, jobs: list[Callable[[], Any]]) -> list[tuple[bool, Any]]:
+        """Runs each job (one video's next block, e.g. `lambda: next(session)`) on its own thread, one at a time,
+        their batchable requests together -> per job, in order: (True, its return value) or (False, the
+        exception it raised, StopIteration included)."""
+        members = [_Member(i, job) for i, job in enumerate(jobs)]
+        threads = [threading.Thread(target=self._member_main, args=(m,), name=f"sdvg-batch-{m.index}", daemon=True)
+                   for m in members]
+        for t in threads:
+            t.start()
+        with self._cond:
+            while True:
+                for m in members:  # each ready video runs until it hands a request over or has its block
+                    if m.state == "ready":
+                        self._turn = m
+                        self._cond.notify_all()
+                        self._cond.wait_for(lambda: self._turn is None)
+                waiting = [m for m in members if m.state == "waiting"]
+                if not waiting:
+                    break
+                group = self._group(waiting)
+                kind = group[0].request.key[0]
+                try:
+                    results, failed = TOGETHER[kind]([m.request for m in group]), False
+                except Exception as exc:  # every video of the call hears of it, in its own loop
+                    results, failed = [exc] * len(group), True
+                self.stats.calls[(kind, len(group))] += 1
+                for m, r in zip(group, results):
+                    m.result, m.failed, m.request, m.state = r, failed, None, "ready"
+            self.stats.rounds += 1
+        for t in threads:
+            t.join()
+        return [(not m.failed, m.outcome) for m in members]
+
+    def _group(self, waiting: list[_Member]) -> list[_Member]:
+        """The largest set of waiting requests of one key (the earliest video's first on a tie), at most
+        `max_rows`, in the videos' order."""
+        by_key: dict[tuple, list[_Member]] = {}
+        for m in waiting:
+            by_key.setdefault(m.request.key, []).append(m)
+        best = max(by_key.values(), key=len)  # max keeps the first of equal lengths: the earliest video's key
+        return best[:self.max_rows]
+
+    def _member_main(self, member: _Member) -> None:
+        self._local.member = member
+        with self._cond:
+            self._cond.wait_for(lambda: self._turn is member)
+        try:
+            member.outcome = member.job()
+        except BaseException as exc:  # noqa: BLE001 - handed to run_round's caller, StopIteration included
+            member.outcome, member.failed = exc, True
+        with self._cond:
+            member.state = "done"
+            self._turn = None
+            self._cond.notify_all()

@@ -1,0 +1,185 @@
+"""Sessions batched together (sdvg/generation/batching.py): each session's video is bitwise its own, as alone.
+
+The oracle is `pipe.session` run by itself; the batched runs go through `StageBatcher.run_round`, one block of each
+session per round, as the server's batched worker drives them."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from sdvg.generation.batching import StageBatcher
+from sdvg.models.dit import CausalWanDiT, TextKV
+from sdvg.models.kv_cache import KVCacheSpec
+
+PROMPTS = ("a cat on a sofa", "a dog on a beach", "a city at night", "a red car in the rain")
+
+
+def _record(block) -> tuple:
+    return (block.index, block.decision, block.score, tuple(block.frame_scores), block.latents, block.frames)
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(
+        x[:4] == y[:4] and torch.equal(x[4], y[4]) and torch.equal(x[5], y[5]) for x, y in zip(a, b))
+
+
+def _drive(batcher: StageBatcher, sessions: dict, updates=None) -> dict:
+    """Rounds of every session's next block until all end; `updates`: (session, before block) -> update keywords."""
+    out = {name: [] for name in sessions}
+    live = list(sessions)
+    while live:
+        for name in live:
+            change = (updates or {}).get((name, len(out[name])))
+            if change:
+                sessions[name].update(**change)
+        results = batcher.run_round([sessions[name].__next__ for name in live])
+        ended = []
+        for name, (ok, outcome) in zip(live, results):
+            if ok:
+                out[name].append(_record(outcome))
+            elif isinstance(outcome, StopIteration):
+                ended.append(name)
+            else:
+                raise outcome
+        live = [n for n in live if n not in ended]
+    return out
+
+
+def _alone(pipe, prompt, updates=(), **kw) -> list:
+    session = pipe.session(prompt, **kw)
+    out = []
+    for block in iter(lambda: next(session, None), None):
+        out.append(_record(block))
+        for at, change in updates:
+            if at == len(out):
+                session.update(**change)
+    return out
+
+
+KW = dict(num_blocks=3, scheduler="reference")
+
+
+def test_sessions_batched_together_are_each_bitwise_their_own(tiny_pipe):
+    """Three sessions of different prompts, seeds and thresholds: drafts, target blocks and scores batched across
+    them (calls of more than one row happened), every block (decision, score, latents, frames) equal to the
+    session's alone."""
+    taus = {"a": -1e9, "b": 1e9, "c": 0.0}  # every draft accepted / rejected / the scores decide
+    batcher = StageBatcher()
+    sessions = {n: tiny_pipe.session(PROMPTS[i], seed=i, tau=taus[n], batcher=batcher, **KW)
+                for i, n in enumerate(taus)}
+    batched = _drive(batcher, sessions)
+    for i, n in enumerate(taus):
+        assert _same(batched[n], _alone(tiny_pipe, PROMPTS[i], seed=i, tau=taus[n], **KW)), n
+    assert [r[1] for r in batched["a"]] == ["forced", "accepted", "accepted"]
+    assert [r[1] for r in batched["b"]] == ["forced", "rejected", "rejected"]
+    calls = batcher.stats.calls
+    # block 0's targets, then each block's drafts, denoised together; their scores (and block 0's) scored together
+    assert calls[("denoise", 3)] >= 3 and calls[("score", 3)] >= 3, calls
+    assert batcher.stats.rounds == 4  # three blocks, then the round that finds every end
+
+
+def test_sessions_at_different_blocks_and_a_live_update_stay_their_own(tiny_pipe):
+    """A session that starts two rounds later (its blocks at other cache positions than the others' in the same
+    call) and a prompt update mid-stream with a blend: each video still equals its own alone."""
+    batcher = StageBatcher()
+    first = {"a": tiny_pipe.session(PROMPTS[0], seed=3, tau=0.0, batcher=batcher, num_blocks=4, scheduler="reference")}
+    early = [_record(outcome) for ok, outcome in (batcher.run_round([first["a"].__next__])[0],) if ok]
+    early += [_record(outcome) for ok, outcome in (batcher.run_round([first["a"].__next__])[0],) if ok]
+    later = tiny_pipe.session(PROMPTS[1], seed=4, tau=0.0, batcher=batcher, **KW)
+    update = {("b", 1): dict(prompt=PROMPTS[2], interp_blocks=2)}
+    batched = _drive(batcher, {"a": first["a"], "b": later}, update)
+    assert _same(early + batched["a"], _alone(tiny_pipe, PROMPTS[0], seed=3, tau=0.0, num_blocks=4,
+                                              scheduler="reference"))
+    assert _same(batched["b"], _alone(tiny_pipe, PROMPTS[1], [(1, dict(prompt=PROMPTS[2], interp_blocks=2))],
+                                      seed=4, tau=0.0, **KW))
+    assert any(kind == "denoise" and rows == 2 for kind, rows in batcher.stats.calls), batcher.stats.calls
+
+
+def test_a_session_that_cannot_batch_runs_alone_in_the_round(tiny_pipe):
+    """A recompute-context drafter (its denoise rebuilds the context first) never joins a call of other rows: the
+    round still runs it, in its turn, and both videos equal their own alone."""
+    batcher = StageBatcher()
+    sessions = {"full": tiny_pipe.session(PROMPTS[0], seed=5, tau=0.0, batcher=batcher, **KW),
+                "recompute": tiny_pipe.session(PROMPTS[1], seed=6, tau=0.0, drafter_cache="recompute",
+                                               batcher=batcher, **KW)}
+    batched = _drive(batcher, sessions)
+    assert _same(batched["full"], _alone(tiny_pipe, PROMPTS[0], seed=5, tau=0.0, **KW))
+    assert _same(batched["recompute"], _alone(tiny_pipe, PROMPTS[1], seed=6, tau=0.0, drafter_cache="recompute",
+                                              **KW))
+
+
+def test_a_failing_session_fails_alone_and_a_batched_session_needs_the_reference_loop(tiny_pipe):
+    """A job that raises ends only itself (its exception handed back in order); the others of the round finish.
+    The native scheduler's lanes cannot take turns: a batched session is refused on it, naming the fix."""
+    batcher = StageBatcher()
+    session = tiny_pipe.session(PROMPTS[0], seed=7, batcher=batcher, **KW)
+
+    def broken():
+        raise RuntimeError("broken generation")
+
+    results = batcher.run_round([broken, session.__next__])
+    assert results[0][0] is False and str(results[0][1]) == "broken generation"
+    assert results[1][0] is True and results[1][1].index == 0
+    with pytest.raises(ValueError, match="scheduler='reference'"):
+        tiny_pipe.session(PROMPTS[0], batcher=batcher, num_blocks=2, scheduler="cpp")
+
+
+def test_one_job_runs_at_a_time_in_the_order_given():
+    """The round's jobs never overlap (a turn passes from thread to thread) and run in the order given; a request
+    outside a round runs at once."""
+    batcher = StageBatcher()
+    running, order = threading.Lock(), []
+
+    def job(name):
+        def run():
+            assert running.acquire(blocking=False), "two jobs ran at once"
+            try:
+                order.append(name)
+            finally:
+                running.release()
+            return name
+        return run
+
+    assert batcher.run_round([job(n) for n in "abcd"]) == [(True, n) for n in "abcd"]
+    assert order == list("abcd")
+    with pytest.raises(ValueError, match="max_rows"):
+        StageBatcher(max_rows=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_rows_equals_each_rows_forward_alone(tiny_preset, dtype):
+    """`CausalWanDiT.forward_rows`: four videos' blocks at different cache positions (0 to 3 blocks committed) under
+    different conditionings, in one call, bitwise each one's `forward` with its own cache; their caches end equal."""
+    from tests.conftest import randomize
+
+    torch.manual_seed(0)
+    dit = randomize(CausalWanDiT(tiny_preset.target).eval(), std=0.2).to(dtype)
+    cfg, video = tiny_preset.target, tiny_preset.video
+    h, w = video.latent_hw(tiny_preset.vae)
+    frames = video.frames_per_block
+    tpf = video.tokens_per_frame(tiny_preset.vae, cfg)
+    rows = 4
+    g = torch.Generator().manual_seed(1)
+    texts = [dit.encode_text(torch.randn(1, 512, cfg.text_dim, generator=g).to(dtype)) for _ in range(rows)]
+    alone = [KVCacheSpec.for_dit(cfg, tpf, 16).allocate(dtype, "cpu") for _ in range(rows)]
+    together = [KVCacheSpec.for_dit(cfg, tpf, 16).allocate(dtype, "cpu") for _ in range(rows)]
+    for j in range(rows):
+        for _ in range(j):
+            x = torch.randn(1, cfg.in_channels, frames, h, w, generator=g)
+            for caches in (alone, together):
+                dit(x, torch.zeros(1, frames), texts[j], cache=caches[j])
+                caches[j].commit()
+    x = torch.randn(rows, cfg.in_channels, frames, h, w, generator=g)
+    t = torch.full((rows, frames), 625.0)
+    expected = torch.cat([dit(x[j:j + 1], t[j:j + 1], texts[j], cache=alone[j]) for j in range(rows)])
+    stacked = TextKV([torch.cat([tx.keys[i] for tx in texts]) for i in range(cfg.num_layers)],
+                     [torch.cat([tx.values[i] for tx in texts]) for i in range(cfg.num_layers)])
+    got = dit.forward_rows(x, t, stacked, together)
+    assert torch.equal(got, expected)
+    for a, b in zip(alone, together):
+        for layer in range(cfg.num_layers):
+            assert all(torch.equal(p, q) for p, q in zip(a.visible(layer), b.visible(layer)))
+    with pytest.raises(ValueError, match="one KV cache per row"):
+        dit.forward_rows(x, t, stacked, together[:2])
