@@ -43,8 +43,9 @@ def command_lines() -> list[tuple[str, list[str]]]:
 
 def test_the_docs_have_examples_to_check():
     assert [w for w, _, _ in blocks("python")] == ["README.md", "docs/api.md", "docs/api.md", "docs/engines.md",
-                                                   "docs/live.md", "docs/live.md", "docs/stats.md"]
-    # the short API example, the whole API, live sessions, FP8, video-to-video, reading the statistics
+                                                   "docs/live.md", "docs/live.md", "docs/live.md", "docs/stats.md"]
+    # the short API example, the whole API, live sessions, FP8, video-to-video, sessions batched together, reading
+    # the statistics
     commands = command_lines()
     assert len(commands) >= 15 and any(argv[:1] == ["sweep"] for _, argv in commands)
 
@@ -79,6 +80,10 @@ def test_python_blocks_run_on_tiny(where, line, code, tmp_path, monkeypatch):
     if 'quantization="fp8"' in code:  # the FP8 example: both DiTs' block linears in FP8
         stats = namespace["out"].stats
         assert stats["options"]["quantization"] == "fp8" and set(stats["run"]["fp8_impl"]) == {"drafter", "target"}
+        return
+    if "batcher" in namespace:  # sessions batched together: both sessions' drafts and scores in calls of two rows
+        calls = namespace["batcher"].stats.calls
+        assert len(namespace["sessions"]) == 2 and calls[("denoise", 2)] >= 2 and calls[("score", 2)] >= 1, calls
         return
     if "session" in namespace:  # the live-session examples: the replayed schedule is the session's video
         session, replay = namespace["session"], namespace["replay"]
