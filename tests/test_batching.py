@@ -183,3 +183,44 @@ def test_forward_rows_equals_each_rows_forward_alone(tiny_preset, dtype):
             assert all(torch.equal(p, q) for p, q in zip(a.visible(layer), b.visible(layer)))
     with pytest.raises(ValueError, match="one KV cache per row"):
         dit.forward_rows(x, t, stacked, together[:2])
+
+
+def test_earliest_deadline_first_and_each_block_handed_over_as_it_ends(tiny_pipe):
+    """`deadlines` order the turns and the calls: the earliest-deadline session's block is made first and handed
+    over (`on_done`) before the round ends; the videos are the same whatever the order."""
+    def run(deadlines):
+        batcher = StageBatcher()
+        sessions = [tiny_pipe.session(PROMPTS[i], seed=i, tau=1e9 if i == 0 else -1e9, batcher=batcher,
+                                      num_blocks=2, scheduler="reference") for i in range(3)]
+        batcher.run_round([s.__next__ for s in sessions])  # block 0: every session's target, together
+        done = []
+        results = batcher.run_round([s.__next__ for s in sessions], deadlines,
+                                    on_done=lambda i, ok, outcome: done.append((i, ok, outcome.decision)))
+        return done, [outcome for _, outcome in results]
+
+    done, blocks = run([3.0, 1.0, 2.0])
+    assert [i for i, _, _ in done] == [1, 2, 0]  # the accepted drafts end first, in deadline order; then the target's
+    assert [d for _, _, d in done] == ["accepted", "accepted", "rejected"] and all(ok for _, ok, _ in done)
+    done_again, blocks_again = run([1.0, 3.0, 2.0])
+    assert [i for i, _, _ in done_again][:1] == [2]  # session 0's draft is rejected: its target runs after the others
+    assert all(torch.equal(a.latents, b.latents) for a, b in zip(blocks, blocks_again))
+
+
+def test_a_sessions_lateness_is_its_playback_running_dry():
+    """The worker's deadline rule (sdvg/serve/sessions.py `Session.played`): a run's first block is never late;
+    a block made after the frames before it would have finished playing at the server's fps is late by the gap."""
+    import asyncio
+
+    from sdvg.serve.metrics import ServeMetrics
+    from sdvg.serve.sessions import Outbox, Session
+
+    loop = asyncio.new_event_loop()
+    try:
+        s = Session("s", "raw", True, loop, Outbox(4, ServeMetrics()))
+        s.t_start = 5.0
+        assert s.deadline() == 5.0  # before its first block: its start
+        assert s.played(10.0, 16, 16.0) == 0.0 and s.deadline() == 11.0  # one second of frames from t=10
+        assert s.played(10.5, 8, 16.0) == 0.0 and s.deadline() == 11.5  # early: appended after the first
+        assert s.played(12.0, 16, 16.0) == 0.5 and s.deadline() == 13.0  # 0.5 s dry; playback restarts now
+    finally:
+        loop.close()

@@ -6,8 +6,8 @@ runs on a thread of its own, but only one thread runs at a time (a turn passes f
 no two loops ever touch a model at once, and the order of everything is fixed by the videos' order, not
 by the operating system). A loop that reaches a call the batcher can batch (`denoise`, `score`) hands
 its request over and waits; once every video of the round waits or has its block, the batcher runs the
-largest group of waiting requests that can go together as one call, gives each video its own rows, and
-the loops go on. Work that cannot be batched runs in its loop's turn, as alone.
+waiting requests that can go together with the earliest-deadline one as one call, gives each video its
+own rows, and the loops go on. Work that cannot be batched runs in its loop's turn, as alone.
 
 What goes together (`DenoiseRequest.key`, `ScoreRequest.key`): the same DiT in the same role, the same
 block shape and schedule, a full context on the eager path without early exit; ImageReward on frames of
@@ -193,23 +193,37 @@ class StageBatcher:
         return result
 
     # ------------------------------------------------------------ the round
-    def run_round(self, jobs: list[Callable[[], Any]]) -> list[tuple[bool, Any]]:
+    def run_round(self, jobs: list[Callable[[], Any]], deadlines: list[float] | None = None,
+                  on_done: Callable[[int, bool, Any], None] | None = None) -> list[tuple[bool, Any]]:
         """Runs each job (one video's next block, e.g. `lambda: next(session)`) on its own thread, one at a time,
         their batchable requests together -> per job, in order: (True, its return value) or (False, the
-        exception it raised, StopIteration included)."""
+        exception it raised, StopIteration included).
+
+        `deadlines` (one per job, any comparable value such as a time; None: the jobs' order): earliest deadline
+        first, both for whose turn comes first and for which waiting call runs next (the one holding the
+        earliest-deadline request, with every waiting request of its kind). `on_done(index, ok, outcome)` is
+        called on this thread as soon as a job ends, while the round goes on (a finished block need not wait for
+        the round's slowest)."""
         members = [_Member(i, job) for i, job in enumerate(jobs)]
+        order = sorted(members, key=lambda m: (deadlines[m.index], m.index) if deadlines else m.index)
         threads = [threading.Thread(target=self._member_main, args=(m,), name=f"sdvg-batch-{m.index}", daemon=True)
                    for m in members]
         for t in threads:
             t.start()
         with self._cond:
             while True:
-                for m in members:  # each ready video runs until it hands a request over or has its block
+                for m in order:  # each ready video runs until it hands a request over or has its block
                     if m.state == "ready":
                         self._turn = m
                         self._cond.notify_all()
                         self._cond.wait_for(lambda: self._turn is None)
-                waiting = [m for m in members if m.state == "waiting"]
+                        if m.state == "done" and on_done is not None:
+                            self._cond.release()  # the caller's work (sending a block) holds no turn
+                            try:
+                                on_done(m.index, not m.failed, m.outcome)
+                            finally:
+                                self._cond.acquire()
+                waiting = [m for m in order if m.state == "waiting"]
                 if not waiting:
                     break
                 group = self._group(waiting)
@@ -227,13 +241,11 @@ class StageBatcher:
         return [(not m.failed, m.outcome) for m in members]
 
     def _group(self, waiting: list[_Member]) -> list[_Member]:
-        """The largest set of waiting requests of one key (the earliest video's first on a tie), at most
-        `max_rows`, in the videos' order."""
-        by_key: dict[tuple, list[_Member]] = {}
-        for m in waiting:
-            by_key.setdefault(m.request.key, []).append(m)
-        best = max(by_key.values(), key=len)  # max keeps the first of equal lengths: the earliest video's key
-        return best[:self.max_rows]
+        """The waiting requests of the first one's key (`waiting` is in deadline order), at most `max_rows`, the
+        earliest deadlines first. Every video of a round waits on one request at a time, so the order of the calls
+        never splits a batch: it decides only whose block is done first."""
+        key = waiting[0].request.key
+        return [m for m in waiting if m.request.key == key][:self.max_rows]
 
     def _member_main(self, member: _Member) -> None:
         self._local.member = member

@@ -99,6 +99,9 @@ class ServeMetrics:
         self.batched_calls = Counter("sdvg_serve_batched_calls", "model calls of the batched worker, by kind "
                                      "(denoise, score) and rows (sessions in the call)", ["kind", "rows"],
                                      registry=r)
+        self.deadline_misses = Counter("sdvg_serve_deadline_misses", "blocks made after their session's playback had "
+                                       "run dry (its frames so far played at the server's fps): the session fell "
+                                       "behind", registry=r)
         self._later = self._accepted = 0
 
     def count_refused(self, reason: str) -> None:

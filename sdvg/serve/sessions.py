@@ -120,7 +120,20 @@ class Session:
         self.first_frame_sent = False
         self.last_block_sent: float | None = None
         self.last_interval: float | None = None
+        self.play_end: float | None = None  # (worker) when the frames made so far run out, played at the server's fps
         self.lock = asyncio.Lock()  # orders encoded blocks and text messages
+
+    def deadline(self) -> float:
+        """(worker) When this session's next block is due: when its playback runs dry (the frames made so far
+        played at the server's fps from the first one), or, before its first block, its start (ttff counts)."""
+        return self.play_end if self.play_end is not None else self.t_start
+
+    def played(self, now: float, frames: int, fps: float) -> float:
+        """(worker) A block of `frames` frames made at `now`: how late it came (seconds its playback had run dry
+        for; 0 on time, and for a run's first block), and the playback extended by it."""
+        late = 0.0 if self.play_end is None else max(0.0, now - self.play_end)
+        self.play_end = max(now, self.play_end or now) + frames / fps
+        return late
 
     def post_text(self, message: dict) -> None:
         """A text message after every block already handed over (from any thread)."""
@@ -507,6 +520,7 @@ class SessionManager:
             self._finished(s)
             return
         s.blocks_done = s.frames_done = s.accepted = s.later = 0
+        s.play_end = None  # a new run's playback starts with its first block
 
     def _read_input(self, s: Session, run: int, spec: SessionSpec) -> None:
         """(its own thread) Read the run's input video, then hand it to the worker (`InputRead`)."""
@@ -520,13 +534,15 @@ class SessionManager:
         """The next block of each of `sessions`: one round of the batcher (batched), or the one session's alone."""
         t0 = time.perf_counter()
         if self.batcher is None:
-            outcomes = [_next_block(s.generation) for s in sessions]
-        else:
-            before = collections.Counter(self.batcher.stats.calls)
-            outcomes = self.batcher.run_round([s.generation.__next__ for s in sessions])
-            self.metrics.round(len(sessions), self.batcher.stats.calls - before)
-        for s, (ok, outcome) in zip(sessions, outcomes):
-            self._took(s, ok, outcome, t0)
+            for s in sessions:
+                self._took(s, *_next_block(s.generation), t0)
+            return
+        before = collections.Counter(self.batcher.stats.calls)
+        # earliest deadline first (a session's playback running dry; a new one's first frame: its start), and each
+        # block handed over as soon as it is made, while the round goes on
+        self.batcher.run_round([s.generation.__next__ for s in sessions], [s.deadline() for s in sessions],
+                               on_done=lambda i, ok, outcome: self._took(sessions[i], ok, outcome, t0))
+        self.metrics.round(len(sessions), self.batcher.stats.calls - before)
 
     def _took(self, s: Session, ok: bool, outcome, t0: float) -> None:
         """A session's next block (`ok`), or how its generation ended (StopIteration) or failed."""
@@ -549,7 +565,8 @@ class SessionManager:
             s.post_error(f"generation failed at block {s.blocks_done}: {type(exc).__name__}: {exc}", failed=True)
             return
         block = outcome
-        self.metrics.block_latency.observe(time.perf_counter() - t0)
+        now = time.perf_counter()
+        self.metrics.block_latency.observe(now - t0)
         self.metrics.block(block.index, block.decision)
         frames = block.frames.cpu().numpy()  # uint8 [T, H, W, 3]
         try:
@@ -560,6 +577,9 @@ class SessionManager:
             s.later += 1
             s.accepted += block.decision == "accepted"
         first = s.frames_done
+        late_s = s.played(now, frames.shape[0], self.cfg.fps)
+        if late_s > 0:
+            self.metrics.deadline_misses.inc()
         s.blocks_done += 1
         s.frames_done += frames.shape[0]
         stats = None
@@ -567,7 +587,8 @@ class SessionManager:
             stats = {"status": "stats", "block": block.index, "decision": block.decision, "score": block.score,
                      "producer": PRODUCER.get(block.decision, block.decision), "frames": int(frames.shape[0]),
                      "first_frame": first, "times": {k: round(v, 6) for k, v in block.times.items()},
-                     "acceptance": s.accepted / s.later if s.later else None, "latency_s": time.perf_counter() - t0}
+                     "acceptance": s.accepted / s.later if s.later else None, "latency_s": now - t0,
+                     "late_s": round(late_s, 6)}
             live = getattr(block, "live", None)  # a live session's block: the prompt it was made under
             if live:
                 stats.update(prompt_index=live["prompt_index"], blend_weight=live["blend_weight"],
