@@ -77,6 +77,7 @@ def test_sessions_batched_together_are_each_bitwise_their_own(tiny_pipe):
     calls = batcher.stats.calls
     # block 0's targets, then each block's drafts, denoised together; their scores (and block 0's) scored together
     assert calls[("denoise", 3)] >= 3 and calls[("score", 3)] >= 3, calls
+    assert calls[("commit", 3)] >= 2, calls  # every session's drafter commit of blocks 0 and 1, together
     assert batcher.stats.rounds == 4  # three blocks, then the round that finds every end
 
 

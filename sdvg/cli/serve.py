@@ -52,7 +52,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"generations at once, interleaved block by block (default: {_D.max_sessions})")
     p.add_argument("--session-scheduler", choices=SESSION_SCHEDULERS, default=_D.session_scheduler,
                    help="how the worker runs the sessions: 'batched' makes the next block of every runnable session "
-                        "in one round, their denoising and scoring batched (each video bitwise its own); "
+                        "in one round, their denoising, commits and scoring batched (each video bitwise its own); "
                         f"'round_robin' one session's block at a time (default: {_D.session_scheduler})")
     p.add_argument("--max-queue", type=int, default=_D.max_queue,
                    help=f"sessions that wait for a slot, told their position; more get `busy` "

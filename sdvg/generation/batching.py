@@ -4,8 +4,8 @@ Each video keeps its own loop (`reference.py`), its own KV caches, VAE cache, pl
 `StageBatcher` runs one block of each of several videos as a *round* (`run_round`): every video's loop
 runs on a thread of its own, but only one thread runs at a time (a turn passes from thread to thread, so
 no two loops ever touch a model at once, and the order of everything is fixed by the videos' order, not
-by the operating system). A loop that reaches a call the batcher can batch (`denoise`, `score`) hands
-its request over and waits; once every video of the round waits or has its block, the batcher runs the
+by the operating system). A loop that reaches a call the batcher can batch (`denoise`, `commit`, `score`)
+hands its request over and waits; once every video of the round waits or has its block, the batcher runs the
 waiting requests that can go together with the earliest-deadline one as one call, gives each video its
 own rows, and the loops go on. Work that cannot be batched runs in its loop's turn, as alone.
 
@@ -60,6 +60,27 @@ class DenoiseRequest:
 
 
 @dataclass(frozen=True)
+class CommitRequest:
+    """One video's t = 0 forward over a block it commits (`RoleModel.commit_forward`'s arguments)."""
+
+    model: Any  # sdvg.generation.role_model.RoleModel
+    latents: torch.Tensor  # [1, C, F, h, w] on the model's device
+    frame0: int
+    text_kv: TextKV
+    together: bool
+
+    @property
+    def key(self) -> tuple | None:
+        if not self.together:
+            return None
+        m = self.model
+        return ("commit", m.role, id(m.dit), tuple(self.latents.shape), str(m.device))
+
+    def alone(self) -> None:
+        return self.model.commit_forward(self.latents, self.frame0, self.text_kv)
+
+
+@dataclass(frozen=True)
 class ScoreRequest:
     """One video's ImageReward of a block's frames: `score(prompt, unit_frames)` of the scorer."""
 
@@ -90,9 +111,7 @@ def denoise_together(requests: list[DenoiseRequest]) -> list[torch.Tensor]:
                              f"{m.committed_frames} frames are committed; commit every earlier block first")
     n = len(requests)
     x = torch.cat([to_device_async(r.noise, m0.device) for r in requests])  # [n, C, F, h, w]
-    layers = range(len(requests[0].text_kv.keys))
-    text = TextKV([torch.cat([r.text_kv.keys[i] for r in requests]) for i in layers],
-                  [torch.cat([r.text_kv.values[i] for r in requests]) for i in layers])  # each [n, H, L, D]
+    text = _stacked_text(requests)
     caches = [m.cache for m in models]
     steps = m0.schedule.num_steps
     for i in range(steps):
@@ -107,6 +126,28 @@ def denoise_together(requests: list[DenoiseRequest]) -> list[torch.Tensor]:
         else:
             x = x0
     return list(x.split(1))
+
+
+def _stacked_text(requests) -> TextKV:
+    layers = range(len(requests[0].text_kv.keys))
+    return TextKV([torch.cat([r.text_kv.keys[i] for r in requests]) for i in layers],
+                  [torch.cat([r.text_kv.values[i] for r in requests]) for i in layers])  # each [n, H, L, D]
+
+
+def commit_together(requests: list[CommitRequest]) -> list[None]:
+    """The requests' t = 0 forwards in one call (`forward_rows`): each block's K/V into its own cache's pending slots
+    (the loop moves each pointer, as after `commit_forward`)."""
+    for r in requests:
+        if r.frame0 != r.model.committed_frames:
+            raise ValueError(f"{r.model.role}: committing a block at frame {r.frame0}, expected "
+                             f"{r.model.committed_frames}")
+    m0 = requests[0].model
+    x = torch.cat([r.latents.to(m0.device) for r in requests])
+    m0.dit.forward_rows(x, torch.zeros((x.shape[0], x.shape[2]), device=m0.device), _stacked_text(requests),
+                        [r.model.cache for r in requests])
+    for r in requests:
+        r.model.committed(r.latents, r.frame0)
+    return [None] * len(requests)
 
 
 def score_together(requests: list[ScoreRequest]) -> list[torch.Tensor]:
@@ -126,7 +167,8 @@ def score_together(requests: list[ScoreRequest]) -> list[torch.Tensor]:
     return list(scores.split(rows))
 
 
-TOGETHER: dict[str, Callable[[list], list]] = {"denoise": denoise_together, "score": score_together}
+TOGETHER: dict[str, Callable[[list], list]] = {"denoise": denoise_together, "commit": commit_together,
+                                                "score": score_together}
 
 
 @dataclass
@@ -172,6 +214,11 @@ class StageBatcher:
         """`model.denoise(noise, block, frame_of(block), seed, text_kv)`, batched with the round's other videos'
         denoising of the same kind when `together` (alone outside a round)."""
         return self._request(DenoiseRequest(model, noise, block, seed, text_kv, together))
+
+    def commit(self, model, latents: torch.Tensor, frame0: int, text_kv, together: bool) -> None:
+        """`model.commit_forward(latents, frame0, text_kv)`, batched with the round's other commits of the same kind
+        when `together` (a full context; a recompute context records the latents, no forward)."""
+        return self._request(CommitRequest(model, latents, frame0, text_kv, together))
 
     def score(self, scorer, prompt: str, unit_frames: torch.Tensor, together: bool) -> torch.Tensor:
         """`scorer.score(prompt, unit_frames)`, batched with the round's other scoring when `together`."""

@@ -223,16 +223,21 @@ class StageCalls(_C.StageCalls):
             return self.guard.target(x, block)
         return self._call("target", self.target_dev, run)
 
+    def _commit(self, model, block: int, latents: torch.Tensor) -> None:
+        """`model`'s commit of block `block` (with other videos' through the batcher, when there is one)."""
+        args = (latents, model.frame_of(block), self._kv(model.role, block))
+        if self.batcher is not None:
+            return self.batcher.commit(model, *args, self.together[model.role])
+        return model.commit_forward(*args)
+
     def drafter_commit(self, block: int, latents: torch.Tensor) -> None:
         """The drafter's t = 0 forward over the block (full) or its latents recorded (recompute)."""
-        drafter = self.setup.drafter
-        self._call("drafter_commit", self.drafter_dev, lambda: drafter.commit_forward(
-            self.transfer.get(latents, self.drafter_dev), drafter.frame_of(block), self._kv("drafter", block)))
+        self._call("drafter_commit", self.drafter_dev, lambda: self._commit(
+            self.setup.drafter, block, self.transfer.get(latents, self.drafter_dev)))
 
     def target_commit(self, block: int, latents: torch.Tensor) -> None:
-        target = self.setup.target
-        self._call("target_commit", self.target_dev, lambda: target.commit_forward(
-            self.transfer.get(latents, self.target_dev), target.frame_of(block), self._kv("target", block)))
+        self._call("target_commit", self.target_dev, lambda: self._commit(
+            self.setup.target, block, self.transfer.get(latents, self.target_dev)))
 
     def recache(self, role: str, block: int) -> None:
         """`role` re-caches its visible committed frames under block `block`'s conditioning (`RoleModel.recache`,

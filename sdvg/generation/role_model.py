@@ -272,12 +272,17 @@ class RoleModel:
             x = latents.to(self.device)
             t = torch.zeros((1, x.shape[2]), device=self.device)
             self.forward(x, t, frame0, text_kv)
-            self.count_forward()
-            if self.keep_clean:  # the stability verifier's history; re-cache's input
-                for j, f in enumerate(latents.detach().float().split(1, dim=2)):
-                    self._clean_frames[frame0 + j] = f
-                if self.exit_verifier is None:
-                    self._forget_clean_frames()
+            self.committed(latents, frame0)
+
+    def committed(self, latents: torch.Tensor, frame0: int) -> None:
+        """After a full context's t = 0 forward over a block at `frame0` (`commit_forward`'s, or a batched one's of
+        several videos, sdvg/generation/batching.py): the forward counted, the block's clean latents kept."""
+        self.count_forward()
+        if self.keep_clean:  # the stability verifier's history; re-cache's input
+            for j, f in enumerate(latents.detach().float().split(1, dim=2)):
+                self._clean_frames[frame0 + j] = f
+            if self.exit_verifier is None:
+                self._forget_clean_frames()
 
 
 def _runs(frames: list[int]) -> list[tuple[int, int]]:

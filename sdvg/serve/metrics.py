@@ -97,7 +97,7 @@ class ServeMetrics:
                                         "batched worker made together", buckets=(1, 2, 3, 4, 6, 8, 12, 16),
                                         registry=r)
         self.batched_calls = Counter("sdvg_serve_batched_calls", "model calls of the batched worker, by kind "
-                                     "(denoise, score) and rows (sessions in the call)", ["kind", "rows"],
+                                     "(denoise, commit, score) and rows (sessions in the call)", ["kind", "rows"],
                                      registry=r)
         self.deadline_misses = Counter("sdvg_serve_deadline_misses", "blocks made after their session's playback had "
                                        "run dry (its frames so far played at the server's fps): the session fell "
