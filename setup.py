@@ -120,5 +120,5 @@ setup(
         "torch-tensorrt": ["torch-tensorrt==2.14.0", "torch>=2.14,<2.15", "tensorrt-cu13>=11.1,<11.2",
                            "cuda-python>=13"],
     },
-    entry_points={"console_scripts": ["sdvg=sdvg.cli:main"]},
+    entry_points={"console_scripts": ["sdvg=sdvg.cli.main:main"]},
 )

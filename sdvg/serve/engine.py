@@ -223,12 +223,6 @@ class Engine:
         return True if ready is None else ready()
 
     @staticmethod
-    def update(generation, **changes) -> int:
-        """A live update (prompt= with interp_blocks=; tau=, router=, accept_prob=, pattern=; input_frames=): the
-        block it takes effect at (`UpdateAck.block`). Only with live sessions."""
-        return generation.update(**changes).block
-
-    @staticmethod
     def close(generation) -> Any:
         return generation.close()
 

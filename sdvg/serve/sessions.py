@@ -502,7 +502,7 @@ class SessionManager:
                          "frames came", cmd.field)
             return
         try:
-            block = self.engine.update(s.generation, **cmd.changes)
+            block = s.generation.update(**cmd.changes).block  # LiveSession.update: the block it takes effect at
         except Exception as exc:
             s.post_error(f"{cmd.field}: {exc}", cmd.field)
             return
