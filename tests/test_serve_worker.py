@@ -117,3 +117,59 @@ def test_a_worker_hook_sees_typed_commands_and_holds_the_worker_between_blocks(t
     assert hook.blocks == [("s0", 0), ("s0", 1), ("s0", 2), ("s0", 3)]
     assert [(sid, type(c)) for sid, c in hook.commands] == [("s0", Start)] and hook.commands[0][1].run == 1
     assert not any(isinstance(c, LiveUpdate) for _, c in hook.commands) and not s.commands
+
+
+def test_capacity_model_fits_round_costs_and_admits_by_the_rate_it_predicts():
+    """sdvg/serve/capacity.py: one round size seen -> a line through the origin (rounds run one after another, the safe
+    side); several sizes -> least squares; admission keeps every admitted session at the rate (the first always)."""
+    from sdvg.serve.capacity import CapacityModel
+
+    model = CapacityModel()
+    assert model.session_fps(2) is None and model.admits(3, 10.0)  # nothing measured: admitted, and learned
+    model.observe(1, 0.5, 12)
+    assert model.round_seconds(3) == pytest.approx(1.5) and model.session_fps(2) == pytest.approx(12.0)
+    model.observe(3, 0.7, 12)  # batching: three sessions cost 0.7 s, not 1.5
+    assert model.round_seconds(2) == pytest.approx(0.6) and model.round_seconds(5) == pytest.approx(0.9)
+    assert model.admits(4, 12 / 0.8) and not model.admits(5, 12 / 0.8) and model.admits(1, 1e9)
+    assert model.admits(50, 0.0)  # no rate asked: --max-sessions only
+    with pytest.raises(ValueError, match="window"):
+        CapacityModel(window=0)
+    with pytest.raises(ValueError, match="min_session_fps"):
+        ServeConfig(min_session_fps=-1)
+
+
+@pytest.mark.parametrize("scheduler", ["round_robin", "batched"])
+def test_a_session_that_would_slow_the_others_below_the_rate_waits_and_runs_after(tmp_path, scheduler):
+    """--min-session-fps: with one session's measured rounds giving it under twice the rate, a second session waits in
+    the queue (its slot free, its reason capacity) and runs when the first ends: nothing starves."""
+    class SlowEngine(FakeEngine):
+        def start(self, spec, clip=None, batcher=None):
+            inner = super().start(spec, clip, batcher)
+
+            def gen():
+                for block in inner:
+                    time.sleep(0.2)  # 1 frame a block: about 4 frames/s, whatever the machine's load
+                    yield block
+            return gen()
+
+    engine = SlowEngine(blocks=3)
+    metrics = ServeMetrics()
+    manager = SessionManager(engine, ServeConfig(max_sessions=4, session_scheduler=scheduler, min_session_fps=3.0),
+                             metrics, VideoStore(tmp_path, 16, 8))
+    loop = asyncio.new_event_loop()
+    try:
+        first, second = (Session(f"s{i}", "raw", False, loop, Outbox(8, metrics)) for i in range(2))
+        assert manager.admit(first, SessionSpec(first.id, None, None)) == "running"  # the first always runs
+        manager.start()
+        deadline = time.monotonic() + 60
+        while len(engine.order) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        while not manager.capacity.rounds and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert manager.admit(second, SessionSpec(second.id, None, None)) == "queued"  # two would get ~2 frames/s
+        while len(engine.order) < 6 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        manager.stop()
+    finally:
+        loop.close()
+    assert engine.order == ["s0"] * 3 + ["s1"] * 3  # the second ran once the first had ended

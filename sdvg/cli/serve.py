@@ -50,6 +50,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                                                        "read-only, no dotfiles, no listing")
     p.add_argument("--max-sessions", type=int, default=_D.max_sessions,
                    help=f"generations at once, interleaved block by block (default: {_D.max_sessions})")
+    p.add_argument("--min-session-fps", type=float, default=_D.min_session_fps,
+                   help="admit a session only while the measured cost of the worker's rounds says every admitted "
+                        "session keeps this many frames/s; a session that would not fit waits in the queue (told "
+                        "why), the first always runs (default: 0, admit by --max-sessions only)")
     p.add_argument("--session-scheduler", choices=SESSION_SCHEDULERS, default=_D.session_scheduler,
                    help="how the worker runs the sessions: 'batched' makes the next block of every runnable session "
                         "in one round, their denoising, commits and scoring batched (each video bitwise its own); "
@@ -130,7 +134,7 @@ def config_of(args, environ=None) -> ServeConfig:
 
     token = resolve_token(args.token, args.token_file, os.environ if environ is None else environ)
     return ServeConfig(host=args.host, port=args.port, token=token, max_sessions=args.max_sessions,
-                       session_scheduler=args.session_scheduler,
+                       session_scheduler=args.session_scheduler, min_session_fps=args.min_session_fps,
                        max_queue=args.max_queue, idle_timeout_s=args.idle_timeout,
                        first_message_timeout_s=args.first_message_timeout, max_pause_s=args.max_pause_s,
                        header_timeout_s=args.header_timeout, max_connections=args.max_connections,

@@ -25,6 +25,9 @@ class ServeConfig:
     # how the worker runs them: "batched" (each runnable session's next block in one round, the model work that can
     # go together batched) or "round_robin" (one session's block at a time); sdvg/serve/sessions.py
     session_scheduler: str = "batched"
+    # admit a session only while the measured round costs say every admitted one keeps this many frames/s (0: no
+    # such rule, `max_sessions` only); sdvg/serve/capacity.py
+    min_session_fps: float = 0.0
     max_queue: int = 8  # sessions waiting for a slot; one more gets `busy`
     idle_timeout_s: float = 300.0  # no client message while not generating (after completed)
     first_message_timeout_s: float = 30.0  # from the socket's opening to its parameters (refused messages don't count)
@@ -80,6 +83,8 @@ class ServeConfig:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
         if self.session_scheduler not in SESSION_SCHEDULERS:
             raise ValueError(f"session_scheduler {self.session_scheduler!r} must be one of {', '.join(SESSION_SCHEDULERS)}")
+        if not self.min_session_fps >= 0:
+            raise ValueError(f"min_session_fps {self.min_session_fps} must be >= 0 (0: admit by --max-sessions only)")
         if self.max_queue < 0:
             raise ValueError(f"max_queue {self.max_queue} must be >= 0 (0: refuse when every slot is taken)")
         for name in ("idle_timeout_s", "first_message_timeout_s", "max_pause_s", "header_timeout_s", "upload_deadline_s",

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from sdvg.generation.batching import StageBatcher
+from sdvg.serve.capacity import CapacityModel
 from sdvg.serve.commands import Command, EndRun, InputRead, LiveUpdate, Snapshot, Start
 from sdvg.serve.config import ServeConfig
 from sdvg.serve.encode import encode_block
@@ -207,6 +208,7 @@ class SessionManager:
         self.turn = 0
         # the batched worker's batcher: one round at a time, at most max_sessions rows in a call
         self.batcher = StageBatcher(max_rows=cfg.max_sessions) if cfg.session_scheduler == "batched" else None
+        self.capacity = CapacityModel()  # measured round costs: `--min-session-fps` admission (sdvg/serve/capacity.py)
         self.stopping = False
         self.busy_block = False
         self.thread = threading.Thread(target=self._work, name="sdvg-serve-worker", daemon=True)
@@ -248,7 +250,7 @@ class SessionManager:
                 self._restart(session)
                 session_event(session, "reset", run=session.run, **described)
                 return "running"
-            if len(self.active) < self.cfg.max_sessions:
+            if self._has_room():
                 self.active.append(session)
                 session.state = "running"
                 self._restart(session)
@@ -363,8 +365,14 @@ class SessionManager:
         self.metrics.sessions_total.inc()
         self._queue(session, Start(session.run, session.spec))
 
+    def _has_room(self) -> bool:
+        """(under the lock) Whether one more session may run: a slot is free and, with `--min-session-fps`, the
+        measured round costs say every admitted session keeps that rate with it (the first always runs)."""
+        return len(self.active) < self.cfg.max_sessions and self.capacity.admits(len(self.active) + 1,
+                                                                                  self.cfg.min_session_fps)
+
     def _promote(self) -> None:
-        while self.queue and len(self.active) < self.cfg.max_sessions:
+        while self.queue and self._has_room():
             nxt = self.queue.popleft()
             self.active.append(nxt)
             nxt.state = "running"
@@ -376,9 +384,10 @@ class SessionManager:
 
     def _tell_positions(self) -> None:
         """sdvg clients hear their place in the queue; plain ones wait silently (Krea has no queue)."""
+        why = "slots" if len(self.active) >= self.cfg.max_sessions else "capacity"
         for pos, s in enumerate(self.queue, 1):
             if s.superset:
-                s.post_text({"status": "queued", "position": pos, "session_id": s.id})
+                s.post_text({"status": "queued", "position": pos, "session_id": s.id, "reason": why})
 
     def _counts(self) -> None:
         self.metrics.sessions_active.set(len(self.active))
@@ -533,19 +542,28 @@ class SessionManager:
     def _step(self, sessions: list[Session]) -> None:
         """The next block of each of `sessions`: one round of the batcher (batched), or the one session's alone."""
         t0 = time.perf_counter()
-        if self.batcher is None:
-            for s in sessions:
-                self._took(s, *_next_block(s.generation), t0)
-            return
-        before = collections.Counter(self.batcher.stats.calls)
-        # earliest deadline first (a session's playback running dry; a new one's first frame: its start), and each
-        # block handed over as soon as it is made, while the round goes on
-        self.batcher.run_round([s.generation.__next__ for s in sessions], [s.deadline() for s in sessions],
-                               on_done=lambda i, ok, outcome: self._took(sessions[i], ok, outcome, t0))
-        self.metrics.round(len(sessions), self.batcher.stats.calls - before)
+        frames = [self._took(s, *_next_block(s.generation), t0) for s in sessions] if self.batcher is None else None
+        if self.batcher is not None:
+            before = collections.Counter(self.batcher.stats.calls)
+            made = {}
+            # earliest deadline first (a session's playback running dry; a new one's first frame: its start), and
+            # each block handed over as soon as it is made, while the round goes on
+            self.batcher.run_round([s.generation.__next__ for s in sessions], [s.deadline() for s in sessions],
+                                   on_done=lambda i, ok, outcome: made.update({i: self._took(sessions[i], ok, outcome,
+                                                                                              t0)}))
+            self.metrics.round(len(sessions), self.batcher.stats.calls - before)
+            frames = list(made.values())
+        blocks = [f for f in frames if f]
+        if len(blocks) == len(sessions):  # a whole round of blocks (none ended or failed): its cost is measured
+            with self.cond:
+                self.capacity.observe(len(sessions), time.perf_counter() - t0, sum(blocks) / len(blocks))
+                if self.cfg.min_session_fps > 0:
+                    self._promote()  # the measured cost may let a waiting session in
+                    self._counts()
 
-    def _took(self, s: Session, ok: bool, outcome, t0: float) -> None:
-        """A session's next block (`ok`), or how its generation ended (StopIteration) or failed."""
+    def _took(self, s: Session, ok: bool, outcome, t0: float) -> int:
+        """A session's next block (`ok`), or how its generation ended (StopIteration) or failed -> the block's frames
+        (0: none)."""
         if not ok and isinstance(outcome, StopIteration):  # the slot is free before the client hears of the end
             session_event(s, "completed", run=s.run, blocks=s.blocks_done, frames=s.frames_done,
                           acceptance=s.accepted / s.later if s.later else None,
@@ -553,7 +571,7 @@ class SessionManager:
             self._end(s, reason="completed")
             self._finished(s)
             s.post_text(s.completed())
-            return
+            return 0
         if not ok:
             exc = outcome
             if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: not the session's failure
@@ -563,7 +581,7 @@ class SessionManager:
             self._end(s, reason="error")
             self._finished(s)
             s.post_error(f"generation failed at block {s.blocks_done}: {type(exc).__name__}: {exc}", failed=True)
-            return
+            return 0
         block = outcome
         now = time.perf_counter()
         self.metrics.block_latency.observe(now - t0)
@@ -594,6 +612,7 @@ class SessionManager:
                 stats.update(prompt_index=live["prompt_index"], blend_weight=live["blend_weight"],
                              forced_by_update=live["forced_by_update"])
         s.post(self._deliver, s, s.gen_run, block.index, first, frames, stats)
+        return int(frames.shape[0])
 
     def _end(self, s: Session, reason: str) -> None:
         """Close the generation and finish its MP4 (worker)."""
