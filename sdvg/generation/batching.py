@@ -34,6 +34,13 @@ from sdvg.models.dit import TextKV
 from sdvg.generation.noise import gaussian
 
 
+def _role_key(kind: str, model, rows: torch.Tensor, together: bool, *more) -> tuple | None:
+    """What requests of one call share: the kind, the role's DiT, the rows' shape and device (None: never batched)."""
+    if not together:
+        return None
+    return (kind, model.role, id(model.dit), tuple(rows.shape), str(model.device), *more)
+
+
 @dataclass(frozen=True)
 class DenoiseRequest:
     """One video's few-step denoising of a block (`RoleModel.denoise`'s arguments). `together`: whether it may
@@ -48,11 +55,9 @@ class DenoiseRequest:
 
     @property
     def key(self) -> tuple | None:
-        if not self.together:
-            return None
-        m = self.model
-        return ("denoise", m.role, id(m.dit), tuple(self.noise.shape), str(m.device), m.schedule.num_steps,
-                tuple(float(t) for t in m.schedule.timesteps))
+        schedule = self.model.schedule
+        return _role_key("denoise", self.model, self.noise, self.together, schedule.num_steps,
+                         tuple(float(t) for t in schedule.timesteps))
 
     def alone(self) -> torch.Tensor:
         m = self.model
@@ -71,10 +76,7 @@ class CommitRequest:
 
     @property
     def key(self) -> tuple | None:
-        if not self.together:
-            return None
-        m = self.model
-        return ("commit", m.role, id(m.dit), tuple(self.latents.shape), str(m.device))
+        return _role_key("commit", self.model, self.latents, self.together)
 
     def alone(self) -> None:
         return self.model.commit_forward(self.latents, self.frame0, self.text_kv)
