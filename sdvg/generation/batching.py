@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -169,6 +170,11 @@ def score_together(requests: list[ScoreRequest]) -> list[torch.Tensor]:
     return list(scores.split(rows))
 
 
+def _lane(request) -> str:
+    """The lane a request's call runs on: its role's (a DiT's), or the reward model's."""
+    return "reward" if isinstance(request, ScoreRequest) else request.model.role
+
+
 TOGETHER: dict[str, Callable[[list], list]] = {"denoise": denoise_together, "commit": commit_together,
                                                 "score": score_together}
 
@@ -188,9 +194,12 @@ class _Member:
 
 @dataclass
 class BatchStats:
-    """What the batcher ran: calls by (kind, rows), and the rounds."""
+    """What the batcher ran: calls by (kind, rows); the seconds its batched calls took by lane (the role whose model
+    ran: drafter, target, or reward), until each call returned (on a GPU: its launches, unless the stage timing
+    waits for the device); the rounds."""
 
     calls: collections.Counter = field(default_factory=collections.Counter)
+    lane_seconds: collections.Counter = field(default_factory=collections.Counter)
     rounds: int = 0
 
     def rows(self, kind: str) -> int:
@@ -277,10 +286,12 @@ class StageBatcher:
                     break
                 group = self._group(waiting)
                 kind = group[0].request.key[0]
+                t0 = time.perf_counter()
                 try:
                     results, failed = TOGETHER[kind]([m.request for m in group]), False
                 except Exception as exc:  # every video of the call hears of it, in its own loop
                     results, failed = [exc] * len(group), True
+                self.stats.lane_seconds[_lane(group[0].request)] += time.perf_counter() - t0
                 self.stats.calls[(kind, len(group))] += 1
                 for m, r in zip(group, results):
                     m.result, m.failed, m.request, m.state = r, failed, None, "ready"

@@ -99,6 +99,12 @@ class ServeMetrics:
         self.batched_calls = Counter("sdvg_serve_batched_calls", "model calls of the batched worker, by kind "
                                      "(denoise, commit, score) and rows (sessions in the call)", ["kind", "rows"],
                                      registry=r)
+        self.lane_seconds = Counter("sdvg_serve_lane_seconds", "seconds of the batched worker's model calls by lane "
+                                    "(drafter, target, reward): rate() is the lane's utilisation", ["lane"],
+                                    registry=r)
+        self.inter_block = Histogram("sdvg_serve_inter_block_seconds", "per session, the time between consecutive "
+                                     "blocks' frames reaching the socket (p50 / p99 from the buckets)",
+                                     buckets=LATENCY_BUCKETS, registry=r)
         self.deadline_misses = Counter("sdvg_serve_deadline_misses", "blocks made after their session's playback had "
                                        "run dry (its frames so far played at the server's fps): the session fell "
                                        "behind", registry=r)
@@ -115,11 +121,14 @@ class ServeMetrics:
             self._accepted += decision == "accepted"
             self.acceptance.set(self._accepted / self._later)
 
-    def round(self, sessions: int, calls: dict | None = None) -> None:
-        """One round of the batched worker: its sessions and the model calls it made ((kind, rows) -> count)."""
+    def round(self, sessions: int, calls: dict | None = None, lane_seconds: dict | None = None) -> None:
+        """One round of the batched worker: its sessions, the model calls it made ((kind, rows) -> count) and their
+        seconds by lane (lane -> seconds)."""
         self.round_sessions.observe(sessions)
         for (kind, rows), count in (calls or {}).items():
             self.batched_calls.labels(kind, str(rows)).inc(count)
+        for lane, seconds in (lane_seconds or {}).items():
+            self.lane_seconds.labels(lane).inc(seconds)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -545,13 +545,15 @@ class SessionManager:
         frames = [self._took(s, *_next_block(s.generation), t0) for s in sessions] if self.batcher is None else None
         if self.batcher is not None:
             before = collections.Counter(self.batcher.stats.calls)
+            busy = collections.Counter(self.batcher.stats.lane_seconds)
             made = {}
             # earliest deadline first (a session's playback running dry; a new one's first frame: its start), and
             # each block handed over as soon as it is made, while the round goes on
             self.batcher.run_round([s.generation.__next__ for s in sessions], [s.deadline() for s in sessions],
                                    on_done=lambda i, ok, outcome: made.update({i: self._took(sessions[i], ok, outcome,
                                                                                               t0)}))
-            self.metrics.round(len(sessions), self.batcher.stats.calls - before)
+            stats = self.batcher.stats
+            self.metrics.round(len(sessions), stats.calls - before, stats.lane_seconds - busy)
             frames = list(made.values())
         blocks = [f for f in frames if f]
         if len(blocks) == len(sessions):  # a whole round of blocks (none ended or failed): its cost is measured
@@ -606,7 +608,8 @@ class SessionManager:
                      "producer": PRODUCER.get(block.decision, block.decision), "frames": int(frames.shape[0]),
                      "first_frame": first, "times": {k: round(v, 6) for k, v in block.times.items()},
                      "acceptance": s.accepted / s.later if s.later else None, "latency_s": now - t0,
-                     "late_s": round(late_s, 6)}
+                     "late_s": round(late_s, 6),
+                     "session_fps": round(s.frames_done / (now - s.t_start), 3) if now > s.t_start else None}
             live = getattr(block, "live", None)  # a live session's block: the prompt it was made under
             if live:
                 stats.update(prompt_index=live["prompt_index"], blend_weight=live["blend_weight"],
@@ -667,6 +670,7 @@ class SessionManager:
             self.metrics.first_frame.observe(now - s.t_start)
         if s.last_block_sent is not None:
             interval = now - s.last_block_sent
+            self.metrics.inter_block.observe(interval)
             if s.last_interval is not None:
                 self.metrics.jitter.observe(abs(interval - s.last_interval))
             s.last_interval = interval
