@@ -225,3 +225,21 @@ def test_a_sessions_lateness_is_its_playback_running_dry():
         assert s.played(12.0, 16, 16.0) == 0.5 and s.deadline() == 13.0  # 0.5 s dry; playback restarts now
     finally:
         loop.close()
+
+
+def test_why_a_role_runs_alone_is_one_rule(tiny_pipe):
+    """`why_alone`: what keeps a role's calls out of other sessions' batches (the stage calls ask it; the server puts
+    it in the session's stats): the backend, CUDA graphs, early exit, a recompute context."""
+    from sdvg.generation.batching import why_alone
+    from sdvg.options import GenerationOptions
+
+    def resolved(**kw):
+        return tiny_pipe.resolve(GenerationOptions(**kw))
+
+    plain = resolved()
+    assert [why_alone(plain, r) for r in ("drafter", "target", "reward")] == [None, None, None]
+    assert "recompute" in why_alone(resolved(drafter_cache="recompute"), "drafter")
+    assert why_alone(resolved(drafter_cache="recompute"), "target") is None
+    assert "early_exit" in why_alone(resolved(early_exit="drafter"), "drafter")
+    compiled = resolved(backend="compile")
+    assert "compile" in why_alone(compiled, "drafter") and "compile" in why_alone(compiled, "reward")

@@ -35,6 +35,22 @@ from sdvg.models.dit import TextKV
 from sdvg.generation.noise import gaussian
 
 
+def why_alone(opts, role: str) -> str | None:
+    """Why `role`'s denoising and commits in a video of resolved `opts` never join other videos' calls (None: they
+    may; `role` "reward": its scoring). The one rule: the stage calls ask it, and the server tells a session."""
+    if opts.backend != "eager":
+        return f"backend {opts.backend!r}: batched calls run the eager modules"
+    if role == "reward":
+        return None
+    if opts.cuda_graphs:
+        return "cuda_graphs: a captured graph replays one video's shapes"
+    if opts.early_exit != "none":
+        return "early_exit: each token leaves the denoising loop at its own step"
+    if opts.role_context(role).recompute:
+        return "a recompute context: the block's context is rebuilt before its denoising"
+    return None
+
+
 def _role_key(kind: str, model, rows: torch.Tensor, together: bool, *more) -> tuple | None:
     """What requests of one call share: the kind, the role's DiT, the rows' shape and device (None: never batched)."""
     if not together:

@@ -30,6 +30,7 @@ from collections import deque
 import torch
 
 from sdvg._native import _C
+from sdvg.generation.batching import why_alone
 from sdvg.generation.early_exit.record import block_exits
 from sdvg.generation.noise import block_noise, copy_ahead
 from sdvg.generation.plan import BlockStep, Plan, native_plan
@@ -108,10 +109,7 @@ class StageCalls(_C.StageCalls):
         # several videos batched together (sdvg/generation/batching.py): the denoising and the scoring go through
         # the batcher, which runs them with the other videos' of its round (alone outside one); None: here
         self.batcher = batcher
-        eager = opts.backend == "eager" and not opts.cuda_graphs and opts.early_exit == "none"
-        self.together = {m.role: eager and not m.context.recompute and m.exit_verifier is None
-                         for m in (setup.drafter, setup.target) if m is not None}
-        self.together_scores = opts.backend == "eager"  # the scorer as it is (no compiled or engine reward)
+        self.together = {role: why_alone(opts, role) is None for role in (*opts.roles, "reward")}
 
     def _kv(self, role: str, block: int):
         """`role`'s cross-attention K/V of block `block`'s conditioning (its step's)."""
@@ -266,7 +264,7 @@ class StageCalls(_C.StageCalls):
             def scores(pixels):
                 if self.batcher is not None:
                     return self.batcher.score(self.comps.scorer, self._score_prompt(block), to_unit_frames(pixels),
-                                              self.together_scores)
+                                              self.together["reward"])
                 return self.setup.runners.score(self._score_prompt(block), to_unit_frames(pixels))
             return self.guard.score(scores, frames, self.setup.aggregator, producer, block)
         score, frame_scores = self._call("score", self.vae_dev, run)

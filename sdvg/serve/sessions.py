@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from sdvg.generation.batching import StageBatcher
+from sdvg.generation.batching import StageBatcher, why_alone
 from sdvg.serve.capacity import CapacityModel
 from sdvg.serve.commands import Command, EndRun, InputRead, LiveUpdate, Snapshot, Start
 from sdvg.serve.config import ServeConfig
@@ -122,6 +122,7 @@ class Session:
         self.last_block_sent: float | None = None
         self.last_interval: float | None = None
         self.play_end: float | None = None  # (worker) when the frames made so far run out, played at the server's fps
+        self.alone: dict[str, str] = {}  # (worker) batched worker: role -> why its calls run alone (its stats say)
         self.lock = asyncio.Lock()  # orders encoded blocks and text messages
 
     def deadline(self) -> float:
@@ -530,6 +531,9 @@ class SessionManager:
             return
         s.blocks_done = s.frames_done = s.accepted = s.later = 0
         s.play_end = None  # a new run's playback starts with its first block
+        opts = getattr(s.generation, "opts", None)  # a live session's resolved options
+        s.alone = {} if self.batcher is None or opts is None else {
+            role: why for role in (*opts.roles, "reward") if (why := why_alone(opts, role)) is not None}
 
     def _read_input(self, s: Session, run: int, spec: SessionSpec) -> None:
         """(its own thread) Read the run's input video, then hand it to the worker (`InputRead`)."""
@@ -610,6 +614,8 @@ class SessionManager:
                      "acceptance": s.accepted / s.later if s.later else None, "latency_s": now - t0,
                      "late_s": round(late_s, 6),
                      "session_fps": round(s.frames_done / (now - s.t_start), 3) if now > s.t_start else None}
+            if s.alone:  # never refused for it: its calls run in batches of its own
+                stats["alone"] = s.alone
             live = getattr(block, "live", None)  # a live session's block: the prompt it was made under
             if live:
                 stats.update(prompt_index=live["prompt_index"], blend_weight=live["blend_weight"],
