@@ -81,6 +81,10 @@ def test_sessions_batched_together_are_each_bitwise_their_own(tiny_pipe):
     assert batcher.stats.rounds == 4  # three blocks, then the round that finds every end
 
 
+# slow: rows at other cache positions under other conditionings in one call stay fast in
+# test_forward_rows_equals_each_rows_forward_alone; batched sessions equal to their own alone in
+# test_sessions_batched_together_are_each_*their_own
+@pytest.mark.slow
 def test_sessions_at_different_blocks_and_a_live_update_stay_their_own(tiny_pipe):
     """A session that starts two rounds later (its blocks at other cache positions than the others' in the same
     call) and a prompt update mid-stream with a blend: each video still equals its own alone."""
@@ -98,6 +102,10 @@ def test_sessions_at_different_blocks_and_a_live_update_stay_their_own(tiny_pipe
     assert any(kind == "denoise" and rows == 2 for kind, rows in batcher.stats.calls), batcher.stats.calls
 
 
+# slow: the rule that keeps a recompute drafter out of batched calls stays fast in
+# test_why_a_role_runs_alone_is_one_rule; work run alone in its turn of the round in
+# test_one_job_runs_at_a_time_in_the_order_given
+@pytest.mark.slow
 def test_a_session_that_cannot_batch_runs_alone_in_the_round(tiny_pipe):
     """A recompute-context drafter (its denoise rebuilds the context first) never joins a call of other rows: the
     round still runs it, in its turn, and both videos equal their own alone."""
@@ -149,6 +157,26 @@ def test_one_job_runs_at_a_time_in_the_order_given():
         StageBatcher(max_rows=0)
 
 
+def test_deadlines_order_the_turns_and_each_job_is_handed_over_as_it_ends():
+    """`deadlines` with jobs that hand no model work over: earliest deadline first (ties in the order given), each
+    job's `on_done` before the next job's turn; the results in the order given. (With sessions' model calls:
+    test_earliest_deadline_first_and_each_block_handed_over_as_it_ends.)"""
+    batcher = StageBatcher()
+    events = []
+
+    def job(name):
+        def run():
+            events.append(("run", name))
+            return name
+        return run
+
+    results = batcher.run_round([job(n) for n in "abcd"], [3.0, 1.0, 2.0, 1.0],
+                                on_done=lambda i, ok, outcome: events.append(("done", i, ok, outcome)))
+    assert results == [(True, n) for n in "abcd"]
+    assert events == [("run", "b"), ("done", 1, True, "b"), ("run", "d"), ("done", 3, True, "d"),
+                      ("run", "c"), ("done", 2, True, "c"), ("run", "a"), ("done", 0, True, "a")]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_forward_rows_equals_each_rows_forward_alone(tiny_preset, dtype):
     """`CausalWanDiT.forward_rows`: four videos' blocks at different cache positions (0 to 3 blocks committed) under
@@ -186,6 +214,10 @@ def test_forward_rows_equals_each_rows_forward_alone(tiny_preset, dtype):
         dit.forward_rows(x, t, stacked, together[:2])
 
 
+# slow: deadline order of the turns and on_done as each job ends stay fast in
+# test_deadlines_order_the_turns_and_each_job_is_handed_over_as_it_ends; batched sessions equal to their own alone in
+# test_sessions_batched_together_are_each_*their_own
+@pytest.mark.slow
 def test_earliest_deadline_first_and_each_block_handed_over_as_it_ends(tiny_pipe):
     """`deadlines` order the turns and the calls: the earliest-deadline session's block is made first and handed
     over (`on_done`) before the round ends; the videos are the same whatever the order."""
