@@ -138,7 +138,7 @@ def test_the_pages_uploads_are_sent_back_by_their_path_and_used(tiny_pipe, tmp_p
     image = np.random.default_rng(4).integers(0, 256, size=(64, 64, 3), dtype=np.uint8)
     png = io.BytesIO()
     Image.fromarray(image).save(png, format="PNG")
-    write_clip(tmp_path / "in.mp4")
+    write_clip(tmp_path / "in.mp4", frames=9)  # one block's frames
     with running_server(tiny_pipe, tmp_path / "server") as (url, _):
         status, frame = upload(url, "/upload_start_frame", png.getvalue(), "start.png")
         assert status == 200 and frame["path"].startswith("up_") and "/" not in frame["path"]
@@ -153,9 +153,9 @@ def test_the_pages_uploads_are_sent_back_by_their_path_and_used(tiny_pipe, tmp_p
                                  scheduler="reference"))
     assert started["texts"] == [{"session_id": "page-sf", "status": "completed"}]
     assert np.array_equal(np.stack(started["frames"]), jpeg_roundtrip(want[0].frames.numpy()))
-    session = tiny_pipe.session("a lighthouse", num_blocks=2, seed=6, target_steps=5, scheduler="reference",
-                                input_video=read_video(tmp_path / "in.mp4", 21, 16), strength=0.8)
-    assert driven["texts"] == [{"session_id": "page-v2v", "status": "completed"}]  # 9 blocks asked, the clip has 2
+    session = tiny_pipe.session("a lighthouse", num_blocks=1, seed=6, target_steps=5, scheduler="reference",
+                                input_video=read_video(tmp_path / "in.mp4", 9, 16), strength=0.8)
+    assert driven["texts"] == [{"session_id": "page-v2v", "status": "completed"}]  # 9 blocks asked, the clip has 1
     assert np.array_equal(np.stack(driven["frames"]), jpeg_roundtrip(np.concatenate([b.frames.numpy()
                                                                                       for b in session])))
 
@@ -199,13 +199,13 @@ def test_the_pages_webcam_frames_in_base64_drive_the_session(tiny_pipe, tmp_path
     import base64
     import time
 
-    jpegs = webcam_frames(21, 64, 64)
+    jpegs = webcam_frames(9, 64, 64)  # one block's frames
 
     async def go(url):
         frames, texts = [], []
         async with websockets.connect(f"ws://{url}/session/page-cam", max_size=2**26) as ws:
             await ws.recv()  # ready
-            await ws.send(msgpack.packb(page_parameters("a lighthouse", 64, 64, 2, webcam_fps=30, seed=2)))
+            await ws.send(msgpack.packb(page_parameters("a lighthouse", 64, 64, 1, webcam_fps=30, seed=2)))
             for i, data in enumerate(jpegs):
                 text = base64.b64encode(data).decode()
                 await ws.send(msgpack.packb({"image": ("data:image/jpeg;base64," + text) if i % 5 == 0 else text,
@@ -222,7 +222,7 @@ def test_the_pages_webcam_frames_in_base64_drive_the_session(tiny_pipe, tmp_path
     with running_server(tiny_pipe, tmp_path) as (url, _):
         frames, texts = asyncio.run(go(url))
     assert len(texts) == 1, texts  # completed, nothing else
-    session = tiny_pipe.session("a lighthouse", num_blocks=2, seed=2, target_steps=5, scheduler="reference",
+    session = tiny_pipe.session("a lighthouse", num_blocks=1, seed=2, target_steps=5, scheduler="reference",
                                 input_frames=True, strength=0.8)
     session.update(input_frames=np.stack([decode_jpeg(j) for j in jpegs]))
     want = np.concatenate([b.frames.numpy() for b in session])
@@ -259,7 +259,7 @@ def test_a_plain_client_is_answered_as_krea_answers_and_never_hears_an_sdvg_mess
                             page_parameters("x", 1664, 960)):
                     await ws.send(msgpack.packb(bad))
                     refused.append(json.loads(await asyncio.wait_for(ws.recv(), 30)))
-                loose = {"prompt": "a lighthouse", "width": "70", "height": 64.0, "num_blocks": "2", "seed": "6",
+                loose = {"prompt": "a lighthouse", "width": "70", "height": 64.0, "num_blocks": "1", "seed": "6",
                          "num_denoising_steps": 5, "timestep_shift": 6.5, "context_noise": 0.2, "strength": 0.5,
                          "interp_blocks": 3, "bogus": {"x": 1}, "scheduler": "cpp"}
                 await ws.send(msgpack.packb(loose))
@@ -281,8 +281,8 @@ def test_a_plain_client_is_answered_as_krea_answers_and_never_hears_an_sdvg_mess
         assert set(reply) == {"error"} and isinstance(reply["error"], list), reply  # Krea's shape
         assert reply["error"][0]["loc"] == loc and reply["error"][0]["msg"], reply
     assert "1 to 8 steps" in refused[2]["error"][0]["msg"]
-    assert first == (9 + 12, [{"session_id": "plain-1", "status": "completed"}])  # 2 blocks at 64x64, nothing else
-    assert second == (9 + 12, [{"session_id": "plain-1", "status": "completed"}])
+    assert first == (9, [{"session_id": "plain-1", "status": "completed"}])  # 1 block at 64x64, nothing else
+    assert second == (9, [{"session_id": "plain-1", "status": "completed"}])
     assert adjusted["ignored_field"] >= 6 and adjusted["floored"] == 1 and adjusted["dropped_update"] >= 6
     assert adjusted["refused_params"] == 4
     said = caplog.text

@@ -180,6 +180,13 @@ def test_the_finite_check_is_one_sum_when_clean():
 PROMPT = "a red fox running through fresh snow"
 NB = 4
 SCHEDULERS = [("reference", False), ("cpp", False), ("cpp", True)]  # (scheduler, run_ahead)
+# the fast tier: the reference loop and the native scheduler with run-ahead (its drafter on a thread of its own);
+# the native scheduler without run-ahead runs the same guard in the whole suite
+FAST_SCHEDULERS = [("reference", False), ("cpp", True)]
+
+
+def _schedulers(fast=FAST_SCHEDULERS):
+    return [case if case in fast else pytest.param(*case, marks=pytest.mark.slow) for case in SCHEDULERS]
 
 
 @contextmanager
@@ -213,7 +220,7 @@ def _blocks(pipe, opts, scheduler, run_ahead=False, comps=None, runners=None):
     return list(generate_blocks_native(comps, PROMPT, opts.replace(run_ahead=run_ahead), runners=runners))
 
 
-@pytest.mark.parametrize("scheduler,run_ahead", SCHEDULERS)
+@pytest.mark.parametrize("scheduler,run_ahead", _schedulers())  # slow: cpp-False; the guard stays fast in cpp-True
 def test_nan_in_the_target_output_names_the_stage_and_block(tiny_pipe, scheduler, run_ahead):
     opts = GenerationOptions(num_blocks=NB, seed=3, tau=math.inf)
     with poisoned_output(tiny_pipe.components.target, 2), \
@@ -329,8 +336,16 @@ def test_routers_without_scores_and_draft_mode(tiny_pipe, scheduler):
         _blocks(tiny_pipe, GenerationOptions(mode="draft", num_blocks=NB, seed=3), scheduler)
 
 
-@pytest.mark.parametrize("scheduler,run_ahead", SCHEDULERS)
-@pytest.mark.parametrize("new_router", [dict(router="pattern", pattern="1111"), dict(router="random", accept_prob=1.0)])
+NEW_ROUTERS = [dict(router="pattern", pattern="1111"), dict(router="random", accept_prob=1.0)]
+# slow: four of the six; each router and each scheduler stays fast in one case: the pattern on the reference loop,
+# the random router on the native scheduler with run-ahead
+FAST_ROUTER_CASES = {(0, "reference", False), (1, "cpp", True)}
+
+
+@pytest.mark.parametrize("new_router,scheduler,run_ahead", [
+    pytest.param(router, *case, id=f"new_router{i}-{case[0]}-{case[1]}",
+                 marks=() if (i, *case) in FAST_ROUTER_CASES else pytest.mark.slow)
+    for i, router in enumerate(NEW_ROUTERS) for case in SCHEDULERS])
 def test_a_live_router_change_is_the_guards_router_too(tiny_pipe, scheduler, run_ahead, new_router):
     """A live session starts under the reward router (tau=-inf) and switches after block 0 to a router that
     accepts without looking; the drafter's block 2 is NaN. The block's own router decides: it would accept the
@@ -353,7 +368,7 @@ def test_a_live_router_change_is_the_guards_router_too(tiny_pipe, scheduler, run
     assert not [w for w in caught if issubclass(w.category, NonFiniteDraftWarning)]  # no 'rejected' said
 
 
-@pytest.mark.parametrize("scheduler,run_ahead", SCHEDULERS)
+@pytest.mark.parametrize("scheduler,run_ahead", _schedulers())  # slow: cpp-False; the switch stays fast in cpp-True
 def test_a_live_switch_to_the_reward_router_rejects_the_nan_draft(tiny_pipe, scheduler, run_ahead):
     """The other way: a session under a pattern that accepts everything switches to the reward router (tau=-inf)
     after block 0: the NaN draft of block 2 is rejected with the warning and the target makes it."""
