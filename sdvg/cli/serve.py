@@ -50,6 +50,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                                                        "read-only, no dotfiles, no listing")
     p.add_argument("--max-sessions", type=int, default=_D.max_sessions,
                    help=f"generations at once, interleaved block by block (default: {_D.max_sessions})")
+    p.add_argument("--no-batch-decode", dest="batch_decode", action="store_false",
+                   help="with --session-scheduler batched: decode each session's blocks alone, so that every "
+                        "session's video is bitwise its own (batched decodes differ by at most one uint8 level; "
+                        "slower where the VAE dominates)")
     p.add_argument("--min-session-fps", type=float, default=_D.min_session_fps,
                    help="admit a session only while the measured cost of the worker's rounds says every admitted "
                         "session keeps this many frames/s; a session that would not fit waits in the queue (told "
@@ -135,6 +139,7 @@ def config_of(args, environ=None) -> ServeConfig:
     token = resolve_token(args.token, args.token_file, os.environ if environ is None else environ)
     return ServeConfig(host=args.host, port=args.port, token=token, max_sessions=args.max_sessions,
                        session_scheduler=args.session_scheduler, min_session_fps=args.min_session_fps,
+                       batch_decode=args.batch_decode,
                        max_queue=args.max_queue, idle_timeout_s=args.idle_timeout,
                        first_message_timeout_s=args.first_message_timeout, max_pause_s=args.max_pause_s,
                        header_timeout_s=args.header_timeout, max_connections=args.max_connections,

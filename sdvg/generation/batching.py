@@ -3,22 +3,33 @@
 Each video keeps its own loop (`reference.py`), its own KV caches, VAE cache, plan and conditioning. A
 `StageBatcher` runs one block of each of several videos as a *round* (`run_round`): every video's loop
 runs on a thread of its own, but only one thread runs at a time (a turn passes from thread to thread, so
-no two loops ever touch a model at once, and the order of everything is fixed by the videos' order, not
-by the operating system). A loop that reaches a call the batcher can batch (`denoise`, `commit`, `score`)
-hands its request over and waits; once every video of the round waits or has its block, the batcher runs the
-waiting requests that can go together with the earliest-deadline one as one call, gives each video its
-own rows, and the loops go on. Work that cannot be batched runs in its loop's turn, as alone.
+no two loops ever touch a model at once, and the order of everything is fixed by the videos' order and
+deadlines, not by the operating system). A loop that reaches a call the batcher can batch (`denoise`,
+`commit`, `decode`, `score`) hands its request over and waits; once every video of the round waits or has
+its block, the batcher runs the waiting requests that can go together with the earliest-deadline one as
+one call, gives each video its own rows, and the loops go on. Work that cannot be batched runs in its
+loop's turn, as alone.
 
-What goes together (`DenoiseRequest.key`, `ScoreRequest.key`): the same DiT in the same role, the same
-block shape and schedule, a full context on the eager path without early exit; ImageReward on frames of
-one size. A row's arithmetic is its video's alone: its own RoPE position, its own self-attention over its
-own cache (`CausalWanDiT.forward_rows`), its own noise draws; only the linears, norms, cross-attention
-and the reward model run on the stacked rows. On the CPU that is bitwise the video alone (the tests'
-oracle: `pipe.session` run by itself); where a backend's batched kernels are not batch-invariant, the
-tolerance table of docs/invariants.md applies and the decisions must agree.
+What goes together (each request's `key`): the same DiT in the same role, block shape and schedule; VAE
+decodes whose caches stack; ImageReward on frames of one size. What never does is one rule, `why_alone`
+(the backend, CUDA graphs, early exit, a recompute context, fast_vae), which the stage calls ask before
+they hand a request over.
 
-Outside a round (a video run by itself) every call runs at once, as `RoleModel.denoise` and the scorer
-would: the batcher changes nothing then.
+Exactness. A DiT row's arithmetic is its video's alone: its own RoPE position, its own self-attention over
+its own cache (`CausalWanDiT.forward_rows`), its own noise draws; the linears, norms and cross-attention
+run on the stacked rows, and the few operations whose CPU kernel the row count changes run row by row; the
+reward head runs per video. So on the CPU a video's latents, forwards and caches are bitwise its own alone.
+The VAE's convolutions are not batch-invariant (the CPU's pick other kernels for a larger batch), so a
+batched decode's pixels differ from a decode alone in the last bits (about 1e-5 in [-1, 1]; a uint8 frame
+by at most one level, the VAE's cache carrying them to the next blocks) and so do the scores read from them
+(tiny's random reward model: within 1e-3): the decisions agree unless a score lies that close to tau, and
+the latents then stay bitwise (nothing the DiTs read comes from pixels; a recompute context, which
+re-encodes emitted frames, decodes alone). `StageBatcher(batch_decode=False)` decodes each video alone:
+every session is then bitwise its own, frames and scores included. The tests' oracle is `pipe.session`
+run by itself (tests/test_batching.py); on a GPU, where cuBLAS may pick other kernels for a larger batch
+too, the tolerance table of docs/invariants.md applies and the decisions must agree.
+
+Outside a round (a video run by itself) every call runs at once, as alone: the batcher changes nothing then.
 """
 from __future__ import annotations
 
@@ -35,13 +46,22 @@ from sdvg.models.dit import TextKV
 from sdvg.generation.noise import gaussian
 
 
-def why_alone(opts, role: str) -> str | None:
-    """Why `role`'s denoising and commits in a video of resolved `opts` never join other videos' calls (None: they
-    may; `role` "reward": its scoring). The one rule: the stage calls ask it, and the server tells a session."""
+def why_alone(opts, part: str) -> str | None:
+    """Why `part`'s calls in a video of resolved `opts` never join other videos' (None: they may). `part`: a role
+    ("drafter", "target": its denoising and commits), "vae" (its decodes) or "reward" (its scoring). The one rule:
+    the stage calls ask it, and the server tells a session."""
     if opts.backend != "eager":
         return f"backend {opts.backend!r}: batched calls run the eager modules"
-    if role == "reward":
+    if part == "reward":
         return None
+    if part == "vae":
+        if opts.fast_vae:
+            return "fast_vae: its own decode path"
+        if any(opts.role_context(r).recompute for r in opts.roles):
+            return ("a recompute context re-encodes the emitted frames: a batched decode's last-bit differences "
+                    "would reach its latents")
+        return None
+    role = part
     if opts.cuda_graphs:
         return "cuda_graphs: a captured graph replays one video's shapes"
     if opts.early_exit != "none":
@@ -51,29 +71,25 @@ def why_alone(opts, role: str) -> str | None:
     return None
 
 
-def _role_key(kind: str, model, rows: torch.Tensor, together: bool, *more) -> tuple | None:
-    """What requests of one call share: the kind, the role's DiT, the rows' shape and device (None: never batched)."""
-    if not together:
-        return None
+def _role_key(kind: str, model, rows: torch.Tensor, *more) -> tuple:
+    """What requests of one call share: the kind, the role's DiT, the rows' shape and device."""
     return (kind, model.role, id(model.dit), tuple(rows.shape), str(model.device), *more)
 
 
 @dataclass(frozen=True)
 class DenoiseRequest:
-    """One video's few-step denoising of a block (`RoleModel.denoise`'s arguments). `together`: whether it may
-    run batched (the stage calls say: eager backend, no CUDA graphs, no early exit, full context)."""
+    """One video's few-step denoising of a block (`RoleModel.denoise`'s arguments)."""
 
     model: Any  # sdvg.generation.role_model.RoleModel
     noise: torch.Tensor  # [1, C, F, h, w] float32
     block: int
     seed: int
     text_kv: TextKV
-    together: bool
 
     @property
-    def key(self) -> tuple | None:
+    def key(self) -> tuple:
         schedule = self.model.schedule
-        return _role_key("denoise", self.model, self.noise, self.together, schedule.num_steps,
+        return _role_key("denoise", self.model, self.noise, schedule.num_steps,
                          tuple(float(t) for t in schedule.timesteps))
 
     def alone(self) -> torch.Tensor:
@@ -89,14 +105,32 @@ class CommitRequest:
     latents: torch.Tensor  # [1, C, F, h, w] on the model's device
     frame0: int
     text_kv: TextKV
-    together: bool
 
     @property
-    def key(self) -> tuple | None:
-        return _role_key("commit", self.model, self.latents, self.together)
+    def key(self) -> tuple:
+        return _role_key("commit", self.model, self.latents)
 
     def alone(self) -> None:
         return self.model.commit_forward(self.latents, self.frame0, self.text_kv)
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """One video's streaming VAE decode of a block (`StreamingVAEDecoder.decode(latents, cache)`)."""
+
+    vae: Any  # sdvg.models.vae.StreamingVAEDecoder
+    latents: torch.Tensor  # [1, z, F, h, w] on the VAE's device
+    cache: Any  # its VAEDecodeCache, advanced by the decode
+
+    @property
+    def key(self) -> tuple:
+        c = self.cache  # caches stack when their entries agree in shape (or marker) and in the first-block state
+        entries = tuple(tuple(e.shape[1:]) if isinstance(e, torch.Tensor) else e for e in c.entries)
+        return ("decode", id(self.vae), tuple(self.latents.shape), str(self.latents.device), c.frames_decoded == 0,
+                c.time_rule, c.time_slots, entries)
+
+    def alone(self) -> torch.Tensor:
+        return self.vae.decode(self.latents, self.cache)
 
 
 @dataclass(frozen=True)
@@ -106,12 +140,9 @@ class ScoreRequest:
     scorer: Any  # sdvg.models.reward.RewardScorer
     prompt: str
     unit_frames: torch.Tensor  # [N, 3, H, W] in [0, 1]
-    together: bool
 
     @property
-    def key(self) -> tuple | None:
-        if not self.together:
-            return None
+    def key(self) -> tuple:
         return ("score", id(self.scorer), tuple(self.unit_frames.shape[1:]), str(self.unit_frames.device))
 
     def alone(self) -> torch.Tensor:
@@ -169,6 +200,22 @@ def commit_together(requests: list[CommitRequest]) -> list[None]:
     return [None] * len(requests)
 
 
+def decode_together(requests: list[DecodeRequest]) -> list[torch.Tensor]:
+    """The requests' blocks decoded as one batch: their caches stacked row by row into one, decoded, and each video's
+    rows handed back to its own cache -> each pixels [1, 3, T, H, W]. Not bitwise each decode alone where the
+    convolutions pick other kernels for a larger batch (the CPU's do: pixels within about 1e-5)."""
+    first = requests[0].cache
+    merged = type(first)(len(first.entries), first.time_rule, first.time_slots)
+    merged.entries = [torch.cat(column) if isinstance(column[0], torch.Tensor) else column[0]
+                      for column in zip(*(r.cache.entries for r in requests))]
+    merged.frames_decoded = first.frames_decoded
+    pixels = requests[0].vae.decode(torch.cat([r.latents for r in requests]), merged)
+    for j, r in enumerate(requests):
+        r.cache.entries = [e[j:j + 1] if isinstance(e, torch.Tensor) else e for e in merged.entries]
+        r.cache.frames_decoded = merged.frames_decoded
+    return list(pixels.split(1))
+
+
 def score_together(requests: list[ScoreRequest]) -> list[torch.Tensor]:
     """The requests' frames scored in one ImageReward call, each frame with its own video's prompt -> each
     request's normalised scores [N_j]."""
@@ -187,12 +234,14 @@ def score_together(requests: list[ScoreRequest]) -> list[torch.Tensor]:
 
 
 def _lane(request) -> str:
-    """The lane a request's call runs on: its role's (a DiT's), or the reward model's."""
-    return "reward" if isinstance(request, ScoreRequest) else request.model.role
+    """The lane a request's call runs on: its role's (a DiT's), the VAE's or the reward model's."""
+    if isinstance(request, ScoreRequest):
+        return "reward"
+    return "vae" if isinstance(request, DecodeRequest) else request.model.role
 
 
 TOGETHER: dict[str, Callable[[list], list]] = {"denoise": denoise_together, "commit": commit_together,
-                                                "score": score_together}
+                                                "decode": decode_together, "score": score_together}
 
 
 @dataclass
@@ -227,33 +276,42 @@ class StageBatcher:
     (module docstring). `max_rows`: the most rows one call takes. One round at a time: `run_round` is called
     from one thread (the serving worker)."""
 
-    def __init__(self, max_rows: int = 8):
+    def __init__(self, max_rows: int = 8, batch_decode: bool = True):
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         self.max_rows = max_rows
+        # VAE decodes batched too (the largest gain where the VAE dominates, as on the CPU's tiny preset); False:
+        # each decode alone, every session bitwise its own (module docstring)
+        self.batch_decode = batch_decode
         self.stats = BatchStats()
         self._cond = threading.Condition()
         self._turn: _Member | None = None
         self._local = threading.local()
 
     # ------------------------------------------------------------ from a video's loop
-    def denoise(self, model, noise: torch.Tensor, block: int, seed: int, text_kv, together: bool) -> torch.Tensor:
+    def denoise(self, model, noise: torch.Tensor, block: int, seed: int, text_kv) -> torch.Tensor:
         """`model.denoise(noise, block, frame_of(block), seed, text_kv)`, batched with the round's other videos'
-        denoising of the same kind when `together` (alone outside a round)."""
-        return self._request(DenoiseRequest(model, noise, block, seed, text_kv, together))
+        denoising of the same kind (alone outside a round). The caller asks `why_alone` first: a role that must run
+        alone never comes here."""
+        return self._request(DenoiseRequest(model, noise, block, seed, text_kv))
 
-    def commit(self, model, latents: torch.Tensor, frame0: int, text_kv, together: bool) -> None:
-        """`model.commit_forward(latents, frame0, text_kv)`, batched with the round's other commits of the same kind
-        when `together` (a full context; a recompute context records the latents, no forward)."""
-        return self._request(CommitRequest(model, latents, frame0, text_kv, together))
+    def commit(self, model, latents: torch.Tensor, frame0: int, text_kv) -> None:
+        """`model.commit_forward(latents, frame0, text_kv)` of a full context, batched with the round's other
+        commits of the same kind."""
+        return self._request(CommitRequest(model, latents, frame0, text_kv))
 
-    def score(self, scorer, prompt: str, unit_frames: torch.Tensor, together: bool) -> torch.Tensor:
-        """`scorer.score(prompt, unit_frames)`, batched with the round's other scoring when `together`."""
-        return self._request(ScoreRequest(scorer, prompt, unit_frames, together))
+    def decode(self, vae, latents: torch.Tensor, cache) -> torch.Tensor:
+        """`vae.decode(latents, cache)` (the eager streaming decode), batched with the round's other decodes whose
+        caches stack (`DecodeRequest.key`)."""
+        return self._request(DecodeRequest(vae, latents, cache))
+
+    def score(self, scorer, prompt: str, unit_frames: torch.Tensor) -> torch.Tensor:
+        """`scorer.score(prompt, unit_frames)` (the eager scorer), batched with the round's other scoring."""
+        return self._request(ScoreRequest(scorer, prompt, unit_frames))
 
     def _request(self, request):
         member = getattr(self._local, "member", None)
-        if member is None or request.key is None:  # outside a round, or never together: as alone, in this turn
+        if member is None:  # outside a round: as alone, at once
             return request.alone()
         with self._cond:
             member.request, member.state = request, "waiting"

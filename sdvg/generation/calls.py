@@ -109,7 +109,7 @@ class StageCalls(_C.StageCalls):
         # several videos batched together (sdvg/generation/batching.py): the denoising and the scoring go through
         # the batcher, which runs them with the other videos' of its round (alone outside one); None: here
         self.batcher = batcher
-        self.together = {role: why_alone(opts, role) is None for role in (*opts.roles, "reward")}
+        self.together = {part: why_alone(opts, part) is None for part in (*opts.roles, "vae", "reward")}
 
     def _kv(self, role: str, block: int):
         """`role`'s cross-attention K/V of block `block`'s conditioning (its step's)."""
@@ -199,8 +199,8 @@ class StageCalls(_C.StageCalls):
         """`model` denoises block `block`'s noise under the block's conditioning (with other videos' through the
         batcher, when there is one)."""
         noise, kv = self._noise(model, block), self._kv(model.role, block)
-        if self.batcher is not None:
-            return self.batcher.denoise(model, noise, block, self.opts.seed, kv, self.together[model.role])
+        if self.batcher is not None and self.together[model.role]:
+            return self.batcher.denoise(model, noise, block, self.opts.seed, kv)
         return model.denoise(noise, block, model.frame_of(block), self.opts.seed, kv)
 
     # ---------------------------------------------------------------- stages
@@ -224,8 +224,8 @@ class StageCalls(_C.StageCalls):
     def _commit(self, model, block: int, latents: torch.Tensor) -> None:
         """`model`'s commit of block `block` (with other videos' through the batcher, when there is one)."""
         args = (latents, model.frame_of(block), self._kv(model.role, block))
-        if self.batcher is not None:
-            return self.batcher.commit(model, *args, self.together[model.role])
+        if self.batcher is not None and self.together[model.role]:
+            return self.batcher.commit(model, *args)
         return model.commit_forward(*args)
 
     def drafter_commit(self, block: int, latents: torch.Tensor) -> None:
@@ -251,8 +251,13 @@ class StageCalls(_C.StageCalls):
     def decode(self, latents: torch.Tensor, producer: str, block: int) -> torch.Tensor:
         """The VAE decodes `producer`'s latents of `block` (advances the VAE cache)."""
         runners, cache = self.setup.runners, self.setup.vae_cache
-        return self._call("decode", self.vae_dev, lambda: self.guard.decode(
-            lambda: runners.decode(self.transfer.get(latents, self.vae_dev), cache), latents, producer, block))
+
+        def decoded():
+            x = self.transfer.get(latents, self.vae_dev)
+            if self.batcher is not None and self.batcher.batch_decode and self.together["vae"]:  # with others' decodes
+                return self.batcher.decode(self.comps.vae, x, cache)
+            return runners.decode(x, cache)
+        return self._call("decode", self.vae_dev, lambda: self.guard.decode(decoded, latents, producer, block))
 
     def score(self, frames: torch.Tensor, producer: str, block: int):
         """ImageReward per frame, aggregated -> `_C.Scored`; None without a reward model."""
@@ -262,9 +267,8 @@ class StageCalls(_C.StageCalls):
 
         def run():
             def scores(pixels):
-                if self.batcher is not None:
-                    return self.batcher.score(self.comps.scorer, self._score_prompt(block), to_unit_frames(pixels),
-                                              self.together["reward"])
+                if self.batcher is not None and self.together["reward"]:  # with other videos' scoring of its round
+                    return self.batcher.score(self.comps.scorer, self._score_prompt(block), to_unit_frames(pixels))
                 return self.setup.runners.score(self._score_prompt(block), to_unit_frames(pixels))
             return self.guard.score(scores, frames, self.setup.aggregator, producer, block)
         score, frame_scores = self._call("score", self.vae_dev, run)

@@ -25,6 +25,9 @@ class ServeConfig:
     # how the worker runs them: "batched" (each runnable session's next block in one round, the model work that can
     # go together batched) or "round_robin" (one session's block at a time); sdvg/serve/sessions.py
     session_scheduler: str = "batched"
+    # batched: the sessions' VAE decodes batched too (pixels within a uint8 level of each session alone); False: each
+    # decode alone, every session's video bitwise its own (sdvg/generation/batching.py)
+    batch_decode: bool = True
     # admit a session only while the measured round costs say every admitted one keeps this many frames/s (0: no
     # such rule, `max_sessions` only); sdvg/serve/capacity.py
     min_session_fps: float = 0.0

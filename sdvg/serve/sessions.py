@@ -208,7 +208,8 @@ class SessionManager:
         self.sockets: set[Session] = set()  # every open socket's session (shutdown closes the idle ones at once)
         self.turn = 0
         # the batched worker's batcher: one round at a time, at most max_sessions rows in a call
-        self.batcher = StageBatcher(max_rows=cfg.max_sessions) if cfg.session_scheduler == "batched" else None
+        self.batcher = (StageBatcher(max_rows=cfg.max_sessions, batch_decode=cfg.batch_decode)
+                        if cfg.session_scheduler == "batched" else None)
         self.capacity = CapacityModel()  # measured round costs: `--min-session-fps` admission (sdvg/serve/capacity.py)
         self.stopping = False
         self.busy_block = False
