@@ -68,6 +68,8 @@ STEPS = (
                                               "decisions (fp8_quality.py)"),
     Step("profile", "PROFILE_S", 30, "kernel classes and device-busy fraction per variant (2-block videos)"),
     Step("graphs", "GRAPHS_S", 20, "the drafter's CUDA graphs: SDVG at 73.1%"),
+    Step("sessions", "SESSIONS_S", 60, "4 live sessions batched against one after another, 3 blocks at 75% "
+                                       "(batched_sessions.py): aggregate frames/s, decisions equal"),
 )
 MODELS_S = {"real-size": 26, "wan2.1": 60}  # estimate of building the models (others: a few seconds)
 # the goals of one H200 at real size, 9 blocks (docs/engines.md): eager target-only measured 22.04 s
@@ -192,6 +194,13 @@ def write_summary_md(summary: dict, work: Path) -> None:
         lines.append(f"\nFP8 quality gate: {'passed' if gate.get('passed') else 'FAILED'}: per-forward relative error "
                      f"{gate.get('forward_relative_error')}, latent channel mean shift {gate.get('max_mean_shift_in_std')} "
                      f"std, std change {gate.get('max_std_change')}; tiny SDVG decisions {gate.get('decisions')}")
+    sessions = _json(work / "sessions" / "results.json")
+    if sessions:
+        lines.append(f"\n{sessions['sessions']} live sessions, {sessions['num_blocks']} blocks at 75%: one after another "
+                     f"{sessions['alone_frames_per_s']:.1f} frames/s, batched {sessions['batched_frames_per_s']:.1f} "
+                     f"frames/s ({sessions['speedup']:.2f}x); decisions equal {sessions['decisions_equal']}, max latent "
+                     f"difference {sessions['max_abs_latent_diff']:.3g}, frames within "
+                     f"{sessions['max_frame_level_diff']} levels")
     prof = _json(work / "profile" / "results.json").get("runs", [])
     if prof:
         lines += ["", "| profile: variant | mode | device busy | gemm | attention | copy | fused | elementwise | "
@@ -239,6 +248,7 @@ def main(argv=None) -> int:
 
     import torch
 
+    import batched_sessions
     import kernel_profile
 
     # each compiled part as it compiles, with its seconds: a cold start's cost even when a box ends it
@@ -326,6 +336,9 @@ def main(argv=None) -> int:
         "fp8_compile_warmup": lambda end: warmup({"backend": "compile", "quantization": "fp8"}, "fp8_compile_warmup"),
         "fp8_compile": lambda end: variant("fp8-compile", end),
         "graphs": lambda end: variant("graphs", end),
+        "sessions": lambda end: batched_sessions.main(["--preset", args.preset, "--device", args.device, "--sessions",
+                                                       "4", "--num-blocks", "3", "--out", str(work / "sessions")],
+                                                      pipe=pipe),
         "profile": lambda end: kernel_profile.main(
             ["--num-blocks", "2", "--no-warmup", "--deadline", str(end), "--out", str(work / "profile"), "--variants",
              ",".join(v for v, s in (("eager", "eager"), ("compile", "compile_warmup"), ("fp8", "fp8"),
@@ -337,6 +350,9 @@ def main(argv=None) -> int:
         "fp8_compile_warmup": lambda: _json(work / "fp8_compile_warmup.json"),
         "fp8": lambda: _json(work / "fp8.json"),
         "fp8_quality": lambda: _json(work / "fp8_quality.json"),
+        "sessions": lambda: {k: v for k, v in _json(work / "sessions" / "results.json").items()
+                             if k in ("alone_frames_per_s", "batched_frames_per_s", "speedup", "decisions_equal",
+                                      "max_abs_latent_diff", "max_frame_level_diff")},
     }
     for name in steps:
         left = None if args.deadline is None else args.deadline - time.time()

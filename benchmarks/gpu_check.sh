@@ -11,8 +11,9 @@
 #      (target-only, SDVG at 73.1%, draft-only) and each variant against it: compile (its warm-up, the
 #      compilation, in its own box; persistent inductor cache), fp8 (quantization, quality gate),
 #      fp8 + compile (its own warm-up box), the FP8 quality gate, a kernel-class profile of each variant,
-#      the drafter's CUDA graphs; every step in its own time box (EAGER_S, COMPILE_WARMUP_S, COMPILE_S,
-#      FP8_S, FP8_COMPILE_WARMUP_S, FP8_COMPILE_S, FP8_QUALITY_S, PROFILE_S, GRAPHS_S; STEPS picks steps).
+#      the drafter's CUDA graphs, 4 live sessions batched against one after another; every step in its own
+#      time box (EAGER_S, COMPILE_WARMUP_S, COMPILE_S, FP8_S, FP8_COMPILE_WARMUP_S, FP8_COMPILE_S, FP8_QUALITY_S,
+#      PROFILE_S, GRAPHS_S, SESSIONS_S; STEPS picks steps).
 # Everything it writes goes to a work folder, packed at the end (also when a step fails or time runs
 # out) into $OUT/results.tar.gz; $OUT/summary.log is this script's own output and $OUT/summary.md the
 # table of every variant against the eager baseline. Nothing else is left in $OUT (default
@@ -36,7 +37,7 @@ DEVICE=${DEVICE:-cuda:0}
 PY=${PYTHON:-python3}
 SITE_DIR=${SITE_DIR:-/tmp/sdvg-site}
 WHEEL_DIR=${WHEEL_DIR:-.whl}
-STEPS=${STEPS:-eager,compile_warmup,compile,fp8,fp8_compile_warmup,fp8_compile,fp8_quality,profile,graphs}
+STEPS=${STEPS:-eager,compile_warmup,compile,fp8,fp8_compile_warmup,fp8_compile,fp8_quality,profile,graphs,sessions}
 TESTS_S=${TESTS_S:-45}
 SESSION_S=${SESSION_S:-900}   # device time of one session, every start and call included
 START_S=${START_S:-150}       # a machine's start (estimate)

@@ -25,7 +25,7 @@ cuda=0; [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ] && cuda=1
 PYTHON=.compat/bin/python PRESET=tiny DEVICE=cpu bash benchmarks/gpu_check.sh --dry-run  # the plan, nothing run
 SDVG_CUDA=$cuda SITE_DIR=$PWD/.compat/sdvg-site PYTHON=.compat/bin/python OUT=$ret PRESET=tiny DEVICE=cpu \
   TESTS_S=900 EAGER_S=600 COMPILE_WARMUP_S=900 COMPILE_S=600 FP8_S=600 FP8_COMPILE_WARMUP_S=900 FP8_COMPILE_S=600 \
-  FP8_QUALITY_S=600 GRAPHS_S=300 PROFILE_S=900 bash benchmarks/gpu_check.sh  # CPU: generous boxes; the check is what ran
+  FP8_QUALITY_S=600 GRAPHS_S=300 PROFILE_S=900 SESSIONS_S=600 bash benchmarks/gpu_check.sh  # CPU: generous boxes; the check is what ran
 # what a device session gets back: the tarball, the summary log and table, and the inductor cache the compile
 # steps filled (for the next check to carry): 4 files
 n=$(find "$ret" -mindepth 1 | wc -l)
@@ -36,7 +36,7 @@ out=$(mktemp -d)
 tar -xzf "$ret/results.tar.gz" -C "$out"
 for f in env.json gpu_tests.log eager/results.json eager/results.md eager/timeline.png compile_warmup.json \
     compile/results.json fp8.json fp8/results.json fp8-quality/results.json fp8_quality.json fp8_compile_warmup.json \
-    fp8-compile/results.json graphs/results.json profile/results.json summary.json summary.md; do
+    fp8-compile/results.json graphs/results.json profile/results.json sessions/results.json summary.json summary.md; do
   [ -s "$out/$f" ] || { echo "compat_check: gpu_check.sh packed no $f"; exit 1; }
 done
 # tests/test_gpu.py only: on the CPU every test is skipped; none may fail

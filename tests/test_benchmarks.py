@@ -154,7 +154,8 @@ def test_gpu_check_dry_run_shows_the_plan_and_runs_nothing(tmp_path):
     assert start + run + rerun == need and ("does NOT fit" in lines[0]) == (need > session)
     steps = {m.group(1): int(m.group(2)) for m in re.finditer(r"^  (\S+)\s+(\d+) s  ", r.stdout, re.M)}
     assert list(steps) == ["wheels", "extension", "gpu-tests", "models", "eager", "compile_warmup", "compile", "fp8",
-                           "fp8_compile_warmup", "fp8_compile", "fp8_quality", "profile", "graphs", "pack"]
+                           "fp8_compile_warmup", "fp8_compile", "fp8_quality", "profile", "graphs", "sessions",
+                           "pack"]
     assert sum(steps.values()) == run
     assert "MISSING: diffusers==" in r.stdout and "nothing installed, built or measured" in r.stdout
     assert not (tmp_path / "out").exists()
