@@ -75,19 +75,25 @@ def _alone(pipe, prompt, updates=(), **kw) -> list:
 
 
 KW = dict(num_blocks=3, scheduler="reference")
+TAUS = {"a": -1e9, "b": 1e9, "c": 0.0}  # every draft accepted / rejected / the scores decide
 
 
-def test_sessions_batched_together_are_each_their_own(tiny_pipe):
+@pytest.fixture(scope="module")
+def three_alone(tiny_pipe) -> dict:
+    """The oracle of the three-session tests, made once: each session (PROMPTS[i], seed i, TAUS) run by itself."""
+    return {n: _alone(tiny_pipe, PROMPTS[i], seed=i, tau=TAUS[n], **KW) for i, n in enumerate(TAUS)}
+
+
+def test_sessions_batched_together_are_each_their_own(tiny_pipe, three_alone):
     """Three sessions of different prompts, seeds and thresholds: drafts, target blocks, commits, decodes and scores
     batched across them (calls of more than one row happened), every block equal to the session's alone (decision
     and latents exactly, frames and scores within the decode's tolerance)."""
-    taus = {"a": -1e9, "b": 1e9, "c": 0.0}  # every draft accepted / rejected / the scores decide
     batcher = StageBatcher()
-    sessions = {n: tiny_pipe.session(PROMPTS[i], seed=i, tau=taus[n], batcher=batcher, **KW)
-                for i, n in enumerate(taus)}
+    sessions = {n: tiny_pipe.session(PROMPTS[i], seed=i, tau=TAUS[n], batcher=batcher, **KW)
+                for i, n in enumerate(TAUS)}
     batched = _drive(batcher, sessions)
-    for i, n in enumerate(taus):
-        assert _same(batched[n], _alone(tiny_pipe, PROMPTS[i], seed=i, tau=taus[n], **KW)), n
+    for n in TAUS:
+        assert _same(batched[n], three_alone[n]), n
     assert [r[1] for r in batched["a"]] == ["forced", "accepted", "accepted"]
     assert [r[1] for r in batched["b"]] == ["forced", "rejected", "rejected"]
     calls = batcher.stats.calls
@@ -98,23 +104,22 @@ def test_sessions_batched_together_are_each_their_own(tiny_pipe):
     assert batcher.stats.rounds == 4  # three blocks, then the round that finds every end
 
 
-def test_without_batched_decodes_every_session_is_bitwise_its_own(tiny_pipe):
+def test_without_batched_decodes_every_session_is_bitwise_its_own(tiny_pipe, three_alone):
     """`batch_decode=False`: the DiT and reward calls still batched, each decode alone: decisions, scores, latents and
     frames bitwise the session's alone."""
-    taus = {"a": -1e9, "b": 1e9, "c": 0.0}
     batcher = StageBatcher(batch_decode=False)
-    sessions = {n: tiny_pipe.session(PROMPTS[i], seed=i, tau=taus[n], batcher=batcher, **KW)
-                for i, n in enumerate(taus)}
+    sessions = {n: tiny_pipe.session(PROMPTS[i], seed=i, tau=TAUS[n], batcher=batcher, **KW)
+                for i, n in enumerate(TAUS)}
     batched = _drive(batcher, sessions)
-    for i, n in enumerate(taus):
-        assert _bitwise(batched[n], _alone(tiny_pipe, PROMPTS[i], seed=i, tau=taus[n], **KW)), n
+    for n in TAUS:
+        assert _bitwise(batched[n], three_alone[n]), n
     calls = batcher.stats.calls
     assert calls[("denoise", 3)] >= 3 and calls[("score", 3)] >= 3 and not any(k == "decode" for k, _ in calls)
 
 
 # slow: rows at other cache positions under other conditionings in one call stay fast in
 # test_forward_rows_equals_each_rows_forward_alone; batched sessions equal to their own alone in
-# test_sessions_batched_together_are_each_*their_own
+# test_sessions_batched_together_are_each_their_own
 @pytest.mark.slow
 def test_sessions_at_different_blocks_and_a_live_update_stay_their_own(tiny_pipe):
     """A session that starts two rounds later (its blocks at other cache positions than the others' in the same
@@ -247,7 +252,7 @@ def test_forward_rows_equals_each_rows_forward_alone(tiny_preset, dtype):
 
 # slow: deadline order of the turns and on_done as each job ends stay fast in
 # test_deadlines_order_the_turns_and_each_job_is_handed_over_as_it_ends; batched sessions equal to their own alone in
-# test_sessions_batched_together_are_each_*their_own
+# test_sessions_batched_together_are_each_their_own
 @pytest.mark.slow
 def test_earliest_deadline_first_and_each_block_handed_over_as_it_ends(tiny_pipe):
     """`deadlines` order the turns and the calls: the earliest-deadline session's block is made first and handed
