@@ -133,10 +133,10 @@ def test_router_updates_are_checked_against_the_sessions_router_and_take_effect_
         s.update(router="pattern")
     assert s.updates == [] and s.stats.extra["updates"] == []  # a refused update changes nothing
     s.close()
-    s = tiny_pipe.session("a fox", num_blocks=4, scheduler="reference", router="pattern", pattern="0111")
-    ack = s.update(pattern="0000")  # from block 0 (nothing started yet): every block goes to the target
-    assert ack.block == 0 and s.stats.extra["updates"] == [{"block": 0, "pattern": "0000"}]
-    assert [b.decision for b in s] == ["forced", "rejected", "rejected", "rejected"]
+    s = tiny_pipe.session("a fox", num_blocks=3, scheduler="reference", router="pattern", pattern="011")
+    ack = s.update(pattern="000")  # from block 0 (nothing started yet): every block goes to the target
+    assert ack.block == 0 and s.stats.extra["updates"] == [{"block": 0, "pattern": "000"}]
+    assert [b.decision for b in s] == ["forced", "rejected", "rejected"]
 
 
 @pytest.mark.parametrize("schedule, match", [

@@ -77,13 +77,13 @@ def test_counted_steps_follow_krea_and_keep_the_default_lists():
 
 def test_target_steps_reach_the_target_only_and_the_default_count_is_bitwise(tiny_pipe):
     pipe = tiny_pipe
-    kw = dict(num_blocks=2, seed=3, scheduler="reference", mode="target")
+    kw = dict(num_blocks=1, seed=3, scheduler="reference", mode="target")  # one block shows the step count
     plain = pipe("a red fox", **kw).frames
     assert np.array_equal(pipe("a red fox", target_steps=4, **kw).frames, plain)  # tiny's full target: 4 steps
     five = pipe("a red fox", target_steps=5, **kw)
     assert not np.array_equal(five.frames, plain)
     assert five.stats[0].as_dict()["options"]["target_steps"] == 5
-    recompute = dict(kw, target_context="recompute")
+    recompute = dict(kw, num_blocks=2, target_context="recompute")  # block 1 rebuilds its context
     assert np.array_equal(pipe("a red fox", target_steps=5, **recompute).frames, pipe("a red fox", **recompute).frames)
     drafts = dict(kw, mode="draft")  # the drafter keeps its distilled schedule
     assert np.array_equal(pipe("a red fox", target_steps=2, **drafts).frames, pipe("a red fox", **drafts).frames)

@@ -226,8 +226,8 @@ def test_idle_socket_is_closed(tiny_pipe, tmp_path):
     from serve_harness import recv_json, running_server
 
     with running_server(tiny_pipe, tmp_path, idle_timeout_s=1.0, first_message_timeout_s=1.0) as (url, _):
-        async def go(query):
-            async with websockets.connect(f"ws://{url}/session/idle1{query}") as ws:
+        async def go(query, sid):
+            async with websockets.connect(f"ws://{url}/session/{sid}{query}") as ws:
                 await recv_json(ws, 30)
                 said = []
                 try:
@@ -235,8 +235,10 @@ def test_idle_socket_is_closed(tiny_pipe, tmp_path):
                         said.append(await recv_json(ws, 30))
                 except websockets.exceptions.ConnectionClosed as exc:
                     return said, exc.rcvd.code
-        said, code = asyncio.run(go("?sdvg=1"))
-        plain_said, plain_code = asyncio.run(go(""))
+        async def both():  # at once: each waits out its own timeout
+            return await asyncio.gather(go("?sdvg=1", "idle1"), go("", "idle2"))
+
+        (said, code), (plain_said, plain_code) = asyncio.run(both())
     assert len(said) == 1 and said[0]["status"] == "error" and "no parameters" in said[0]["error"] and code == 1000
     assert plain_said == [] and plain_code == 1000  # a plain client: the close alone (Krea has no such message)
 
