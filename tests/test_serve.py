@@ -573,12 +573,12 @@ def test_webcam_frames_drive_a_video_to_video_session_without_stalling_others(se
     from serve_harness import decode_jpeg
 
     url, _ = server
-    jpegs = _jpegs(21)
+    jpegs = _jpegs(9)  # one block's frames
 
     async def go():
         async with websockets.connect(f"ws://{url}/session/cam1?fmt=raw&sdvg=1", max_size=2**26) as ws:
             await recv_json(ws, 30)
-            await ws.send(msgpack.packb(params(num_blocks=2, webcam_mode=True, strength=0.6)))
+            await ws.send(msgpack.packb(params(num_blocks=1, webcam_mode=True, strength=0.6)))
             assert (await recv_json(ws, 30))["status"] == "params"
             other = await run_session(url, params(num_blocks=1), session_id="notcam")  # not held up by cam1
             for data in jpegs[:5]:
@@ -586,7 +586,7 @@ def test_webcam_frames_drive_a_video_to_video_session_without_stalling_others(se
             frames, texts = [], []
             sent = 5
             while True:
-                m = await asyncio.wait_for(ws.recv(), TIMEOUT) if sent == 21 else None
+                m = await asyncio.wait_for(ws.recv(), TIMEOUT) if sent == len(jpegs) else None
                 if m is None:  # the rest, one by one (each queued in order, read first in first out)
                     await ws.send(msgpack.packb({"image": jpegs[sent]}))
                     sent += 1
@@ -610,7 +610,7 @@ def test_webcam_frames_drive_a_video_to_video_session_without_stalling_others(se
     assert any(t.get("status") == "completed" for t in other["texts"]) and len(other["frames"]) == 9
     assert texts[-1]["status"] == "completed", texts
     assert not [t for t in texts if t["status"] == "ack"]  # webcam frames are not acknowledged
-    session = tiny_pipe.session(PROMPT, num_blocks=2, seed=5, kv_cache_frames=3, keep_first_frame=False,
+    session = tiny_pipe.session(PROMPT, num_blocks=1, seed=5, kv_cache_frames=3, keep_first_frame=False,
                                 scheduler="reference", input_frames=True, strength=0.6)
     session.update(input_frames=np.stack([decode_jpeg(j) for j in jpegs]))
     want = np.concatenate([b.frames.numpy() for b in session])
