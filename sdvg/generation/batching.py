@@ -7,8 +7,9 @@ no two loops ever touch a model at once, and the order of everything is fixed by
 deadlines, not by the operating system). A loop that reaches a call the batcher can batch (`denoise`,
 `commit`, `decode`, `score`) hands its request over and waits; once every video of the round waits or has
 its block, the batcher runs the waiting requests that can go together with the earliest-deadline one as
-one call, gives each video its own rows, and the loops go on. Work that cannot be batched runs in its
-loop's turn, as alone.
+one call, gives each video its own rows, and the loops go on. Calls on different devices run at the same
+time (two GPUs: the drafters' and the targets' calls of a round, each device one call). Work that cannot
+be batched runs in its loop's turn, as alone.
 
 What goes together (each request's `key`): the same DiT in the same role, block shape and schedule; VAE
 decodes whose caches stack; ImageReward on frames of one size. What never does is one rule, `why_alone`
@@ -92,9 +93,17 @@ class DenoiseRequest:
         return _role_key("denoise", self.model, self.noise, schedule.num_steps,
                          tuple(float(t) for t in schedule.timesteps))
 
+    @property
+    def device(self) -> str:
+        return str(self.model.device)
+
     def alone(self) -> torch.Tensor:
         m = self.model
         return m.denoise(self.noise, self.block, m.frame_of(self.block), self.seed, self.text_kv)
+
+    @staticmethod
+    def run_together(requests: list) -> list:
+        return denoise_together(requests)
 
 
 @dataclass(frozen=True)
@@ -110,8 +119,16 @@ class CommitRequest:
     def key(self) -> tuple:
         return _role_key("commit", self.model, self.latents)
 
+    @property
+    def device(self) -> str:
+        return str(self.model.device)
+
     def alone(self) -> None:
         return self.model.commit_forward(self.latents, self.frame0, self.text_kv)
+
+    @staticmethod
+    def run_together(requests: list) -> list:
+        return commit_together(requests)
 
 
 @dataclass(frozen=True)
@@ -129,8 +146,16 @@ class DecodeRequest:
         return ("decode", id(self.vae), tuple(self.latents.shape), str(self.latents.device), c.frames_decoded == 0,
                 c.time_rule, c.time_slots, entries)
 
+    @property
+    def device(self) -> str:
+        return str(self.latents.device)
+
     def alone(self) -> torch.Tensor:
         return self.vae.decode(self.latents, self.cache)
+
+    @staticmethod
+    def run_together(requests: list) -> list:
+        return decode_together(requests)
 
 
 @dataclass(frozen=True)
@@ -145,8 +170,16 @@ class ScoreRequest:
     def key(self) -> tuple:
         return ("score", id(self.scorer), tuple(self.unit_frames.shape[1:]), str(self.unit_frames.device))
 
+    @property
+    def device(self) -> str:
+        return str(self.unit_frames.device)
+
     def alone(self) -> torch.Tensor:
         return self.scorer.score(self.prompt, self.unit_frames)
+
+    @staticmethod
+    def run_together(requests: list) -> list:
+        return score_together(requests)
 
 
 def denoise_together(requests: list[DenoiseRequest]) -> list[torch.Tensor]:
@@ -234,14 +267,13 @@ def score_together(requests: list[ScoreRequest]) -> list[torch.Tensor]:
 
 
 def _lane(request) -> str:
-    """The lane a request's call runs on: its role's (a DiT's), the VAE's or the reward model's."""
+    """What a request's call is counted under: its role's (a DiT's), the VAE's or the reward model's."""
     if isinstance(request, ScoreRequest):
         return "reward"
-    return "vae" if isinstance(request, DecodeRequest) else request.model.role
+    if isinstance(request, DecodeRequest):
+        return "vae"
+    return getattr(getattr(request, "model", None), "role", type(request).__name__)
 
-
-TOGETHER: dict[str, Callable[[list], list]] = {"denoise": denoise_together, "commit": commit_together,
-                                                "decode": decode_together, "score": score_together}
 
 
 @dataclass
@@ -255,6 +287,23 @@ class _Member:
     result: Any = None
     outcome: Any = None  # the job's return value, or the exception it raised
     failed: bool = False
+
+
+class _Call:
+    """One batched call of a round: its members' requests run together (`run_together`), timed; an exception reaches
+    every member of the call."""
+
+    def __init__(self, group: list[_Member]):
+        self.group, self.results, self.failed, self.seconds = group, [], False, 0.0
+
+    def run(self) -> None:
+        requests = [m.request for m in self.group]
+        t0 = time.perf_counter()
+        try:
+            self.results = type(requests[0]).run_together(requests)
+        except Exception as exc:  # every video of the call hears of it, in its own loop
+            self.results, self.failed = [exc] * len(requests), True
+        self.seconds = time.perf_counter() - t0
 
 
 @dataclass
@@ -293,23 +342,27 @@ class StageBatcher:
         """`model.denoise(noise, block, frame_of(block), seed, text_kv)`, batched with the round's other videos'
         denoising of the same kind (alone outside a round). The caller asks `why_alone` first: a role that must run
         alone never comes here."""
-        return self._request(DenoiseRequest(model, noise, block, seed, text_kv))
+        return self.request(DenoiseRequest(model, noise, block, seed, text_kv))
 
     def commit(self, model, latents: torch.Tensor, frame0: int, text_kv) -> None:
         """`model.commit_forward(latents, frame0, text_kv)` of a full context, batched with the round's other
         commits of the same kind."""
-        return self._request(CommitRequest(model, latents, frame0, text_kv))
+        return self.request(CommitRequest(model, latents, frame0, text_kv))
 
     def decode(self, vae, latents: torch.Tensor, cache) -> torch.Tensor:
         """`vae.decode(latents, cache)` (the eager streaming decode), batched with the round's other decodes whose
         caches stack (`DecodeRequest.key`)."""
-        return self._request(DecodeRequest(vae, latents, cache))
+        return self.request(DecodeRequest(vae, latents, cache))
 
     def score(self, scorer, prompt: str, unit_frames: torch.Tensor) -> torch.Tensor:
         """`scorer.score(prompt, unit_frames)` (the eager scorer), batched with the round's other scoring."""
-        return self._request(ScoreRequest(scorer, prompt, unit_frames))
+        return self.request(ScoreRequest(scorer, prompt, unit_frames))
 
-    def _request(self, request):
+    def request(self, request):
+        """Hands `request` over from a video's loop and returns its result: at once outside a round
+        (`request.alone()`), else once the round's calls reach it, batched with the waiting requests of its `key`
+        (`type(request).run_together`). A request type has `key` (what may go together), `device` (calls on
+        different devices run at the same time), `alone()` and `run_together(requests) -> results`."""
         member = getattr(self._local, "member", None)
         if member is None:  # outside a round: as alone, at once
             return request.alone()
@@ -358,28 +411,36 @@ class StageBatcher:
                 waiting = [m for m in order if m.state == "waiting"]
                 if not waiting:
                     break
-                group = self._group(waiting)
-                kind = group[0].request.key[0]
-                t0 = time.perf_counter()
-                try:
-                    results, failed = TOGETHER[kind]([m.request for m in group]), False
-                except Exception as exc:  # every video of the call hears of it, in its own loop
-                    results, failed = [exc] * len(group), True
-                self.stats.lane_seconds[_lane(group[0].request)] += time.perf_counter() - t0
-                self.stats.calls[(kind, len(group))] += 1
-                for m, r in zip(group, results):
-                    m.result, m.failed, m.request, m.state = r, failed, None, "ready"
+                groups = self._groups(waiting)
+                calls = [_Call(group) for group in groups]
+                others = [threading.Thread(target=c.run, name="sdvg-batch-lane", daemon=True) for c in calls[1:]]
+                for t in others:  # calls on other devices at the same time (two GPUs: drafter and target lanes)
+                    t.start()
+                calls[0].run()
+                for t in others:
+                    t.join()
+                for c in calls:
+                    self.stats.lane_seconds[_lane(c.group[0].request)] += c.seconds
+                    self.stats.calls[(c.group[0].request.key[0], len(c.group))] += 1
+                    for m, r in zip(c.group, c.results):
+                        m.result, m.failed, m.request, m.state = r, c.failed, None, "ready"
             self.stats.rounds += 1
         for t in threads:
             t.join()
         return [(not m.failed, m.outcome) for m in members]
 
-    def _group(self, waiting: list[_Member]) -> list[_Member]:
-        """The waiting requests of the first one's key (`waiting` is in deadline order), at most `max_rows`, the
-        earliest deadlines first. Every video of a round waits on one request at a time, so the order of the calls
-        never splits a batch: it decides only whose block is done first."""
-        key = waiting[0].request.key
-        return [m for m in waiting if m.request.key == key][:self.max_rows]
+    def _groups(self, waiting: list[_Member]) -> list[list[_Member]]:
+        """The calls to run now, one per device: on each device, the waiting requests of the key of its earliest-
+        deadline request (`waiting` is in deadline order), at most `max_rows`, the earliest deadlines first. Every
+        video of a round waits on one request at a time, so the order of the calls never splits a batch: it decides
+        only whose block is done first."""
+        groups: dict[str, list[_Member]] = {}
+        for m in waiting:
+            device = m.request.device
+            if device not in groups:
+                key = m.request.key
+                groups[device] = [w for w in waiting if w.request.key == key][:self.max_rows]
+        return list(groups.values())
 
     def _member_main(self, member: _Member) -> None:
         self._local.member = member
