@@ -78,7 +78,9 @@ def test_complete_run_matches_the_doc(tiny_pipe, scheduler):
     assert stats["result"]["wall_s"] > 0 and stats["options"]["scheduler"] == scheduler
 
 
-@pytest.mark.parametrize("scheduler", ["cpp", "reference"])
+# slow: the reference loop's case; its stats stay fast in test_complete_run_matches_the_doc[reference], an early-exit
+# run's in [cpp] here
+@pytest.mark.parametrize("scheduler", ["cpp", pytest.param("reference", marks=pytest.mark.slow)])
 def test_early_exit_run_matches_the_doc(tiny_pipe, scheduler):
     stats = tiny_pipe(PROMPT, num_blocks=3, scheduler=scheduler, early_exit="both", exit_verifier="pattern",
                       pattern="01", router="pattern").stats.as_dict()
