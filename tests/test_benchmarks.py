@@ -127,6 +127,37 @@ def test_fp8_quality_gate_on_the_tiny_preset(tmp_path):
     assert "PASSED" in (tmp_path / "results.md").read_text()
 
 
+def test_serve_load_benchmark_measures_both_schedulers_bitwise(tmp_path):
+    """benchmarks/serve_load.py on tiny, 1 and 2 sessions of 2 blocks: a real server per scheduler, every session's
+    frames (fmt=raw) equal to its video made alone, the schema of results.json, the speed-up rows."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("websockets")
+    import serve_load
+
+    res = serve_load.main(["--presets", "tiny", "--sessions", "1,2", "--blocks", "2", "--time-limit-s", "600",
+                           "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["final"] is True and data["skipped"] == [] and res["runs"] == data["runs"]
+    assert [(r["preset"], r["scheduler"], r["sessions"]) for r in data["runs"]] == [
+        ("tiny", "round_robin", 1), ("tiny", "round_robin", 2), ("tiny", "batched", 1), ("tiny", "batched", 2)]
+    for r in data["runs"]:
+        assert {"frames_per_s", "ttff_s", "inter_block_p99_s", "dropped_frames", "equal_to_solo", "blocks",
+                "seconds"} <= set(r)
+        assert r["equal_to_solo"] is True and r["completed"] == r["sessions"] and r["failures"] == []
+        assert r["frames"] == r["sessions"] * 21 and r["frames_per_s"] > 0 and r["seconds"] > 0  # 9 + 12 frames
+        assert 0 < r["ttff_s"] <= r["ttff_max_s"] and r["inter_block_p99_s"] > 0
+        assert r["dropped_frames"] == r["dropped_frames_metric"] == 0 and r["options_differ"] == []
+        assert r["decisions"] == [["forced", "accepted"]] and r["acceptance"] == [1.0]  # pattern 1110: block 1
+    batched = [r for r in data["runs"] if r["scheduler"] == "batched"]
+    assert [r["round_sessions_mean"] is not None for r in batched] == [True, True]
+    assert all(r["round_sessions_mean"] is None for r in data["runs"] if r["scheduler"] == "round_robin")
+    assert [(s["preset"], s["sessions"]) for s in data["speedup"]] == [("tiny", 1), ("tiny", 2)]
+    assert all(s["speedup"] > 0 and s["goal"] is None for s in data["speedup"])
+    assert {"commit", "torch"} <= set(data["provenance"]) and data["host"]["torch_threads"] >= 1
+    assert len(data["host"]["loadavg_before"]) == len(data["host"]["loadavg_after"]) == 3
+    assert "batched / round_robin" in (tmp_path / "results.md").read_text()
+
+
 # --------------------------------------------------------------------------- benchmarks/gpu_check.sh
 ROOT = Path(__file__).resolve().parents[1]
 
