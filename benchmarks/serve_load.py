@@ -29,7 +29,9 @@ Per (preset, scheduler, sessions), in results.json `runs`:
   dropped_frames      the sum of the sessions' `dropped_frames` (their last `stats`); the server's own
                       sdvg_serve_dropped_frames_total over the round as dropped_frames_metric
   equal_to_solo       every session completed and its frames equal, bitwise, its video made alone (`mismatch`:
-                      per session that is not, the blocks that differ and by how many levels)
+                      per session that is not, the blocks that differ and by how many levels; the batched
+                      server's decodes batched, its default, differ by design by up to one level:
+                      --no-batch-decode for the bitwise server)
   acceptance          each session's last `stats` acceptance (accepted share of blocks 1..)
   round_sessions_mean the batched worker's sessions per round (sdvg_serve_round_sessions; null for round_robin)
   batched_calls       the batched worker's model calls by kind and rows (sdvg_serve_batched_calls_total)
@@ -46,6 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -317,7 +320,8 @@ def markdown(results: dict) -> str:
     rates = sorted({f"{a:.0%}" for r in results["runs"] for a in r["acceptance"] if a is not None})
     lines = [f"# `sdvg serve` under load: batched vs round_robin ({results['date']})", "",
              f"{results['blocks']} blocks per session, pattern router `{results['pattern']}` (acceptance of blocks "
-             f"1..: {', '.join(rates)}; the router from the {results['router_from']})"
+             f"1..: {', '.join(rates)}; the router from the {results['router_from']}), batched decodes "
+             f"{ {True: 'on', False: 'off', None: '(none on this server)'}[results.get('batch_decode')] }"
              f", fmt=raw, sdvg superset; one server per (preset, scheduler), the pipeline shared; "
              f"torch threads {host['torch_threads']}, {host['cpu_count']} CPUs, OMP_WAIT_POLICY "
              f"{host['omp_wait_policy']}; load average before {host['loadavg_before']}, after "
@@ -384,6 +388,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--pattern", default="1110", help="the pattern router's decisions (block b: pattern[b %% len])")
     ap.add_argument("--router-in-params", action="store_true",
                     help="clients also send router='pattern' (refused by the server as of this script; ROUTER_NOTE)")
+    ap.add_argument("--no-batch-decode", dest="batch_decode", action="store_false",
+                    help="the batched server decodes each session alone (`sdvg serve --no-batch-decode`: every session "
+                         "bitwise its own; batched decodes differ from alone by at most one level)")
     ap.add_argument("--client-timeout-s", type=float, default=600.0, help="one client's whole session")
     ap.add_argument("--time-limit-s", type=float, default=1800.0, help="the whole run: no round starts after it")
     ap.add_argument("--out", default="results/serve-load-cpu")
@@ -403,6 +410,9 @@ def main(argv=None) -> dict:
     from sdvg.options import GenerationOptions
     from sdvg.serve.config import ServeConfig
 
+    # a server from before batched decodes (ServeConfig without batch_decode) decodes each session alone
+    has_switch = "batch_decode" in {f.name for f in dataclasses.fields(ServeConfig)}
+    decode = {"batch_decode": args.batch_decode} if has_switch else {}
     t0 = time.monotonic()
     limit_at = t0 + args.time_limit_s
     out = Path(args.out)
@@ -410,7 +420,8 @@ def main(argv=None) -> dict:
     results = {"presets": presets, "schedulers": schedulers, "sessions": sessions, "blocks": args.blocks,
                "pattern": args.pattern, "router": "pattern",
                "router_from": "params" if args.router_in_params else "server default", "router_note": ROUTER_NOTE,
-               "kv_context": KREA_CONTEXT, "fmt": "raw", "client_timeout_s": args.client_timeout_s,
+               "kv_context": KREA_CONTEXT, "fmt": "raw",
+               "batch_decode": args.batch_decode if has_switch else None, "client_timeout_s": args.client_timeout_s,
                "time_limit_s": args.time_limit_s, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                "provenance": provenance(seed=[session_params(i, args.blocks, args.pattern)["seed"]
                                               for i in range(max(sessions))], prompt=None, device="cpu"),
@@ -442,7 +453,7 @@ def main(argv=None) -> dict:
             for scheduler in schedulers:
                 videos = stack.enter_context(tempfile.TemporaryDirectory(prefix="sdvg-serve-load-"))
                 cfg = ServeConfig(port=free_port(), max_sessions=max(sessions), max_queue=0,
-                                  session_scheduler=scheduler, video_dir=videos)
+                                  session_scheduler=scheduler, video_dir=videos, **decode)
                 stack.enter_context(served(pipe, cfg, GenerationOptions(router="pattern", pattern=args.pattern)))
                 ports[scheduler] = cfg.port
             for k, n in enumerate(sessions):

@@ -129,15 +129,17 @@ def test_fp8_quality_gate_on_the_tiny_preset(tmp_path):
 
 def test_serve_load_benchmark_measures_both_schedulers_bitwise(tmp_path):
     """benchmarks/serve_load.py on tiny, 1 and 2 sessions of 2 blocks: a real server per scheduler, every session's
-    frames (fmt=raw) equal to its video made alone, the schema of results.json, the speed-up rows."""
+    frames (fmt=raw) equal to its video made alone (decodes alone: batched ones differ by a level), the schema of
+    results.json, the speed-up rows."""
     pytest.importorskip("fastapi")
     pytest.importorskip("websockets")
     import serve_load
 
     res = serve_load.main(["--presets", "tiny", "--sessions", "1,2", "--blocks", "2", "--time-limit-s", "600",
-                           "--out", str(tmp_path)])
+                           "--no-batch-decode", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["final"] is True and data["skipped"] == [] and res["runs"] == data["runs"]
+    assert data["batch_decode"] is False
     assert [(r["preset"], r["scheduler"], r["sessions"]) for r in data["runs"]] == [
         ("tiny", "round_robin", 1), ("tiny", "round_robin", 2), ("tiny", "batched", 1), ("tiny", "batched", 2)]
     for r in data["runs"]:
