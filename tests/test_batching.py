@@ -311,3 +311,34 @@ def test_why_a_role_runs_alone_is_one_rule(tiny_pipe):
     assert "early_exit" in why_alone(resolved(early_exit="drafter"), "drafter")
     compiled = resolved(backend="compile")
     assert "compile" in why_alone(compiled, "drafter") and "compile" in why_alone(compiled, "reward")
+
+
+class _Meet:
+    """A request on a named device whose batched call waits, at a barrier, for a call on another device: it returns
+    only if the two calls run at the same time."""
+
+    def __init__(self, device: str, barrier: threading.Barrier):
+        self.device, self.barrier = device, barrier
+
+    @property
+    def key(self) -> tuple:
+        return ("meet", self.device)
+
+    def alone(self) -> str:
+        return self.device
+
+    @staticmethod
+    def run_together(requests: list) -> list:
+        requests[0].barrier.wait()  # BrokenBarrierError after its timeout: the calls ran one after another
+        return [r.device for r in requests]
+
+
+def test_calls_on_different_devices_run_at_the_same_time():
+    """Two GPUs: the drafter's and the target's calls of a round run at once (each device its own call; the two
+    requests on cuda:0 go together), and each video gets its own result; outside a round a request runs alone."""
+    barrier = threading.Barrier(2, timeout=30)
+    batcher = StageBatcher()
+    jobs = [lambda d=d: batcher.request(_Meet(d, barrier)) for d in ("cuda:0", "cuda:1", "cuda:0")]
+    assert batcher.run_round(jobs) == [(True, "cuda:0"), (True, "cuda:1"), (True, "cuda:0")]
+    assert batcher.stats.calls == {("meet", 2): 1, ("meet", 1): 1}
+    assert batcher.request(_Meet("cuda:0", barrier)) == "cuda:0"
