@@ -349,7 +349,7 @@ def markdown(results: dict) -> str:
     for preset, share in results["solo_stage_share"].items():
         lines += ["", f"{preset} alone (the solo videos), time by stage: "
                   + ", ".join(f"{k} {v:.0%}" for k, v in sorted(share.items(), key=lambda kv: -kv[1]))
-                  + " (the batched worker batches the `draft` and `target` denoising and `score`)"]
+                  + " (what the batched worker put together: `batched_calls` in results.json)"]
     dropped = sum(r["dropped_frames"] + r["dropped_frames_metric"] for r in results["runs"])
     lines += ["", f"Dropped frames, every run: {dropped} (goal 0). Equal to solo: "
               f"{sum(r['equal_to_solo'] for r in results['runs'])} of {len(results['runs'])} runs."]
