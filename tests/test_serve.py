@@ -201,6 +201,18 @@ def test_hostile_messages_get_errors_and_the_server_carries_on(server):
     assert got == 9
 
 
+def test_parameters_that_hold_only_together_are_taken_together(server):
+    """Options checked alone name the field they refuse, but a rule across fields is checked on them together: the
+    pattern router arrives with its pattern in the same parameters and decides the blocks; alone, it is refused."""
+    url, _ = server
+    out = asyncio.run(run_session(url, params(router="pattern", pattern="01"), fmt="raw", superset=True,
+                                  session_id="together1"))
+    assert [m["decision"] for m in out["texts"] if m["status"] == "stats"] == ["forced", "accepted"]
+    refused = asyncio.run(run_session(url, params(router="pattern"), superset=True, session_id="together2"))
+    error = next(m for m in refused["texts"] if m["status"] == "error")
+    assert error["field"] == "router" and "needs a decision pattern" in error["error"]
+
+
 def test_updates_sdvg_cannot_take_are_refused_by_field_and_krea_rules_hold(server):
     url, app = server
     assert app.state.engine.live

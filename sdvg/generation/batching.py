@@ -389,6 +389,15 @@ class StageBatcher:
         earliest-deadline request, with every waiting request of its kind). `on_done(index, ok, outcome)` is
         called on this thread as soon as a job ends, while the round goes on (a finished block need not wait for
         the round's slowest)."""
+        if len(jobs) == 1:  # nothing to batch with: the job on this thread, its calls as alone (no turns to pass)
+            try:
+                outcome = (True, jobs[0]())
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, StopIteration included
+                outcome = (False, exc)
+            if on_done is not None:
+                on_done(0, *outcome)
+            self.stats.rounds += 1
+            return [outcome]
         members = [_Member(i, job) for i, job in enumerate(jobs)]
         order = sorted(members, key=lambda m: (deadlines[m.index], m.index) if deadlines else m.index)
         threads = [threading.Thread(target=self._member_main, args=(m,), name=f"sdvg-batch-{m.index}", daemon=True)

@@ -155,11 +155,16 @@ class Engine:
                   "kv_cache_frames": params.kv_cache_num_frames, "keep_first_frame": params.keep_first_frame,
                   "scheduler": "reference", "run_ahead": False, "strength": params.strength,
                   "target_steps": steps}
-        for name, value in option_fields(params).items():  # each alone first: the error names its field
-            try:
-                GenerationOptions(**{name: value})
-            except (OptionError, TypeError, ValueError) as exc:
-                raise ProtocolError(name, str(exc)) from None
+        fields = option_fields(params)
+        try:
+            GenerationOptions(**fields)  # together: a rule across fields (router 'pattern' with its pattern) holds
+        except (OptionError, TypeError, ValueError) as together:
+            for name, value in fields.items():  # each alone: the error names its field
+                try:
+                    GenerationOptions(**{name: value})
+                except (OptionError, TypeError, ValueError) as exc:
+                    raise ProtocolError(name, str(exc)) from None
+            raise ProtocolError(None, str(together)) from None
         pipe = self.pipe_at(height, width)
         try:
             options = self.defaults.replace(**values)
