@@ -19,7 +19,10 @@ they hand a request over.
 Exactness. A DiT row's arithmetic is its video's alone: its own RoPE position, its own self-attention over
 its own cache (`CausalWanDiT.forward_rows`), its own noise draws; the linears, norms and cross-attention
 run on the stacked rows, and the few operations whose CPU kernel the row count changes run row by row; the
-reward head runs per video. So on the CPU a video's latents, forwards and caches are bitwise its own alone.
+reward head runs per video. So where the CPU's matrix products give a row the same result in a taller
+stack, a video's latents, forwards and caches are bitwise its own alone: tiny's sizes (the tests), and
+cpu-bench's up to two sessions; cpu-bench's target at three or more (216+ rows of 1536 inputs, 2 threads)
+is not batch-invariant, and there the rows agree within float rounding, the decisions with them.
 The VAE's convolutions are not batch-invariant (the CPU's pick other kernels for a larger batch), so a
 batched decode's pixels differ from a decode alone in the last bits (about 1e-5 in [-1, 1]; a uint8 frame
 by at most one level, the VAE's cache carrying them to the next blocks) and so do the scores read from them
