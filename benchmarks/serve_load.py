@@ -32,6 +32,7 @@ Per (preset, scheduler, sessions), in results.json `runs`:
                       per session that is not, the blocks that differ and by how many levels; the batched
                       server's decodes batched, its default, differ by design by up to one level:
                       --no-batch-decode for the bitwise server)
+  within_decode_tolerance  (when not bitwise) every frame there and within one uint8 level: batched VAE decodes
   acceptance          each session's last `stats` acceptance (accepted share of blocks 1..)
   round_sessions_mean the batched worker's sessions per round (sdvg_serve_round_sessions; null for round_robin)
   batched_calls       the batched worker's model calls by kind and rows (sdvg_serve_batched_calls_total)
@@ -254,6 +255,9 @@ def run_round(port: int, preset: str, scheduler: str, n: int, args, solos: dict,
              and np.array_equal(decoded[i]["frames"], solos[i])
              and decoded[i]["frame_ids"] == list(range(len(solos[i])))]
     mismatch = [mismatch_of(i, r, decoded[i], solos[i]) for i, r in recs if i not in equal]
+    # batched decodes (the default): every frame there, each within one uint8 level of the solo video's
+    within = len(recs) == n and all(m.get("max_abs", 99) <= DECODE_LEVELS and m["frames"] == m["solo_frames"]
+                                    and m["completed"] for m in mismatch)
     t_params = [r["t_params"] for _, r in recs]
     t_last = [r["frames"][-1][0] for _, r in recs if r["frames"]]
     seconds = max(t_last) - min(t_params) if t_last else None
@@ -270,12 +274,16 @@ def run_round(port: int, preset: str, scheduler: str, n: int, args, solos: dict,
         "dropped_frames": sum(s["dropped_frames"] for s in last_stats),
         **metrics_delta(before, after),
         "equal_to_solo": len(equal) == n, "sessions_equal_to_solo": len(equal), "mismatch": mismatch,
+        "within_decode_tolerance": within,
         "acceptance": sorted({s["acceptance"] for s in last_stats}, key=lambda a: (a is None, a)),
         "decisions": [list(d) for d in sorted({tuple(s["decision"] for s in r["stats"]) for _, r in recs})],
         "worker_block_p50_s": pct([s["latency_s"] for _, r in recs for s in r["stats"]], 50),
         "options_differ": sorted({k for i, r in recs for k in options_differ(r.get("options", {}), params[i])}),
         "failures": failures,
     }
+
+
+DECODE_LEVELS = 1  # a batched VAE decode's frames: within one uint8 level of the session alone (docs/server.md)
 
 
 def mismatch_of(i: int, rec: dict, got: dict, solo: np.ndarray) -> dict:
@@ -352,7 +360,9 @@ def markdown(results: dict) -> str:
                   + " (what the batched worker put together: `batched_calls` in results.json)"]
     dropped = sum(r["dropped_frames"] + r["dropped_frames_metric"] for r in results["runs"])
     lines += ["", f"Dropped frames, every run: {dropped} (goal 0). Equal to solo: "
-              f"{sum(r['equal_to_solo'] for r in results['runs'])} of {len(results['runs'])} runs."]
+              f"{sum(r['equal_to_solo'] for r in results['runs'])} of {len(results['runs'])} runs bitwise; the others "
+              f"within the batched decode's tolerance (every frame within {DECODE_LEVELS} level): "
+              f"{all(r['equal_to_solo'] or r['within_decode_tolerance'] for r in results['runs'])}."]
     unequal = [f"{r['preset']} {r['scheduler']} {r['sessions']}: session {m['session']}: "
                + (f"{m['frames_differ']} of {m['solo_frames']} frames differ (blocks {m['blocks_differ']}), at most "
                   f"{m['max_abs']} levels" if "max_abs" in m else f"{m['frames']} of {m['solo_frames']} frames, "
@@ -482,4 +492,4 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     res = main()
-    sys.exit(0 if res["runs"] and all(r["equal_to_solo"] for r in res["runs"]) else 1)
+    sys.exit(0 if res["runs"] and all(r["equal_to_solo"] or r["within_decode_tolerance"] for r in res["runs"]) else 1)
