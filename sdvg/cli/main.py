@@ -126,7 +126,7 @@ def main(argv=None, load_pipeline: Loader | None = None) -> int:
     commands that load one (default: from the preset, checkpoint and device flags)."""
     from sdvg.config import MemoryBudgetError
     from sdvg.io.exit_status import is_input_error
-    from sdvg.io.interrupts import exit_code_of, signals_interrupt
+    from sdvg.io.interrupts import Interrupted, exit_code_of, signals_interrupt
     from sdvg.io.locks import lock_command_outputs
     from sdvg.io.outputs import check_output_folders
     from sdvg.io.prompts import with_prompts_file_resolved
@@ -136,11 +136,17 @@ def main(argv=None, load_pipeline: Loader | None = None) -> int:
     args = build_parser(config_values(argv)).parse_args(argv)
     args.command_line = command_line
     configure_logging(args.log_level)
+    received: list[int] = []  # the signals that came (signals_interrupt)
     try:
-        check_output_folders(args)  # a missing folder without --create-dirs: refused before the lock makes it
-        # before the first block too (loading): exit 128 + signal, no traceback; every output locked before loading
-        with signals_interrupt(), lock_command_outputs(args):
-            return args.func(with_prompts_file_resolved(args), load_pipeline or build_pipeline)
+        try:
+            check_output_folders(args)  # a missing folder without --create-dirs: refused before the lock makes it
+            # before the first block too (loading): exit 128 + signal, no traceback; every output locked first
+            with signals_interrupt(received), lock_command_outputs(args):
+                return args.func(with_prompts_file_resolved(args), load_pipeline or build_pipeline)
+        except Exception:
+            if received:  # a signal that C code turned into another error (an import's ImportError): interrupted
+                raise Interrupted(received[0]) from None
+            raise
     except KeyboardInterrupt as exc:
         print(f"interrupted ({exc.args[0] if exc.args else 'SIGINT'})", file=sys.stderr)
         return exit_code_of(exc)

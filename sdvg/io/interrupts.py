@@ -26,13 +26,17 @@ def exit_code_of(exc: BaseException) -> int:
 
 
 @contextlib.contextmanager
-def signals_interrupt():
-    """Within the block, SIGINT, SIGTERM and SIGHUP raise `Interrupted` (main thread only; elsewhere a no-op)."""
+def signals_interrupt(received: list | None = None):
+    """Within the block, SIGINT, SIGTERM and SIGHUP raise `Interrupted` (main thread only; elsewhere a no-op). Each
+    signal is also appended to `received`: an interruption that lands inside C code (an import: numpy's turns it
+    into an ImportError) reaches the caller as another error, and the caller can still tell it was a signal."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def raise_interrupted(signum, frame):
+        if received is not None:
+            received.append(signum)
         raise Interrupted(signum)
 
     old = {s: signal.signal(s, raise_interrupted) for s in HANDLED}
