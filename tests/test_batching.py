@@ -280,6 +280,8 @@ def test_a_sessions_lateness_is_its_playback_running_dry():
     a block made after the frames before it would have finished playing at the server's fps is late by the gap."""
     import asyncio
 
+    pytest.importorskip("prometheus_client")  # the serve extra
+    pytest.importorskip("fastapi")
     from sdvg.serve.metrics import ServeMetrics
     from sdvg.serve.sessions import Outbox, Session
 
