@@ -75,3 +75,20 @@ def test_a_server_that_never_starts_is_a_runtime_failure(monkeypatch, capsys):
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)  # returns without starting
     assert main(["serve", "--preset", "tiny", "--port", "0", "--quiet"], load_pipeline=lambda args: object()) == 1
     assert "the server did not start" in capsys.readouterr().err
+
+
+def test_the_send_stall_flag_reaches_the_config_and_a_non_positive_one_is_refused(capsys):
+    from sdvg.cli.serve import config_of
+
+    seen = []
+
+    def loader(args):
+        seen.append(config_of(args).send_stall_s)
+        raise SystemExit(0)  # nothing loads
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--preset", "tiny", "--port", "0", "--send-stall-s", "2.5", "--quiet"], load_pipeline=loader)
+    assert seen == [2.5]
+    assert main(["serve", "--preset", "tiny", "--port", "0", "--send-stall-s", "0", "--quiet"],
+                load_pipeline=loader) == 2
+    assert "send_stall_s 0.0 must be > 0" in capsys.readouterr().err

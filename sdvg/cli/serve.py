@@ -92,6 +92,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         f"(default: {_D.flood_close_after})")
     p.add_argument("--send-buffer-frames", type=int, default=_D.send_buffer_frames,
                    help=f"unsent frames per socket before the oldest is dropped (default: {_D.send_buffer_frames})")
+    p.add_argument("--send-stall-s", type=float, default=_D.send_stall_s,
+                   help="a socket whose one send has waited this long (its client stopped reading) is cut, its session "
+                        f"leaves the worker's rotation, counted (default: {_D.send_stall_s:g})")
     p.add_argument("--max-message-bytes", type=int, default=_D.max_message_bytes,
                    help=f"largest websocket message (default: {_D.max_message_bytes})")
     p.add_argument("--max-upload-bytes", type=int, default=_D.max_upload_bytes,
@@ -146,7 +149,8 @@ def config_of(args, environ=None) -> ServeConfig:
                        max_connections_per_client=args.max_connections_per_client,
                        upload_min_bytes_per_s=args.upload_min_rate, upload_deadline_s=args.upload_deadline,
                        flood_close_after=args.max_refused_messages,
-                       send_buffer_frames=args.send_buffer_frames, max_message_bytes=args.max_message_bytes,
+                       send_buffer_frames=args.send_buffer_frames, send_stall_s=args.send_stall_s,
+                       max_message_bytes=args.max_message_bytes,
                        max_upload_bytes=args.max_upload_bytes, max_input_video_pixels=args.max_input_video_pixels,
                        max_upload_store_bytes=args.max_upload_store_bytes,
                        max_concurrent_uploads=args.max_concurrent_uploads, max_blocks=args.max_blocks,

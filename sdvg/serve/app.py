@@ -80,6 +80,12 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None, hook: Work
         if senders:
             await asyncio.wait(list(senders), timeout=cfg.drain_timeout_s)
 
+    def cut(peer: tuple) -> bool:
+        """Abort the connection from `peer` (a client that stopped reading): through the connection guard sdvg's
+        server gives the app (`server.http_protocol`); False under another server (Ray Serve's), which has none."""
+        guard = getattr(app.state, "connections", None)
+        return guard is not None and guard.abort(peer)
+
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.manager, app.state.metrics, app.state.engine, app.state.drain = manager, metrics, engine, drain
     app.state.videos, app.state.uploads, app.state.config = videos, uploads, cfg
@@ -170,7 +176,7 @@ def create_app(pipe, cfg: ServeConfig = ServeConfig(), defaults=None, hook: Work
     @app.websocket("/session/{session_id}")
     async def ws_session(websocket: WebSocket, session_id: str):
         await Connection(websocket, session_id, manager=manager, cfg=cfg, metrics=metrics, engine=engine,
-                         uploads=uploads, senders=senders).run()
+                         uploads=uploads, senders=senders, cut=cut).run()
 
     if site is not None:  # the operator's page and its files, after every other route
         @app.get("/{path:path}")

@@ -42,6 +42,7 @@ class ServeConfig:
     upload_deadline_s: float = 600.0  # an upload body's whole time
     max_pause_s: float = 60.0  # a paused run holds its slot this long (pings do not extend it), then it ends
     send_buffer_frames: int = 64  # per socket; when full the oldest unsent frame is dropped (counted)
+    send_stall_s: float = 10.0  # one send not done by then: the client stopped reading; its socket is cut (counted)
     max_message_bytes: int = 8 * 2**20  # one websocket message (uvicorn closes with 1009 above it)
     max_image_bytes: int = 4 * 2**20  # a webcam `image` or a start frame
     max_image_pixels: int = 4096 * 4096  # decoded image limit (uploads)
@@ -91,7 +92,8 @@ class ServeConfig:
         if self.max_queue < 0:
             raise ValueError(f"max_queue {self.max_queue} must be >= 0 (0: refuse when every slot is taken)")
         for name in ("idle_timeout_s", "first_message_timeout_s", "max_pause_s", "header_timeout_s", "upload_deadline_s",
-                     "upload_grace_s", "updates_per_s", "input_frames_per_s", "upload_ttl_s", "fps", "drain_timeout_s"):
+                     "upload_grace_s", "updates_per_s", "input_frames_per_s", "upload_ttl_s", "fps", "drain_timeout_s",
+                     "send_stall_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} {getattr(self, name)} must be > 0")
         if not 1 <= self.jpeg_quality <= 100:

@@ -4,7 +4,8 @@ A message goes: `run()` -> `_receive_loop()` (timeouts, frame kind, size, decode
 one to `on_params` (the generation's parameters), every later one to `on_update`, which hands each part of it to
 its handler (`on_reset`, `on_pause`, `on_ping`, `on_seed`, `on_image`, the live prompt and router fields). A refused
 message goes to `refuse` (one budget per socket); what the server sends goes through the socket's `Outbox` and
-`_send_loop`. The worker's side is `sdvg.serve.sessions`; the wire format, docs/server.md."""
+`_send_loop`. A send that waits `--send-stall-s` (the client stopped reading) cuts the socket (`_stalled`). The
+worker's side is `sdvg.serve.sessions`; the wire format, docs/server.md."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +13,7 @@ import dataclasses
 import os
 import socket
 import time
+from typing import Callable
 
 from sdvg.generation.types import strict_json
 from sdvg.live.updates import ROUTER_FIELDS
@@ -33,10 +35,14 @@ class Connection:
     shutdown waits for them)."""
 
     def __init__(self, websocket, session_id: str, *, manager: SessionManager, cfg: ServeConfig,
-                 metrics: ServeMetrics, engine: Engine, uploads: UploadStore, senders: set[asyncio.Task]):
+                 metrics: ServeMetrics, engine: Engine, uploads: UploadStore, senders: set[asyncio.Task],
+                 cut: Callable[[tuple], bool] = lambda peer: False):
         self.websocket, self.session_id = websocket, session_id
         self.manager, self.cfg, self.metrics, self.engine, self.uploads = manager, cfg, metrics, engine, uploads
         self.senders = senders
+        self.cut = cut  # (host, port) -> the connection aborted at once (False: the server cannot; see `_stalled`)
+        self.receiver: asyncio.Task | None = None  # the task of `run()` (its receive loop), once open
+        self.stalled = False
         self.fmt = websocket.query_params.get("fmt", "jpeg")
         self.superset = websocket.query_params.get("sdvg", "0") in ("1", "true")  # sdvg's superset (?sdvg=1)
         self.session: Session | None = None
@@ -56,8 +62,13 @@ class Connection:
         """The handshake, `ready`, then every message until the socket closes (or is closed)."""
         if not await self._open():
             return
+        self.receiver = asyncio.current_task()
         try:
             await self._receive_loop()
+        except asyncio.CancelledError:
+            if not self.stalled:  # the server's own cancellation
+                raise
+            self.receiver.uncancel()  # `_stalled` ended the receive loop: the socket's life ends here, normally
         finally:
             await self._close()
 
@@ -113,20 +124,38 @@ class Connection:
                 self.sender.cancel()
 
     async def _send_loop(self) -> None:
-        """The outbox to the socket, in order, until a close item (or the client is gone)."""
-        websocket, outbox = self.websocket, self.outbox
+        """The outbox to the socket, in order, until a close item (or the client is gone). Each send may wait
+        `--send-stall-s` for the client to read (the socket's buffers are full); longer, and the socket is cut."""
+        websocket, outbox, stall_s = self.websocket, self.outbox, self.cfg.send_stall_s
         try:
             while True:
                 item = await outbox.next()
                 if item[0] == "text":
-                    await websocket.send_text(strict_json(item[1]))
+                    await asyncio.wait_for(websocket.send_text(strict_json(item[1])), stall_s)
                 elif item[0] == "frame":
-                    await websocket.send_bytes(item[1])
+                    await asyncio.wait_for(websocket.send_bytes(item[1]), stall_s)
                 else:
-                    await websocket.close(code=item[1], reason=item[2])
+                    await asyncio.wait_for(websocket.close(code=item[1], reason=item[2]), stall_s)
                     return
+        except asyncio.TimeoutError:
+            self._stalled()
         except Exception:  # the client is gone
             return
+
+    def _stalled(self) -> None:
+        """The client stopped reading: one send waited --send-stall-s. Its session leaves the worker's rotation now
+        (the others' rounds go on without it; its MP4 is finished), it is counted, and the connection is cut: aborted,
+        its unsent bytes dropped, where the server can (uvicorn under sdvg's server); else the receive loop ends and
+        the socket closes once its bytes drain (a close frame would wait behind them)."""
+        session, outbox = self.session, self.outbox
+        self.stalled = True
+        self.metrics.stalled.inc()
+        session_event(session, "closed", why="send_stall", stall_s=self.cfg.send_stall_s, dropped=outbox.dropped,
+                      unsent=len(outbox.items))
+        self.manager.release(session)
+        peer = self.websocket.client
+        if not (peer is not None and self.cut((peer.host, peer.port))) and self.receiver is not None:
+            self.receiver.cancel()
 
     # ------------------------------------------------------------------ the receive loop
     def _wait_limit(self) -> tuple[float | None, str]:

@@ -7,6 +7,8 @@
 - **Header timeout**: a connection must complete its first request's headers within `header_timeout_s` (a silent
   or slow-header client is closed); after that uvicorn's keep-alive timeout and the app's own timeouts apply.
   A websocket upgrade has left HTTP by then and is not touched.
+- **Cutting a connection** (`ConnectionGuard.abort`): the app's way to drop a websocket whose client stopped
+  reading (`sdvg.serve.connection`), which a close could not end: its close frame would wait behind the unsent bytes.
 - **The open-file limit** is raised to its hard limit at start (`raise_fd_limit`).
 - **Accept failures and other event-loop errors** are logged once per interval with a count of the ones left
   out (`ThrottledLoopErrors`), not once per connection.
@@ -78,6 +80,17 @@ class ConnectionGuard:
                          "--max-connections, --max-connections-per-client)", client, len(self.open),
                          self.max_connections, self.max_per_client)
         return why
+
+    def abort(self, peer: tuple) -> bool:
+        """Cut the open connection from `peer` ((host, port), the ASGI scope's `client`) at once, its unsent bytes
+        dropped: a client that stopped reading, whose close would wait behind them for ever. False when none is open
+        from there."""
+        for transport in self.open:
+            name = transport.get_extra_info("peername")
+            if isinstance(name, (tuple, list)) and tuple(name[:2]) == tuple(peer[:2]):
+                transport.abort()
+                return True
+        return False
 
 
 class RateLimitedLog:

@@ -81,6 +81,9 @@ class ServeMetrics:
                                   registry=r)
         self.dropped = Counter("sdvg_serve_dropped_frames", "frames dropped from full send buffers (slow "
                                "clients); the MP4 keeps them", registry=r)
+        self.stalled = Counter("sdvg_serve_stalled_clients", "sockets cut because one send waited --send-stall-s (the "
+                               "client stopped reading); each one's session left the worker's rotation, its MP4 kept",
+                               registry=r)
         self.uploads_receiving = Gauge("sdvg_serve_uploads_receiving", "uploads whose bodies are being received "
                                        "(each held in memory while read)", registry=r)
         self.uploads_held_bytes = Gauge("sdvg_serve_upload_bytes", "bytes of the uploads stored (and being "

@@ -65,7 +65,7 @@ class Outbox:
         self.items.append(("text", message))
         self.event.set()
 
-    def frame(self, data: bytes, on_send=None) -> None:
+    def frame(self, data: bytes) -> None:
         if self.frames >= self.limit:
             for i, item in enumerate(self.items):
                 if item[0] == "frame":
@@ -74,7 +74,7 @@ class Outbox:
                     self.dropped += 1
                     self.metrics.dropped.inc()
                     break
-        self.items.append(("frame", data, on_send))
+        self.items.append(("frame", data))
         self.frames += 1
         self.event.set()
 
