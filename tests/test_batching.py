@@ -319,6 +319,8 @@ class _Meet:
     """A request on a named device whose batched call waits, at a barrier, for a call on another device: it returns
     only if the two calls run at the same time."""
 
+    lane = "meet"
+
     def __init__(self, device: str, barrier: threading.Barrier):
         self.device, self.barrier = device, barrier
 

@@ -81,10 +81,28 @@ def _role_key(kind: str, model, rows: torch.Tensor, *more) -> tuple:
 
 
 @dataclass(frozen=True)
-class DenoiseRequest:
-    """One video's few-step denoising of a block (`RoleModel.denoise`'s arguments)."""
+class RoleRequest:
+    """A request of one role's DiT (`model`): what it goes with, where it runs and which lane counts it.
+
+    Every request type answers the batcher's protocol: `key` (requests of one call share it), `device` (calls on
+    different devices run at the same time), `lane` (what its seconds are counted under), `alone()` (the call of one
+    video) and `run_together(requests)` (the call of several, each its own result)."""
 
     model: Any  # sdvg.generation.role_model.RoleModel
+
+    @property
+    def device(self) -> str:
+        return str(self.model.device)
+
+    @property
+    def lane(self) -> str:
+        return self.model.role
+
+
+@dataclass(frozen=True)
+class DenoiseRequest(RoleRequest):
+    """One video's few-step denoising of a block (`RoleModel.denoise`'s arguments)."""
+
     noise: torch.Tensor  # [1, C, F, h, w] float32
     block: int
     seed: int
@@ -96,10 +114,6 @@ class DenoiseRequest:
         return _role_key("denoise", self.model, self.noise, schedule.num_steps,
                          tuple(float(t) for t in schedule.timesteps))
 
-    @property
-    def device(self) -> str:
-        return str(self.model.device)
-
     def alone(self) -> torch.Tensor:
         m = self.model
         return m.denoise(self.noise, self.block, m.frame_of(self.block), self.seed, self.text_kv)
@@ -110,10 +124,9 @@ class DenoiseRequest:
 
 
 @dataclass(frozen=True)
-class CommitRequest:
+class CommitRequest(RoleRequest):
     """One video's t = 0 forward over a block it commits (`RoleModel.commit_forward`'s arguments)."""
 
-    model: Any  # sdvg.generation.role_model.RoleModel
     latents: torch.Tensor  # [1, C, F, h, w] on the model's device
     frame0: int
     text_kv: TextKV
@@ -121,10 +134,6 @@ class CommitRequest:
     @property
     def key(self) -> tuple:
         return _role_key("commit", self.model, self.latents)
-
-    @property
-    def device(self) -> str:
-        return str(self.model.device)
 
     def alone(self) -> None:
         return self.model.commit_forward(self.latents, self.frame0, self.text_kv)
@@ -153,6 +162,8 @@ class DecodeRequest:
     def device(self) -> str:
         return str(self.latents.device)
 
+    lane = "vae"
+
     def alone(self) -> torch.Tensor:
         return self.vae.decode(self.latents, self.cache)
 
@@ -176,6 +187,8 @@ class ScoreRequest:
     @property
     def device(self) -> str:
         return str(self.unit_frames.device)
+
+    lane = "reward"
 
     def alone(self) -> torch.Tensor:
         return self.scorer.score(self.prompt, self.unit_frames)
@@ -267,16 +280,6 @@ def score_together(requests: list[ScoreRequest]) -> list[torch.Tensor]:
     with torch.no_grad():
         scores = scorer.score_images(images, torch.cat(ids), torch.cat(masks), rows)
     return list(scores.split(rows))
-
-
-def _lane(request) -> str:
-    """What a request's call is counted under: its role's (a DiT's), the VAE's or the reward model's."""
-    if isinstance(request, ScoreRequest):
-        return "reward"
-    if isinstance(request, DecodeRequest):
-        return "vae"
-    return getattr(getattr(request, "model", None), "role", type(request).__name__)
-
 
 
 @dataclass
@@ -432,7 +435,7 @@ class StageBatcher:
                 for t in others:
                     t.join()
                 for c in calls:
-                    self.stats.lane_seconds[_lane(c.group[0].request)] += c.seconds
+                    self.stats.lane_seconds[c.group[0].request.lane] += c.seconds
                     self.stats.calls[(c.group[0].request.key[0], len(c.group))] += 1
                     for m, r in zip(c.group, c.results):
                         m.result, m.failed, m.request, m.state = r, c.failed, None, "ready"

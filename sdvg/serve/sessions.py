@@ -545,28 +545,35 @@ class SessionManager:
         self.command(s, InputRead(run, spec, clip))
 
     def _step(self, sessions: list[Session]) -> None:
-        """The next block of each of `sessions`: one round of the batcher (batched), or the one session's alone."""
+        """The next block of each of `sessions`: one round of the batcher (batched), or the one session's alone; a
+        whole round (none ended or failed) is measured for admission."""
         t0 = time.perf_counter()
-        frames = [self._took(s, *_next_block(s.generation), t0) for s in sessions] if self.batcher is None else None
-        if self.batcher is not None:
-            before = collections.Counter(self.batcher.stats.calls)
-            busy = collections.Counter(self.batcher.stats.lane_seconds)
-            made = {}
-            # earliest deadline first (a session's playback running dry; a new one's first frame: its start), and
-            # each block handed over as soon as it is made, while the round goes on
-            self.batcher.run_round([s.generation.__next__ for s in sessions], [s.deadline() for s in sessions],
-                                   on_done=lambda i, ok, outcome: made.update({i: self._took(sessions[i], ok, outcome,
-                                                                                              t0)}))
-            stats = self.batcher.stats
-            self.metrics.round(len(sessions), stats.calls - before, stats.lane_seconds - busy)
-            frames = list(made.values())
-        blocks = [f for f in frames if f]
-        if len(blocks) == len(sessions):  # a whole round of blocks (none ended or failed): its cost is measured
-            with self.cond:
-                self.capacity.observe(len(sessions), time.perf_counter() - t0, sum(blocks) / len(blocks))
-                if self.cfg.min_session_fps > 0:
-                    self._promote()  # the measured cost may let a waiting session in
-                    self._counts()
+        if self.batcher is None:
+            frames = [self._took(s, *_next_block(s.generation), t0) for s in sessions]
+        else:
+            frames = self._round(sessions, t0)
+        if all(frames) and len(frames) == len(sessions):
+            self._measured(len(sessions), time.perf_counter() - t0, sum(frames) / len(frames))
+
+    def _round(self, sessions: list[Session], t0: float) -> list[int]:
+        """One round of the batcher over `sessions`, earliest deadline first (a session's playback running dry; a new
+        one's first frame: its start), each block handed over as soon as it is made while the round goes on -> each
+        session's block's frames (0: its run ended or failed), in the order the blocks were made."""
+        stats = self.batcher.stats
+        calls, busy = collections.Counter(stats.calls), collections.Counter(stats.lane_seconds)
+        made = []
+        self.batcher.run_round([s.generation.__next__ for s in sessions], [s.deadline() for s in sessions],
+                               on_done=lambda i, ok, outcome: made.append(self._took(sessions[i], ok, outcome, t0)))
+        self.metrics.round(len(sessions), stats.calls - calls, stats.lane_seconds - busy)
+        return made
+
+    def _measured(self, sessions: int, seconds: float, frames_per_block: float) -> None:
+        """A whole round's cost, for admission by rate: it may let a waiting session in."""
+        with self.cond:
+            self.capacity.observe(sessions, seconds, frames_per_block)
+            if self.cfg.min_session_fps > 0:
+                self._promote()
+                self._counts()
 
     def _took(self, s: Session, ok: bool, outcome, t0: float) -> int:
         """A session's next block (`ok`), or how its generation ended (StopIteration) or failed -> the block's frames
