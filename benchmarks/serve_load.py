@@ -458,28 +458,26 @@ def main(argv=None) -> dict:
         results["solo_stage_share"][preset] = {k: round(v / sum(stages.values()), 4) for k, v in stages.items() if v}
         print(f"[{time.monotonic() - t0:7.1f} s] {preset}: built, {len(solos)} solo videos in "
               f"{results['solo_s'][preset]:.1f} s", flush=True)
-        with contextlib.ExitStack() as stack:  # both schedulers' servers up, their rounds interleaved
-            ports = {}
-            for scheduler in schedulers:
-                videos = stack.enter_context(tempfile.TemporaryDirectory(prefix="sdvg-serve-load-"))
-                cfg = ServeConfig(port=free_port(), max_sessions=max(sessions), max_queue=0,
-                                  session_scheduler=scheduler, video_dir=videos, **decode)
-                stack.enter_context(served(pipe, cfg, GenerationOptions(router="pattern", pattern=args.pattern)))
-                ports[scheduler] = cfg.port
-            for k, n in enumerate(sessions):
-                for scheduler in schedulers if k % 2 == 0 else schedulers[::-1]:  # each goes first in turn
-                    if time.monotonic() > limit_at:
-                        results["skipped"].append(f"{preset} {scheduler} {n}")
-                        continue
-                    run = run_round(ports[scheduler], preset, scheduler, n, args, solos, limit_at)
-                    run["measured"] = len(results["runs"])  # the order the rounds ran in
-                    results["runs"].append(run)
-                    results["runs"].sort(key=lambda r: (presets.index(r["preset"]), schedulers.index(r["scheduler"]),
-                                                        r["sessions"]))
-                    print(f"[{time.monotonic() - t0:7.1f} s] {preset} {scheduler} x{n}: "
-                          f"{run['frames_per_s'] or 0:.2f} frames/s, ttff {run['ttff_s'] or 0:.2f} s, "
-                          f"equal {run['equal_to_solo']}, dropped {run['dropped_frames']}", flush=True)
-                    write(results, out)
+        for k, n in enumerate(sessions):
+            for scheduler in schedulers if k % 2 == 0 else schedulers[::-1]:  # each goes first in turn
+                if time.monotonic() > limit_at:
+                    results["skipped"].append(f"{preset} {scheduler} {n}")
+                    continue
+                # a server of its own for each run, the only one up (a second server idle in the process slowed
+                # the run measured after the other's by up to 40% on 2 CPUs, whichever scheduler it was)
+                with tempfile.TemporaryDirectory(prefix="sdvg-serve-load-") as videos:
+                    cfg = ServeConfig(port=free_port(), max_sessions=max(sessions), max_queue=0,
+                                      session_scheduler=scheduler, video_dir=videos, **decode)
+                    with served(pipe, cfg, GenerationOptions(router="pattern", pattern=args.pattern)):
+                        run = run_round(cfg.port, preset, scheduler, n, args, solos, limit_at)
+                run["measured"] = len(results["runs"])  # the order the rounds ran in
+                results["runs"].append(run)
+                results["runs"].sort(key=lambda r: (presets.index(r["preset"]), schedulers.index(r["scheduler"]),
+                                                    r["sessions"]))
+                print(f"[{time.monotonic() - t0:7.1f} s] {preset} {scheduler} x{n}: "
+                      f"{run['frames_per_s'] or 0:.2f} frames/s, ttff {run['ttff_s'] or 0:.2f} s, "
+                      f"equal {run['equal_to_solo']}, dropped {run['dropped_frames']}", flush=True)
+                write(results, out)
         del pipe
     results["host"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     results["commit_after"] = commit_of()  # others may commit while it runs: the tree it ended on
