@@ -173,3 +173,45 @@ def test_a_session_that_would_slow_the_others_below_the_rate_waits_and_runs_afte
     finally:
         loop.close()
     assert engine.order == ["s0"] * 3 + ["s1"] * 3  # the second ran once the first had ended
+
+
+def test_sessions_whose_parameters_arrive_together_start_in_the_same_round(tmp_path):
+    """A session admitted while the worker sets up another's run (its parameters came a moment later) makes its
+    block 0 in the same round: the two run in step, their blocks batched from block 0 on."""
+
+    class Picks:
+        def __init__(self):
+            self.blocks = []
+
+        def queued(self, session, command):
+            pass
+
+        def before_block(self, session):
+            self.blocks.append((session.id, session.blocks_done))
+
+    metrics = ServeMetrics()
+    loop = asyncio.new_event_loop()
+    hook = Picks()
+    try:
+        late = Session("s1", "raw", False, loop, Outbox(8, metrics))
+
+        class Engine(FakeEngine):
+            def start(self, spec, clip=None, batcher=None):
+                if spec.prompt == "s0":  # s1's parameters arrive while s0's run is being set up
+                    assert manager.admit(late, SessionSpec("s1", None, None)) == "running"
+                return super().start(spec, clip, batcher)
+
+        engine = Engine(blocks=2)
+        manager = SessionManager(engine, ServeConfig(max_sessions=4), metrics, VideoStore(tmp_path, 16, 8),
+                                 hook=hook)
+        first = Session("s0", "raw", False, loop, Outbox(8, metrics))
+        assert manager.admit(first, SessionSpec("s0", None, None)) == "running"
+        manager.start()
+        deadline = time.monotonic() + 60
+        while len(engine.order) < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        manager.stop()
+    finally:
+        loop.close()
+    assert hook.blocks[:2] == [("s0", 0), ("s1", 0)]  # one round: both block 0s
+    assert sorted(engine.order) == ["s0", "s0", "s1", "s1"]

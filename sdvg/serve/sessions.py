@@ -421,12 +421,10 @@ class SessionManager:
                 if self.stopping:
                     break
                 closing, self.closing = self.closing, []
-                # every waiting command at once (webcam frames arrive many a second: none may wait behind a block)
-                commands = [(s, s.commands.popleft()) for s in self.active for _ in range(len(s.commands))]
+                commands = self._waiting_commands()
             for s in closing:
                 self._end(s, reason="closed")
-            for s, cmd in commands:
-                self._apply(s, cmd)
+            self._apply_all(commands)
             with self.cond:
                 picks = self._runnable() if self.batcher is not None else [p for p in [self._next()] if p]
             if self.hook is not None:
@@ -449,6 +447,27 @@ class SessionManager:
             if s.state != "closed":
                 s.post_text(s.completed())
                 s.post_close(1001)
+
+    def _waiting_commands(self) -> list[tuple[Session, Command]]:
+        """Every waiting command at once (webcam frames arrive many a second: none may wait behind a block); under
+        the lock."""
+        return [(s, s.commands.popleft()) for s in self.active for _ in range(len(s.commands))]
+
+    def _apply_all(self, commands: list[tuple[Session, Command]]) -> None:
+        """`commands`, in order; while they start runs, the commands that came meanwhile too (at most max_sessions
+        passes), so that sessions whose parameters arrive together start in the same round: in step, their blocks
+        batch together from block 0 on (otherwise the first one's block 0 runs alone and it stays a block ahead)."""
+        for _ in range(self.cfg.max_sessions):
+            for s, cmd in commands:
+                self._apply(s, cmd)
+            if not any(isinstance(cmd, Start) for _, cmd in commands):
+                return
+            with self.cond:
+                commands = self._waiting_commands()
+            if not commands:
+                return
+        for s, cmd in commands:  # the last pass's
+            self._apply(s, cmd)
 
     def _apply(self, s: Session, cmd: Command) -> None:
         """One command, on the worker between two blocks."""
