@@ -330,7 +330,7 @@ def markdown(results: dict) -> str:
              f"{results['blocks']} blocks per session, pattern router `{results['pattern']}` (acceptance of blocks "
              f"1..: {', '.join(rates)}; the router from the {results['router_from']}), batched decodes "
              f"{ {True: 'on', False: 'off', None: '(none on this server)'}[results.get('batch_decode')] }"
-             f", fmt=raw, sdvg superset; one server per (preset, scheduler), the pipeline shared; "
+             f", fmt=raw, sdvg superset; a server of its own per run (the only one up), the pipeline shared; "
              f"torch threads {host['torch_threads']}, {host['cpu_count']} CPUs, OMP_WAIT_POLICY "
              f"{host['omp_wait_policy']}; load average before {host['loadavg_before']}, after "
              f"{host.get('loadavg_after')}", "",
