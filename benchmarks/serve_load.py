@@ -33,6 +33,11 @@ Per (preset, scheduler, sessions), in results.json `runs`:
                       server's decodes batched, its default, differ by design by up to one level:
                       --no-batch-decode for the bitwise server)
   within_decode_tolerance  (when not bitwise) every frame there and within one uint8 level: batched VAE decodes
+  session_fps         per session, its frames / (its parameters sent -> its last frame); session_fps_min the least
+  deadline_misses     blocks made after their session's playback (at the server's --fps) had run dry
+                      (sdvg_serve_deadline_misses_total over the round); late_s_max the most a block was late
+  lane_seconds        the batched worker's model-call seconds by lane (sdvg_serve_lane_seconds_total; drafter,
+                      target, vae, reward); lane_busy the same over the run's seconds: each lane's utilisation
   acceptance          each session's last `stats` acceptance (accepted share of blocks 1..)
   round_sessions_mean the batched worker's sessions per round (sdvg_serve_round_sessions; null for round_robin)
   batched_calls       the batched worker's model calls by kind and rows (sdvg_serve_batched_calls_total)
@@ -169,7 +174,7 @@ async def one_client(url: str, sid: str, params: dict, ready: asyncio.Barrier, t
             elif status == "stats":
                 rec["stats"].append({"t": now, "block": msg["block"], "decision": msg["decision"],
                                      "acceptance": msg["acceptance"], "dropped_frames": msg["dropped_frames"],
-                                     "latency_s": msg["latency_s"]})
+                                     "latency_s": msg["latency_s"], "late_s": msg.get("late_s")})
             elif status == "error":
                 rec["errors"].append(msg)
                 if msg.get("field") is not None or any(w in msg.get("error", "") for w in ("failed", "could not start",
@@ -216,7 +221,11 @@ def metrics_delta(before: dict, after: dict) -> dict:
         if k.startswith("sdvg_serve_batched_calls_total{") and v:
             labels = dict(part.split("=", 1) for part in k[k.index("{") + 1:-1].split(","))
             calls[f"{labels['kind'].strip(chr(34))} x{labels['rows'].strip(chr(34))}"] = int(v)
+    lanes = {k[k.index('"') + 1:k.rindex('"')]: round(v, 4) for k, v in diff.items()
+             if k.startswith("sdvg_serve_lane_seconds_total{") and v}
     return {"dropped_frames_metric": int(diff.get("sdvg_serve_dropped_frames_total", 0.0)),
+            "deadline_misses": int(diff.get("sdvg_serve_deadline_misses_total", 0.0)),
+            "lane_seconds": dict(sorted(lanes.items())) or None,
             "rounds": int(rounds) or None,
             "round_sessions_mean": diff["sdvg_serve_round_sessions_sum"] / rounds if rounds else None,
             "batched_calls": dict(sorted(calls.items())) or None}
@@ -265,14 +274,21 @@ def run_round(port: int, preset: str, scheduler: str, n: int, args, solos: dict,
     ttff = [r["frames"][0][0] - r["t_params"] for _, r in recs if r["frames"]]
     intervals = [d for i, _ in recs for d in np.diff(decoded[i]["block_times"]).tolist()]
     last_stats = [r["stats"][-1] for _, r in recs if r["stats"]]
+    session_fps = [round(len(r["frames"]) / (r["frames"][-1][0] - r["t_params"]), 3) for _, r in recs if r["frames"]]
+    measured = metrics_delta(before, after)
+    busy = {lane: round(v / seconds, 3) for lane, v in (measured["lane_seconds"] or {}).items()} if seconds else None
     return {
         "preset": preset, "scheduler": scheduler, "sessions": n, "blocks": args.blocks, "pattern": args.pattern,
         "completed": sum("t_done" in r for _, r in recs), "frames": frames, "seconds": seconds,
         "frames_per_s": frames / seconds if seconds else None,
         "ttff_s": statistics.median(ttff) if ttff else None, "ttff_max_s": max(ttff) if ttff else None,
         "inter_block_p50_s": pct(intervals, 50), "inter_block_p99_s": pct(intervals, 99),
+        "session_fps": session_fps,
+        "session_fps_min": min(session_fps) if session_fps else None,
+        "late_s_max": max((s["late_s"] for _, r in recs for s in r["stats"] if s["late_s"] is not None), default=None),
         "dropped_frames": sum(s["dropped_frames"] for s in last_stats),
-        **metrics_delta(before, after),
+        **measured,
+        "lane_busy": busy or None,
         "equal_to_solo": len(equal) == n, "sessions_equal_to_solo": len(equal), "mismatch": mismatch,
         "within_decode_tolerance": within,
         "acceptance": sorted({s["acceptance"] for s in last_stats}, key=lambda a: (a is None, a)),
@@ -339,14 +355,17 @@ def markdown(results: dict) -> str:
              + ("" if results.get("commit_after", {}).get("commit") in (None, prov["commit"]) else
                 f"; the tree was at `{results['commit_after']['commit']}` when it ended (others committed meanwhile)"),
              "",
-             "| preset | scheduler | sessions | completed | frames | seconds | frames/s | TTFF median / max s "
-             "| inter-block p50 / p99 s | sessions per round | dropped | equal to solo |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| preset | scheduler | sessions | completed | frames | seconds | frames/s | least session's frames/s "
+             "| TTFF median / max s | inter-block p50 / p99 s | deadline misses | sessions per round | lanes busy "
+             "| dropped | equal to solo |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["runs"]:
+        busy = ", ".join(f"{k} {v:.0%}" for k, v in (r.get("lane_busy") or {}).items()) or "-"
         lines.append(f"| {r['preset']} | {r['scheduler']} | {r['sessions']} | {r['completed']} | {r['frames']} "
-                     f"| {f(r['seconds'], 2)} | {f(r['frames_per_s'], 2)} | {f(r['ttff_s'])} / {f(r['ttff_max_s'])} "
-                     f"| {f(r['inter_block_p50_s'])} / {f(r['inter_block_p99_s'])} | {f(r['round_sessions_mean'], 2)} "
-                     f"| {r['dropped_frames']} | {r['equal_to_solo']} |")
+                     f"| {f(r['seconds'], 2)} | {f(r['frames_per_s'], 2)} | {f(r.get('session_fps_min'), 2)} "
+                     f"| {f(r['ttff_s'])} / {f(r['ttff_max_s'])} "
+                     f"| {f(r['inter_block_p50_s'])} / {f(r['inter_block_p99_s'])} | {r.get('deadline_misses', '-')} "
+                     f"| {f(r['round_sessions_mean'], 2)} | {busy} | {r['dropped_frames']} | {r['equal_to_solo']} |")
     if results["speedup"]:
         lines += ["", "| preset | sessions | round_robin frames/s | batched frames/s | batched / round_robin | goal |",
                   "|---|---|---|---|---|---|"]

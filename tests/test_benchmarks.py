@@ -150,8 +150,15 @@ def test_serve_load_benchmark_measures_both_schedulers_bitwise(tmp_path):
         assert 0 < r["ttff_s"] <= r["ttff_max_s"] and r["inter_block_p99_s"] > 0
         assert r["dropped_frames"] == r["dropped_frames_metric"] == 0 and r["options_differ"] == []
         assert r["decisions"] == [["forced", "accepted"]] and r["acceptance"] == [1.0]  # pattern 1110: block 1
+        assert len(r["session_fps"]) == r["sessions"] and 0 < r["session_fps_min"] == min(r["session_fps"])
+        assert r["session_fps_min"] * r["seconds"] >= 21 * (1 - 1e-3)  # a session's span is within the run's
+        assert r["deadline_misses"] >= 0 and r["late_s_max"] >= 0
     batched = [r for r in data["runs"] if r["scheduler"] == "batched"]
     assert [r["round_sessions_mean"] is not None for r in batched] == [True, True]
+    for r in batched:  # the lanes' seconds and utilisation, from the server's metrics (decodes alone: no vae lane)
+        assert set(r["lane_seconds"]) == {"drafter", "target", "reward"}, r["lane_seconds"]
+        assert all(0 < r["lane_busy"][lane] <= 1.0 for lane in r["lane_seconds"])
+    assert all(r["lane_seconds"] is None for r in data["runs"] if r["scheduler"] == "round_robin")
     assert all(r["round_sessions_mean"] is None for r in data["runs"] if r["scheduler"] == "round_robin")
     assert [(s["preset"], s["sessions"]) for s in data["speedup"]] == [("tiny", 1), ("tiny", 2)]
     assert all(s["speedup"] > 0 and s["goal"] is None for s in data["speedup"])

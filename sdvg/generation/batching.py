@@ -314,9 +314,9 @@ class _Call:
 
 @dataclass
 class BatchStats:
-    """What the batcher ran: calls by (kind, rows); the seconds its batched calls took by lane (the role whose model
-    ran: drafter, target, or reward), until each call returned (on a GPU: its launches, unless the stage timing
-    waits for the device); the rounds."""
+    """What the batcher's rounds ran (a round of one video too, its calls of one row): calls by (kind, rows); their
+    seconds by lane (the role whose model ran: drafter, target; or vae, reward), until each call returned (on a
+    GPU: its launches, unless the stage timing waits for the device); the rounds."""
 
     calls: collections.Counter = field(default_factory=collections.Counter)
     lane_seconds: collections.Counter = field(default_factory=collections.Counter)
@@ -370,8 +370,15 @@ class StageBatcher:
         (`type(request).run_together`). A request type has `key` (what may go together), `device` (calls on
         different devices run at the same time), `alone()` and `run_together(requests) -> results`."""
         member = getattr(self._local, "member", None)
-        if member is None:  # outside a round: as alone, at once
-            return request.alone()
+        if member is None:  # outside a round (or a round of one video: counted): as alone, at once
+            if not getattr(self._local, "counted", False):
+                return request.alone()
+            t0 = time.perf_counter()
+            try:
+                return request.alone()
+            finally:
+                self.stats.lane_seconds[request.lane] += time.perf_counter() - t0
+                self.stats.calls[(request.key[0], 1)] += 1
         with self._cond:
             member.request, member.state = request, "waiting"
             self._turn = None
@@ -395,11 +402,14 @@ class StageBatcher:
         earliest-deadline request, with every waiting request of its kind). `on_done(index, ok, outcome)` is
         called on this thread as soon as a job ends, while the round goes on (a finished block need not wait for
         the round's slowest)."""
-        if len(jobs) == 1:  # nothing to batch with: the job on this thread, its calls as alone (no turns to pass)
+        if len(jobs) == 1:  # nothing to batch with: the job on this thread, its calls as alone (no turns to pass),
+            self._local.counted = True  # counted as calls of one row
             try:
                 outcome = (True, jobs[0]())
             except BaseException as exc:  # noqa: BLE001 - handed to the caller, StopIteration included
                 outcome = (False, exc)
+            finally:
+                self._local.counted = False
             if on_done is not None:
                 on_done(0, *outcome)
             self.stats.rounds += 1

@@ -100,10 +100,10 @@ class ServeMetrics:
                                         "batched worker made together", buckets=(1, 2, 3, 4, 6, 8, 12, 16),
                                         registry=r)
         self.batched_calls = Counter("sdvg_serve_batched_calls", "model calls of the batched worker, by kind "
-                                     "(denoise, commit, score) and rows (sessions in the call)", ["kind", "rows"],
+                                     "(denoise, commit, decode, score) and rows (sessions in the call)", ["kind", "rows"],
                                      registry=r)
         self.lane_seconds = Counter("sdvg_serve_lane_seconds", "seconds of the batched worker's model calls by lane "
-                                    "(drafter, target, reward): rate() is the lane's utilisation", ["lane"],
+                                    "(drafter, target, vae, reward): rate() is the lane's utilisation", ["lane"],
                                     registry=r)
         self.inter_block = Histogram("sdvg_serve_inter_block_seconds", "per session, the time between consecutive "
                                      "blocks' frames reaching the socket (p50 / p99 from the buckets)",
