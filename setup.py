@@ -107,7 +107,7 @@ setup(
         "eval": ["pyiqa==0.1.16"],
         "onnx": ["onnx", "onnxruntime", "onnxscript"],
         # sdvg serve (docs/server.md): the ASGI stack, the websocket client the tests use, the wire format
-        "serve": ["fastapi>=0.110", "uvicorn>=0.30", "websockets>=13", "msgpack>=1.0", "pydantic>=2",
+        "serve": ["fastapi>=0.110", "uvicorn>=0.52.1", "websockets>=13", "msgpack>=1.0", "pydantic>=2",
                   "prometheus-client>=0.20", "python-multipart>=0.0.9", "pillow"],
         # sdvg serve --ray-replicas N: the same app as a Ray Serve deployment (docs/server.md, "Ray Serve")
         "serve-ray": ["ray[serve]>=2.40"],

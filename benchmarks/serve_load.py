@@ -6,10 +6,10 @@
 For each preset the pipeline is built once (random weights, seed 0) and shared: first every session's video is
 made alone in-process (`pipe.session(prompt, seed=..., num_blocks=..., scheduler="reference", router="pattern",
 pattern=..., kv_cache_frames=3, keep_first_frame=False)`: the options a client's parameters resolve to; computed
-once per preset and cached), then one real server per session scheduler (`create_app(pipe, cfg, defaults)` under
-uvicorn on 127.0.0.1, a free port, `max_sessions` = the largest session count, no queue, the default send buffer;
-the server's default options carry router='pattern', see ROUTER_NOTE), both up at once, and for each session
-count N one round per scheduler (they take turns going first, so a load that drifts hits both alike) of N
+once per preset and cached), then for each session count N one round per session scheduler (they take turns
+going first, so a load that drifts hits both alike), each on a real server of its own, the only one up
+(`create_app(pipe, cfg, defaults)` under uvicorn on 127.0.0.1, a free port, `max_sessions` = the largest session
+count, no queue, the default send buffer; the server's default options carry router='pattern', see ROUTER_NOTE), of N
 concurrent websocket clients (the `websockets` library, sdvg's superset `?sdvg=1`, `fmt=raw`: the pipeline's
 uint8 frames, bitwise). The N clients connect, wait for every `ready`, then each sends its parameters (its own
 prompt and seed, --blocks blocks, --pattern) and reads every message as it comes (frames kept as bytes, decoded
@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import os

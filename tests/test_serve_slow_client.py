@@ -88,12 +88,11 @@ def stall_and_read_on(url: str, app, *, guard: bool) -> dict:
 
 @pytest.mark.parametrize("guard", [True, False], ids=["aborted", "closed_when_drained"])
 def test_a_client_that_stops_reading_is_cut_and_counted_and_the_others_go_on(tiny_pipe, tmp_path, guard):
-    # 16 unsent frames per socket: a block's frames (12 on tiny) fit, so a frame is dropped only behind a stall
+    # 16 unsent frames per socket: a block's frames (12 on tiny) fit, so the reading session drops none
     with running_server(tiny_pipe, tmp_path, max_sessions=4, send_buffer_frames=16, send_stall_s=STALL_S) as (url, app):
         seen = stall_and_read_on(url, app, guard=guard)
         metrics = app.state.metrics
         assert metrics.stalled._value.get() == 1  # counted once; the reading session was never cut
-        assert metrics.dropped._value.get() > 0  # the stalled socket's frames were bounded first
         other = seen["other"]
         assert other["texts"][-1]["status"] == "completed"
         assert sorted(set(other["blocks"])) == [0, 1, 2] and len(other["frames"]) == len(other["blocks"])
@@ -105,3 +104,38 @@ def test_a_client_that_stops_reading_is_cut_and_counted_and_the_others_go_on(tin
         counted = [line for line in metrics.text().decode().splitlines()
                    if line.startswith("sdvg_serve_stalled_clients_total ")]
         assert counted == ["sdvg_serve_stalled_clients_total 1.0"]  # in Prometheus' text
+
+
+def test_a_socket_closed_while_its_client_stops_reading_is_cut_within_two_seconds(tiny_pipe, tmp_path):
+    """The receive loop ends first (here: a refused message spends a one-message budget, --max-refused-messages 1)
+    while the send loop still waits on a client that stopped reading: the close waits 2 s for its last sends, then
+    the socket is cut and counted as stalled, long before --send-stall-s (60 s here)."""
+    with running_server(tiny_pipe, tmp_path, max_sessions=2, send_buffer_frames=16, send_stall_s=60.0,
+                        flood_close_after=1) as (url, app):
+        metrics, manager = app.state.metrics, app.state.manager
+
+        async def go() -> float:
+            sock = stalled_socket(url)
+            uri = f"ws://{url}/session/closes-stalled?fmt=raw&sdvg=1"
+            async with websockets.connect(uri, sock=sock, max_queue=1, max_size=2**26) as stalled:
+                assert (await recv_json(stalled, 30))["status"] == "ready"
+                shrink_server_send_buffer(app, sock)
+                session = next(s for s in manager.sockets if s.id == "closes-stalled")
+                await stalled.send(msgpack.packb({"prompt": "a fox", "num_blocks": 200, "seed": 1}))
+                await wait_for(lambda: session.outbox.frames >= 16, "the server's sends blocked (its buffer full)")
+                await stalled.send("a text frame: refused, and the budget of one is spent")
+                t0 = time.monotonic()
+                await wait_for(lambda: metrics.stalled._value.get() >= 1, "the closing socket cut")
+                waited = time.monotonic() - t0
+                assert session.state == "closed" and session not in manager.sockets
+                deadline = time.monotonic() + BOUND_S
+                while True:  # reading again: what was buffered, then the end of the socket
+                    assert time.monotonic() < deadline, "the cut socket ended"
+                    try:
+                        await asyncio.wait_for(stalled.recv(), BOUND_S)
+                    except websockets.ConnectionClosed:
+                        return waited
+
+        waited = asyncio.run(go())
+        assert 1.5 <= waited < 30  # its close's 2 s, not --send-stall-s
+        assert metrics.stalled._value.get() == 1

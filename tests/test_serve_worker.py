@@ -215,3 +215,27 @@ def test_sessions_whose_parameters_arrive_together_start_in_the_same_round(tmp_p
         loop.close()
     assert hook.blocks[:2] == [("s0", 0), ("s1", 0)]  # one round: both block 0s
     assert sorted(engine.order) == ["s0", "s0", "s1", "s1"]
+
+
+def test_a_socket_is_released_once_and_a_released_one_starts_nothing(tmp_path):
+    """A stalled socket is released when it is cut and again when it closes: the second release must not free the
+    video key a newer socket on the same id holds; a reset that comes after the cut is not admitted."""
+    metrics = ServeMetrics()
+    manager = SessionManager(FakeEngine(blocks=1), ServeConfig(), metrics, VideoStore(tmp_path, 16, 8))
+    loop = asyncio.new_event_loop()
+    try:
+        def socket_on(session_id):
+            s = Session(session_id, "raw", False, loop, Outbox(8, metrics))
+            assert manager.opened(s)
+            s.video_key = manager.claim_key(session_id)
+            return s
+
+        cut = socket_on("k")
+        manager.release(cut)  # cut: it stopped reading
+        newer = socket_on("k")
+        assert newer.video_key == "k"
+        manager.release(cut)  # its close, later
+        assert socket_on("k").video_key == "k.1"  # the newer socket still holds "k"
+        assert manager.admit(cut, SessionSpec("k", None, None)) == "closed" and cut not in manager.active
+    finally:
+        loop.close()

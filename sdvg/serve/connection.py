@@ -43,6 +43,7 @@ class Connection:
         self.cut = cut  # (host, port) -> the connection aborted at once (False: the server cannot; see `_stalled`)
         self.receiver: asyncio.Task | None = None  # the task of `run()` (its receive loop), once open
         self.stalled = False
+        self.closing = False  # `_close` has begun: the receive loop is over
         self.fmt = websocket.query_params.get("fmt", "jpeg")
         self.superset = websocket.query_params.get("sdvg", "0") in ("1", "true")  # sdvg's superset (?sdvg=1)
         self.session: Session | None = None
@@ -66,9 +67,11 @@ class Connection:
         try:
             await self._receive_loop()
         except asyncio.CancelledError:
-            if not self.stalled:  # the server's own cancellation
+            # `_stalled` ended the receive loop: the socket's life ends here, normally; any other cancellation (the
+            # server's) goes on (Python 3.10 counts no cancellations: there is nothing to undo)
+            uncancel = getattr(self.receiver, "uncancel", None)
+            if not self.stalled or (uncancel is not None and uncancel() > 0):
                 raise
-            self.receiver.uncancel()  # `_stalled` ended the receive loop: the socket's life ends here, normally
         finally:
             await self._close()
 
@@ -113,6 +116,7 @@ class Connection:
         """The socket is gone (or closing): out of the worker's rotation, its upload released, its send loop given
         two seconds to send what is left."""
         session = self.session
+        self.closing = True
         self.manager.release(session)
         if session.upload is not None:
             self.uploads.release(session.upload)
@@ -122,6 +126,8 @@ class Connection:
                 await asyncio.wait_for(asyncio.shield(self.sender), 2.0)
             except (asyncio.TimeoutError, Exception):
                 self.sender.cancel()
+                if not self.stalled:  # its last sends waited 2 s: a client that stopped reading, cut as one
+                    self._stalled(waited_s=2.0)
 
     async def _send_loop(self) -> None:
         """The outbox to the socket, in order, until a close item (or the client is gone). Each send may wait
@@ -138,23 +144,27 @@ class Connection:
                     await asyncio.wait_for(websocket.close(code=item[1], reason=item[2]), stall_s)
                     return
         except asyncio.TimeoutError:
-            self._stalled()
+            if not self.stalled:
+                self._stalled(waited_s=stall_s)
         except Exception:  # the client is gone
             return
 
-    def _stalled(self) -> None:
-        """The client stopped reading: one send waited --send-stall-s. Its session leaves the worker's rotation now
-        (the others' rounds go on without it; its MP4 is finished), it is counted, and the connection is cut: aborted,
-        its unsent bytes dropped, where the server can (uvicorn under sdvg's server); else the receive loop ends and
-        the socket closes once its bytes drain (a close frame would wait behind them)."""
+    def _stalled(self, waited_s: float) -> None:
+        """The client stopped reading: one send waited --send-stall-s (or, at close, its last sends 2 s). Its session
+        leaves the worker's rotation now (the others' rounds go on without it; its MP4 is finished), it is counted,
+        and the connection is cut: aborted, its unsent bytes dropped, where the server can (sdvg's server, a client
+        address the app sees as the socket's peer); else the receive loop ends and the socket stays open until the
+        client reads its bytes or goes away (a close frame would wait behind them)."""
         session, outbox = self.session, self.outbox
         self.stalled = True
         self.metrics.stalled.inc()
-        session_event(session, "closed", why="send_stall", stall_s=self.cfg.send_stall_s, dropped=outbox.dropped,
+        session_event(session, "closed", why="send_stall", waited_s=waited_s, dropped=outbox.dropped,
                       unsent=len(outbox.items))
         self.manager.release(session)
         peer = self.websocket.client
-        if not (peer is not None and self.cut((peer.host, peer.port))) and self.receiver is not None:
+        if peer is not None and self.cut((peer.host, peer.port)):
+            return
+        if self.receiver is not None and not self.closing:  # (once closing, the receive loop is over already)
             self.receiver.cancel()
 
     # ------------------------------------------------------------------ the receive loop
@@ -310,6 +320,8 @@ class Connection:
         """A run of `spec` admitted (a start or a reset): `params` to an sdvg client; busy: closed (1013)."""
         session, cfg = self.session, self.cfg
         state = self.manager.admit(session, spec)
+        if state == "closed":  # cut meanwhile (it stopped reading): nothing more is sent
+            return
         if state == "busy":
             busy = f"busy: {cfg.max_sessions} sessions are generating and {cfg.max_queue} are waiting; try again later"
             if session.superset:

@@ -242,8 +242,11 @@ class SessionManager:
             return key
 
     def admit(self, session: Session, spec: SessionSpec) -> str:
-        """Start (or queue) a generation: 'running', 'queued' or 'busy'."""
+        """Start (or queue) a generation: 'running', 'queued', 'busy', or 'closed' (the socket was released: a reset
+        that came after it was cut starts nothing)."""
         with self.cond:
+            if session.state == "closed":
+                return "closed"
             if self.stopping:
                 return "busy"
             session.spec = spec
@@ -313,8 +316,11 @@ class SessionManager:
             self._queue(session, EndRun(why))
 
     def release(self, session: Session) -> None:
-        """The socket is gone: out of the rotation now; the worker closes its generation next."""
+        """The socket is gone: out of the rotation now; the worker closes its generation next. Once per socket (a
+        stalled socket is released when it is cut and again when it closes: the second finds nothing)."""
         with self.cond:
+            if session not in self.sockets:
+                return
             self.keys.discard(session.video_key)
             self.sockets.discard(session)
             if session in self.queue:
@@ -460,8 +466,8 @@ class SessionManager:
         for _ in range(self.cfg.max_sessions):
             for s, cmd in commands:
                 self._apply(s, cmd)
-            if not any(isinstance(cmd, Start) for _, cmd in commands):
-                return
+            if not any(isinstance(cmd, Start) and cmd.run == 1 for _, cmd in commands):  # a socket's first run (a
+                return  # stream of resets must not hold every session's round back)
             with self.cond:
                 commands = self._waiting_commands()
             if not commands:
