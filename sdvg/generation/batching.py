@@ -322,6 +322,11 @@ class BatchStats:
     lane_seconds: collections.Counter = field(default_factory=collections.Counter)
     rounds: int = 0
 
+    def record(self, request, rows: int, seconds: float) -> None:
+        """One call of `rows` requests like `request`, which took `seconds`."""
+        self.lane_seconds[request.lane] += seconds
+        self.calls[(request.key[0], rows)] += 1
+
     def rows(self, kind: str) -> int:
         return sum(size * count for (k, size), count in self.calls.items() if k == kind)
 
@@ -377,8 +382,7 @@ class StageBatcher:
             try:
                 return request.alone()
             finally:
-                self.stats.lane_seconds[request.lane] += time.perf_counter() - t0
-                self.stats.calls[(request.key[0], 1)] += 1
+                self.stats.record(request, 1, time.perf_counter() - t0)
         with self._cond:
             member.request, member.state = request, "waiting"
             self._turn = None
@@ -445,8 +449,7 @@ class StageBatcher:
                 for t in others:
                     t.join()
                 for c in calls:
-                    self.stats.lane_seconds[c.group[0].request.lane] += c.seconds
-                    self.stats.calls[(c.group[0].request.key[0], len(c.group))] += 1
+                    self.stats.record(c.group[0].request, len(c.group), c.seconds)
                     for m, r in zip(c.group, c.results):
                         m.result, m.failed, m.request, m.state = r, c.failed, None, "ready"
             self.stats.rounds += 1

@@ -461,19 +461,18 @@ class SessionManager:
 
     def _apply_all(self, commands: list[tuple[Session, Command]]) -> None:
         """`commands`, in order; while they start runs, the commands that came meanwhile too (at most max_sessions
-        passes), so that sessions whose parameters arrive together start in the same round: in step, their blocks
+        more passes), so that sessions whose parameters arrive together start in the same round: in step, their blocks
         batch together from block 0 on (otherwise the first one's block 0 runs alone and it stays a block ahead)."""
-        for _ in range(self.cfg.max_sessions):
+        passes = 0
+        while commands:
             for s, cmd in commands:
                 self._apply(s, cmd)
-            if not any(isinstance(cmd, Start) and cmd.run == 1 for _, cmd in commands):  # a socket's first run (a
-                return  # stream of resets must not hold every session's round back)
+            passes += 1
+            # only a socket's first run asks for another pass (a stream of resets must not hold every round back)
+            if passes > self.cfg.max_sessions or not any(isinstance(c, Start) and c.run == 1 for _, c in commands):
+                return
             with self.cond:
                 commands = self._waiting_commands()
-            if not commands:
-                return
-        for s, cmd in commands:  # the last pass's
-            self._apply(s, cmd)
 
     def _apply(self, s: Session, cmd: Command) -> None:
         """One command, on the worker between two blocks."""
