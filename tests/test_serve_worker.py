@@ -51,6 +51,13 @@ class FakeEngine:
         return True
 
 
+def wait_until(condition, deadline: float, poll_s: float = 0.02) -> None:
+    """Poll `condition` until it holds or time.monotonic() passes `deadline` (the assertions after it say what did
+    not happen)."""
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(poll_s)
+
+
 @pytest.mark.parametrize("scheduler", ["round_robin", "batched"])
 def test_worker_takes_turns_round_robin(tmp_path, scheduler):
     engine = FakeEngine(blocks=3)
@@ -64,8 +71,7 @@ def test_worker_takes_turns_round_robin(tmp_path, scheduler):
             assert manager.admit(s, SessionSpec(s.id, None, None)) == "running"
         manager.start()
         deadline = time.monotonic() + 60
-        while len(engine.order) < 12 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: len(engine.order) >= 12, deadline)
         manager.stop()
     finally:
         loop.close()
@@ -103,13 +109,11 @@ def test_a_worker_hook_sees_typed_commands_and_holds_the_worker_between_blocks(t
             manager.command(s, ("update", {"tau": 0.5}, "tau", None))  # the old string-tagged tuple
         manager.start()
         deadline = time.monotonic() + 60
-        while ("s0", 1) not in hook.blocks and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: ("s0", 1) in hook.blocks, deadline)
         time.sleep(0.1)
         assert engine.order == ["s0"]  # held before block 1
         hook.release.set()
-        while len(engine.order) < 3 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: len(engine.order) >= 3, deadline)
         manager.stop()
     finally:
         loop.close()
@@ -162,13 +166,10 @@ def test_a_session_that_would_slow_the_others_below_the_rate_waits_and_runs_afte
         assert manager.admit(first, SessionSpec(first.id, None, None)) == "running"  # the first always runs
         manager.start()
         deadline = time.monotonic() + 60
-        while len(engine.order) < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        while not manager.capacity.rounds and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: len(engine.order) >= 1, deadline, 0.01)
+        wait_until(lambda: manager.capacity.rounds, deadline, 0.01)
         assert manager.admit(second, SessionSpec(second.id, None, None)) == "queued"  # two would get ~2 frames/s
-        while len(engine.order) < 6 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: len(engine.order) >= 6, deadline)
         manager.stop()
     finally:
         loop.close()
@@ -208,8 +209,7 @@ def test_sessions_whose_parameters_arrive_together_start_in_the_same_round(tmp_p
         assert manager.admit(first, SessionSpec("s0", None, None)) == "running"
         manager.start()
         deadline = time.monotonic() + 60
-        while len(engine.order) < 4 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: len(engine.order) >= 4, deadline)
         manager.stop()
     finally:
         loop.close()
